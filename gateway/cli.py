@@ -1,0 +1,119 @@
+"""`visiongate` command line: serve, demo, convert, and the ops subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+__all__ = ("main",)
+
+
+def _settings_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("settings (each also VISIONGATE_<NAME>)")
+    g.add_argument("--host", help="bind address (default 127.0.0.1)")
+    g.add_argument("--port", type=int, help="port (default 8000)")
+    g.add_argument("--redis-url", help="redis://host:port/db for sessions, vision cache and KV spill; "
+                   "absent: everything in process")
+    g.add_argument("--model-path", help="local HF checkpoint dir (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--cache-dir", help="where converted models are kept (default ~/.cache/visiongate)")
+    g.add_argument("--vision-tower", help="vit-b16-224 | vit-l14-336 | local CLIP/SigLIP checkpoint dir")
+    g.add_argument("--pruning", help="none | random | topk | dynamic | dynamic+merge")
+    g.add_argument("--device", help="auto | cpu | cuda")
+    g.add_argument("--log-level", help="debug | info | warning | error")
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    keys = ("host", "port", "redis_url", "model_path", "cache_dir", "vision_tower", "pruning",
+            "device", "log_level")
+    return {k: getattr(args, k, None) for k in keys}
+
+
+def _load_settings(args: argparse.Namespace):
+    from gateway.settings import Settings, SettingsError
+
+    try:
+        return Settings.load(_overrides(args))
+    except SettingsError as exc:
+        print(f"visiongate: configuration error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from gateway.app import create_app
+    from gateway.logging import configure_logging
+    from gateway.server import serve
+
+    settings = _load_settings(args)
+    configure_logging(settings.log_level)
+    serve(create_app(settings), settings)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gateway.demo import run_demo
+
+    settings = _load_settings(args)
+    return run_demo(settings, photo=args.photo, max_output_tokens=args.max_output_tokens)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from gateway.engine.weights import ensure_default_converted
+
+    path = ensure_default_converted(args.cache_dir)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="visiongate",
+        description="Streaming chat gateway for vision-language models with session-aware vision caching.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the gateway (WebSocket /v1/realtime, HTTP /v1/...)",
+                       description="Run the gateway. /healthz answers once it listens, /readyz once "
+                       "the models are loaded and warmed up.")
+    _settings_args(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("demo", help="start a gateway in-process and chat about a real photo",
+                       description="Start the gateway on a free port, run a scripted two-turn "
+                       "conversation about a sample photo through the Python SDK, print the "
+                       "streamed text and one timing line per turn, then exit.")
+    _settings_args(p)
+    p.add_argument("--photo", default="astronaut",
+                   help="a scikit-image sample photo name (astronaut, chelsea, coffee, rocket) or a file path")
+    p.add_argument("--max-output-tokens", type=int, default=64, help="per answer (default 64)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("convert", help="convert the embedded language model once (GGUF -> safetensors)",
+                       description="Convert the embedded SmolLM2-135M-Instruct GGUF to a safetensors "
+                       "checkpoint in the cache dir (done automatically on first start).")
+    p.add_argument("--cache-dir", help="default ~/.cache/visiongate")
+    p.set_defaults(func=cmd_convert)
+
+    for register in _optional_commands():
+        register(sub)
+    return parser
+
+
+def _optional_commands():
+    """Subcommands whose modules bring their own dependencies register only when importable."""
+    found = []
+    for module, attr in (("gateway.worker_cli", "register"), ("dashboards.cli", "register")):
+        try:
+            mod = __import__(module, fromlist=[attr])
+        except ImportError:
+            continue
+        found.append(getattr(mod, attr))
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

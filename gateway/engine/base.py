@@ -1,0 +1,134 @@
+"""The engine boundary: what the gateway hands a language model and what comes back.
+
+An engine turns one `GenerationRequest` (chat messages whose user parts may hold images as
+visual-token embeddings) into a stream of `TextDelta`s that ends with one `GenerationResult`.
+It does not know about WebSockets, sessions or caches of encoded images: the gateway resolves
+images to embeddings before calling it. It may keep KV state keyed by content (see
+`GenerationRequest.kv_key`), which changes speed, never the answer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = (
+    "Delta",
+    "Engine",
+    "EngineBusy",
+    "EngineError",
+    "GenerationRequest",
+    "GenerationResult",
+    "ImageInput",
+    "Message",
+    "SamplingParams",
+    "TextDelta",
+)
+
+Role = Literal["system", "user", "assistant"]
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(slots=True, frozen=True)
+class ImageInput:
+    """One image as the language model sees it."""
+
+    digest: str  # sha256 hex of the original image bytes: identifies the image in KV block hashes
+    embeds: torch.Tensor  # [N, hidden] visual tokens in the LM's embedding space (any float dtype)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.embeds.shape[0])
+
+
+@dataclass(slots=True)
+class Message:
+    role: Role
+    content: list[str | ImageInput]  # parts in order; str parts are plain text
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_output_tokens: int = 256
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    request_id: str
+    messages: list[Message]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Namespace for reusable KV state (the session id). Reuse is still verified by content hashes.
+    kv_key: str | None = None
+    # Set by the caller to stop generation; the engine checks it before every decode step.
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(slots=True, frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    text: str
+    finish_reason: FinishReason
+    input_tokens: int  # prompt tokens, image tokens included
+    image_tokens: int  # visual tokens in the prompt
+    output_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV was reused instead of prefilled
+    queue_ms: float = 0.0  # waiting for the engine
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    ttft_ms: float = 0.0  # from the engine picking the request up to the first text delta
+
+
+Delta = TextDelta | GenerationResult
+
+
+class EngineError(Exception):
+    """An engine failure with a stable error code for the wire."""
+
+    code = "engine_error"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class EngineBusy(EngineError):
+    code = "busy"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A language model that streams text for chat messages with images."""
+
+    model_id: str
+    hidden_size: int  # width of the visual tokens it accepts
+
+    @property
+    def ready(self) -> bool: ...
+
+    async def start(self) -> None:
+        """Load and warm up; `ready` is true afterwards."""
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        """Stream `TextDelta`s, then exactly one `GenerationResult`.
+
+        Raises `EngineBusy` (on first iteration) when its queue is full. Closing the iterator
+        early, or setting `request.cancel`, stops generation within one decode step.
+        """
+
+    def count_tokens(self, text: str) -> int: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,1 @@
+"""Wire types: the Realtime WebSocket events (text and image subset) and shared error codes."""

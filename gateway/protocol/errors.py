@@ -1,0 +1,44 @@
+"""Stable error codes: the one vocabulary for WebSocket `error` events and HTTP error bodies."""
+
+from __future__ import annotations
+
+__all__ = ("ERROR_CODES", "GatewayError")
+
+# code -> (error type, HTTP status)
+ERROR_CODES: dict[str, tuple[str, int]] = {
+    "invalid_json": ("invalid_request_error", 400),
+    "unknown_event": ("invalid_request_error", 400),
+    "invalid_event": ("invalid_request_error", 400),
+    "invalid_image": ("invalid_request_error", 400),
+    "unsupported_image_format": ("invalid_request_error", 415),
+    "image_too_large": ("invalid_request_error", 413),
+    "image_not_found": ("invalid_request_error", 404),
+    "too_many_images": ("invalid_request_error", 400),
+    "response_in_progress": ("invalid_request_error", 409),
+    "response_not_found": ("invalid_request_error", 404),
+    "session_not_found": ("invalid_request_error", 404),
+    "unauthorized": ("authentication_error", 401),
+    "busy": ("server_error", 503),
+    "engine_error": ("server_error", 500),
+    "internal_error": ("server_error", 500),
+}
+
+
+class GatewayError(Exception):
+    """A request the gateway refuses, with a stable `code` (a key of ERROR_CODES)."""
+
+    def __init__(self, code: str, message: str, *, param: str | None = None) -> None:
+        if code not in ERROR_CODES:
+            raise ValueError(f"unknown error code {code!r}")
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+    @property
+    def type(self) -> str:
+        return ERROR_CODES[self.code][0]
+
+    @property
+    def http_status(self) -> int:
+        return ERROR_CODES[self.code][1]

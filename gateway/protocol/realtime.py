@@ -1,0 +1,385 @@
+"""Realtime WebSocket events: the text-and-image subset of the OpenAI Realtime API.
+
+Client events are one msgspec tagged union on `type`, decoded by decoders made once (JSON for
+text frames, msgpack for binary frames under the `visiongate.v1.msgpack` subprotocol). Unknown
+fields are ignored, so a client that sends the full Realtime shapes works unchanged. Server
+events are Structs encoded with `omit_defaults`, so absent optional fields are left out.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+import msgspec
+from msgspec import Struct
+
+from gateway.protocol.errors import GatewayError
+
+__all__ = (
+    "ClientEvent",
+    "ContentPart",
+    "ConversationItemCreate",
+    "Item",
+    "ResponseCancel",
+    "ResponseCreate",
+    "SessionUpdate",
+    "WireCodec",
+)
+
+MSGPACK_SUBPROTOCOL = "visiongate.v1.msgpack"
+
+
+# ---------------------------------------------------------------- shared item shapes
+
+
+class ContentPart(Struct, omit_defaults=True):
+    type: Literal["input_text", "input_image", "output_text", "text"]
+    text: str | None = None
+    image_url: str | None = None  # data URL, or visiongate:sha256:<hex> for an image already seen
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class Item(Struct, omit_defaults=True):
+    role: Literal["user", "system", "assistant"]
+    content: list[ContentPart]
+    type: Literal["message"] = "message"
+    id: str | None = None
+    object: Literal["realtime.item"] | None = None
+    status: Literal["completed", "incomplete", "in_progress"] | None = None
+
+
+# ---------------------------------------------------------------- client events
+
+
+class SessionConfig(Struct, omit_defaults=True):
+    type: Literal["realtime"] = "realtime"
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: int | Literal["inf"] | None = None
+    output_modalities: list[Literal["text", "audio"]] | None = None
+    # visiongate extensions (sampling is per session here, as in the beta Realtime API)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+
+class ResponseParams(Struct, omit_defaults=True):
+    instructions: str | None = None
+    max_output_tokens: int | Literal["inf"] | None = None
+    output_modalities: list[Literal["text", "audio"]] | None = None
+    conversation: str | None = None  # "auto" (default) or "none"
+    metadata: dict[str, str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+
+class SessionUpdate(Struct, tag="session.update", tag_field="type"):
+    session: SessionConfig
+    event_id: str | None = None
+
+
+class ConversationItemCreate(Struct, tag="conversation.item.create", tag_field="type"):
+    item: Item
+    event_id: str | None = None
+    previous_item_id: str | None = None
+
+
+class ResponseCreate(Struct, tag="response.create", tag_field="type"):
+    event_id: str | None = None
+    response: ResponseParams | None = None
+
+
+class ResponseCancel(Struct, tag="response.cancel", tag_field="type"):
+    event_id: str | None = None
+    response_id: str | None = None
+
+
+ClientEvent = SessionUpdate | ConversationItemCreate | ResponseCreate | ResponseCancel
+CLIENT_EVENT_TYPES = frozenset(
+    ("session.update", "conversation.item.create", "response.create", "response.cancel")
+)
+
+
+class _Envelope(Struct):
+    """What is read of a frame that failed full validation, to classify the error."""
+
+    type: Any = None
+    event_id: Any = None
+
+
+# ---------------------------------------------------------------- server events
+
+
+class ErrorBody(Struct):
+    type: str
+    code: str
+    message: str
+    param: str | None = None
+    event_id: str | None = None
+
+
+class ErrorEvent(Struct, tag="error", tag_field="type"):
+    event_id: str
+    error: ErrorBody
+
+
+class SessionState(Struct, omit_defaults=True):
+    id: str
+    model: str
+    instructions: str
+    max_output_tokens: int | Literal["inf"]
+    type: Literal["realtime"] = "realtime"
+    object: Literal["realtime.session"] = "realtime.session"
+    output_modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
+    expires_at: int | None = None
+    visiongate: dict[str, Any] | None = None  # temperature, top_p, seed, items, resumed
+
+
+class SessionCreated(Struct, tag="session.created", tag_field="type"):
+    event_id: str
+    session: SessionState
+
+
+class SessionUpdated(Struct, tag="session.updated", tag_field="type"):
+    event_id: str
+    session: SessionState
+
+
+class ConversationItemAdded(Struct, tag="conversation.item.added", tag_field="type"):
+    event_id: str
+    item: Item
+    previous_item_id: str | None = None
+
+
+class ConversationItemDone(Struct, tag="conversation.item.done", tag_field="type"):
+    event_id: str
+    item: Item
+    previous_item_id: str | None = None
+
+
+class ImageEncoded(Struct, tag="visiongate.image.encoded", tag_field="type"):
+    """visiongate extension: an image of an item finished encoding (or came from the cache)."""
+
+    event_id: str
+    item_id: str
+    content_index: int
+    digest: str
+    tokens_kept: int
+    tokens_total: int
+    encode_ms: float
+    cache: Literal["hit", "miss"]
+
+
+class CachedTokensDetails(Struct):
+    text_tokens: int = 0
+    image_tokens: int = 0
+    audio_tokens: int = 0
+
+
+class InputTokenDetails(Struct):
+    text_tokens: int = 0
+    image_tokens: int = 0
+    audio_tokens: int = 0
+    cached_tokens: int = 0
+    cached_tokens_details: CachedTokensDetails = msgspec.field(default_factory=CachedTokensDetails)
+
+
+class OutputTokenDetails(Struct):
+    text_tokens: int = 0
+    audio_tokens: int = 0
+
+
+class Usage(Struct):
+    total_tokens: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    input_token_details: InputTokenDetails = msgspec.field(default_factory=InputTokenDetails)
+    output_token_details: OutputTokenDetails = msgspec.field(default_factory=OutputTokenDetails)
+
+
+class StatusError(Struct, omit_defaults=True):
+    type: str | None = None
+    code: str | None = None
+    message: str | None = None
+
+
+class StatusDetails(Struct, omit_defaults=True):
+    type: Literal["completed", "cancelled", "incomplete", "failed"] | None = None
+    reason: Literal["client_cancelled", "max_output_tokens", "turn_detected", "content_filter"] | None = None
+    error: StatusError | None = None
+
+
+class Timings(Struct):
+    """Where the milliseconds of one response went (visiongate extension)."""
+
+    queue_ms: float = 0.0  # waiting for the engine
+    encode_ms: float = 0.0  # waiting for image encodes after response.create (0 when pre-encoded)
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    ttft_ms: float = 0.0  # response.create received -> first text delta sent
+    total_ms: float = 0.0
+
+
+class CacheReport(Struct):
+    vision: Literal["hit", "miss", "partial", "none"] = "none"
+    vision_hits: int = 0
+    vision_misses: int = 0
+    kv_tokens_reused: int = 0
+
+
+class ResponseExtension(Struct):
+    timings: Timings
+    cache: CacheReport
+    image_tokens_total: int = 0  # visual tokens before patch dropping
+    model: str = ""
+
+
+class ResponseState(Struct, omit_defaults=True):
+    id: str
+    status: Literal["in_progress", "completed", "cancelled", "incomplete", "failed"]
+    object: Literal["realtime.response"] = "realtime.response"
+    conversation_id: str | None = None
+    output: list[Item] = msgspec.field(default_factory=list)
+    output_modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
+    max_output_tokens: int | Literal["inf"] | None = None
+    metadata: dict[str, str] | None = None
+    status_details: StatusDetails | None = None
+    usage: Usage | None = None
+    visiongate: ResponseExtension | None = None
+
+
+class ResponseCreated(Struct, tag="response.created", tag_field="type"):
+    event_id: str
+    response: ResponseState
+
+
+class ResponseDone(Struct, tag="response.done", tag_field="type"):
+    event_id: str
+    response: ResponseState
+
+
+class OutputItemAdded(Struct, tag="response.output_item.added", tag_field="type"):
+    event_id: str
+    response_id: str
+    output_index: int
+    item: Item
+
+
+class OutputItemDone(Struct, tag="response.output_item.done", tag_field="type"):
+    event_id: str
+    response_id: str
+    output_index: int
+    item: Item
+
+
+class Part(Struct):
+    type: Literal["text"] = "text"
+    text: str = ""
+
+
+class ContentPartAdded(Struct, tag="response.content_part.added", tag_field="type"):
+    event_id: str
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    part: Part
+
+
+class ContentPartDone(Struct, tag="response.content_part.done", tag_field="type"):
+    event_id: str
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    part: Part
+
+
+class OutputTextDelta(Struct, tag="response.output_text.delta", tag_field="type"):
+    event_id: str
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class OutputTextDone(Struct, tag="response.output_text.done", tag_field="type"):
+    event_id: str
+    response_id: str
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+
+
+ServerEvent = (
+    ErrorEvent | SessionCreated | SessionUpdated | ConversationItemAdded | ConversationItemDone
+    | ImageEncoded | ResponseCreated | ResponseDone | OutputItemAdded | OutputItemDone
+    | ContentPartAdded | ContentPartDone | OutputTextDelta | OutputTextDone
+)
+
+
+# ---------------------------------------------------------------- codec
+
+_PATH = re.compile(r" - at `\$\.?(.*)`$")
+
+
+class WireCodec:
+    """Decodes client frames and encodes server events, in JSON or msgpack. Made once per format."""
+
+    __slots__ = ("binary", "_decode", "_decode_envelope", "_encode")
+
+    def __init__(self, *, binary: bool = False) -> None:
+        self.binary = binary
+        if binary:
+            self._decode = msgspec.msgpack.Decoder(ClientEvent).decode
+            self._decode_envelope = msgspec.msgpack.Decoder(_Envelope).decode
+            self._encode = msgspec.msgpack.Encoder().encode
+        else:
+            self._decode = msgspec.json.Decoder(ClientEvent).decode
+            self._decode_envelope = msgspec.json.Decoder(_Envelope).decode
+            self._encode = msgspec.json.Encoder().encode
+
+    def encode(self, event: ServerEvent) -> bytes:
+        return self._encode(event)
+
+    def decode(self, frame: bytes | str) -> ClientEvent:
+        """Parse one client frame or raise GatewayError(invalid_json | unknown_event | invalid_event).
+
+        The raised error's `event_id` attribute carries the client's event_id when one could be
+        read, so the error event can echo it.
+        """
+        try:
+            return self._decode(frame)
+        except msgspec.ValidationError as exc:
+            envelope = self._envelope(frame)
+            event_id = envelope.event_id if isinstance(envelope.event_id, str) else None
+            kind = envelope.type
+            if not isinstance(kind, str) or kind not in CLIENT_EVENT_TYPES:
+                err = GatewayError(
+                    "unknown_event" if isinstance(kind, str) else "invalid_event",
+                    f"unknown event type {kind!r}; supported: {', '.join(sorted(CLIENT_EVENT_TYPES))}"
+                    if isinstance(kind, str) else "an event needs a string `type`",
+                    param="type",
+                )
+            else:
+                text = str(exc)
+                match = _PATH.search(text)
+                err = GatewayError("invalid_event", f"invalid {kind}: {text}",
+                                   param=match.group(1) if match else None)
+            err.event_id = event_id  # type: ignore[attr-defined]
+            raise err from None
+        except msgspec.DecodeError as exc:
+            fmt = "msgpack" if self.binary else "JSON"
+            err = GatewayError("invalid_json", f"frame is not valid {fmt}: {exc}")
+            err.event_id = None  # type: ignore[attr-defined]
+            raise err from None
+
+    def _envelope(self, frame: bytes | str) -> _Envelope:
+        try:
+            return self._decode_envelope(frame)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return _Envelope()

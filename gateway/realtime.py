@@ -1,0 +1,442 @@
+"""`/v1/realtime`: one WebSocket connection speaking the Realtime API's text-and-image subset.
+
+A connection owns one session (new, or resumed with `?session_id=`), at most one response in
+progress, and the pre-encodes of the images it has sent. Every client frame is decoded by one
+made-once decoder; anything wrong with a frame becomes an `error` event echoing the client's
+`event_id`, and the connection stays open. Images start encoding the moment their item arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from gateway.images import REF_PREFIX, ImageRef, digest_of, parse_image_url, sniff_image
+from gateway.protocol import realtime as rt
+from gateway.protocol.errors import GatewayError
+from gateway.service import Finished, ResponseOptions, Started, TextChunk
+from gateway.sessions.base import Session, StoredItem, StoredPart, new_id
+
+if TYPE_CHECKING:
+    from litestar import WebSocket
+
+    from gateway.app import GatewayState
+    from gateway.vision import Resolved
+
+__all__ = ("RealtimeConnection", "session_state", "wire_item")
+
+log = structlog.get_logger("visiongate.realtime")
+
+
+class ConnState(enum.Enum):
+    CONNECTING = "connecting"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+def wire_item(item: StoredItem) -> rt.Item:
+    """A stored item as the Realtime API shows it; images appear as digest references."""
+    parts: list[rt.ContentPart] = []
+    for part in item.parts:
+        if part.kind == "image":
+            parts.append(rt.ContentPart("input_image", image_url=f"{REF_PREFIX}{part.digest}"))
+        elif item.role == "assistant":
+            parts.append(rt.ContentPart("output_text", text=part.text))
+        else:
+            parts.append(rt.ContentPart("input_text", text=part.text))
+    return rt.Item(role=item.role, content=parts, id=item.id, object="realtime.item",
+                   status=item.status)
+
+
+def session_state(session: Session, model: str, *, resumed: bool = False) -> rt.SessionState:
+    return rt.SessionState(
+        id=session.id, model=model, instructions=session.instructions,
+        max_output_tokens=session.max_output_tokens,
+        visiongate={"temperature": session.temperature, "top_p": session.top_p,
+                    "seed": session.seed, "resumed": resumed,
+                    "items": [wire_item(i) for i in session.items]},
+    )
+
+
+class RealtimeConnection:
+    """The state of one WebSocket: transitions CONNECTING -> OPEN -> CLOSED, never back."""
+
+    def __init__(self, socket: WebSocket, state: GatewayState, owner: str) -> None:
+        self.socket = socket
+        self.state = state
+        self.owner = owner
+        self.conn_state = ConnState.CONNECTING
+        self.codec = rt.WireCodec()
+        self.session: Session | None = None
+        self.response_task: asyncio.Task[None] | None = None
+        self.response_options: ResponseOptions | None = None
+        self.pending: dict[str, asyncio.Task[Resolved]] = {}  # digest -> pre-encode
+        self.watchers: set[asyncio.Task[None]] = set()
+        self._send_lock = asyncio.Lock()
+        self._event_seq = 0
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def run(self, session_id: str | None) -> None:
+        offered = self.socket.scope.get("subprotocols") or []
+        binary = rt.MSGPACK_SUBPROTOCOL in offered
+        self.codec = rt.WireCodec(binary=binary)
+        await self.socket.accept(subprotocols=rt.MSGPACK_SUBPROTOCOL if binary else None)
+        self._transition(ConnState.OPEN)
+        metrics = self.state.metrics
+        if metrics is not None:
+            metrics.ws_connection_opened()
+        try:
+            if not await self._open_session(session_id):
+                return
+            await self._receive_loop()
+        finally:
+            self._transition(ConnState.CLOSED)
+            if metrics is not None:
+                metrics.ws_connection_closed()
+            await self._shutdown()
+
+    def _transition(self, new: ConnState) -> None:
+        legal = {ConnState.CONNECTING: {ConnState.OPEN, ConnState.CLOSED},
+                 ConnState.OPEN: {ConnState.CLOSED}, ConnState.CLOSED: {ConnState.CLOSED}}
+        assert new in legal[self.conn_state], f"illegal transition {self.conn_state} -> {new}"
+        self.conn_state = new
+
+    async def _open_session(self, session_id: str | None) -> bool:
+        settings = self.state.settings
+        if session_id:
+            try:
+                self.session = await self.state.sessions.load(session_id, self.owner)
+            except GatewayError as exc:
+                await self._send_error(exc, None)
+                await self.socket.close(code=1008, reason="session_not_found")
+                return False
+            await self._send(rt.SessionCreated(self._eid(), session_state(
+                self.session, self.state.engine.model_id, resumed=True)))
+            log.info("session_resumed", session_id=self.session.id, items=len(self.session.items))
+            return True
+        self.session = Session.new(self.owner, instructions=settings.default_instructions,
+                                   max_output_tokens=settings.max_output_tokens)
+        await self.state.sessions.save(self.session)
+        await self._send(rt.SessionCreated(self._eid(), session_state(
+            self.session, self.state.engine.model_id)))
+        log.info("session_created", session_id=self.session.id)
+        return True
+
+    async def _shutdown(self) -> None:
+        # A client that goes away mid-response frees the engine at once; pre-encodes are left
+        # to finish, since their tokens land in the shared cache for the next turn.
+        if self.response_options is not None:
+            self.response_options.cancel.set()
+        if self.response_task is not None and not self.response_task.done():
+            self.response_task.cancel()
+            await asyncio.gather(self.response_task, return_exceptions=True)
+        for task in list(self.watchers):
+            task.cancel()
+
+    async def _receive_loop(self) -> None:
+        while True:
+            message = await self.socket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            frame: Any = message.get("text")
+            if frame is None:
+                frame = message.get("bytes")
+            if frame is None:
+                continue
+            await self._handle_frame(frame)
+
+    # ------------------------------------------------------------ events
+
+    async def _handle_frame(self, frame: str | bytes) -> None:
+        event_id = None
+        try:
+            event = self.codec.decode(frame)
+            event_id = event.event_id
+            if isinstance(event, rt.ConversationItemCreate):
+                await self._item_create(event)
+            elif isinstance(event, rt.ResponseCreate):
+                await self._response_create(event)
+            elif isinstance(event, rt.ResponseCancel):
+                await self._response_cancel(event)
+            elif isinstance(event, rt.SessionUpdate):
+                await self._session_update(event)
+        except GatewayError as exc:
+            await self._send_error(exc, getattr(exc, "event_id", None) or event_id)
+        except Exception as exc:  # a bug must not take the connection down with it
+            log.exception("realtime_event_failed")
+            await self._send_error(GatewayError("internal_error", f"internal error: {type(exc).__name__}"),
+                                   event_id)
+
+    async def _session_update(self, event: rt.SessionUpdate) -> None:
+        assert self.session is not None
+        cfg, settings = event.session, self.state.settings
+        if cfg.temperature is not None and not 0.0 <= cfg.temperature <= 2.0:
+            raise GatewayError("invalid_event", "temperature must be in [0, 2]", param="session.temperature")
+        if cfg.top_p is not None and not 0.0 < cfg.top_p <= 1.0:
+            raise GatewayError("invalid_event", "top_p must be in (0, 1]", param="session.top_p")
+        if cfg.output_modalities is not None and "audio" in cfg.output_modalities:
+            raise GatewayError("invalid_event", "only text output is supported",
+                               param="session.output_modalities")
+        max_tokens = _max_tokens(cfg.max_output_tokens, settings.max_output_tokens_limit,
+                                 "session.max_output_tokens")
+        if cfg.instructions is not None:
+            self.session.instructions = cfg.instructions
+        if max_tokens is not None:
+            self.session.max_output_tokens = max_tokens
+        if cfg.temperature is not None:
+            self.session.temperature = cfg.temperature
+        if cfg.top_p is not None:
+            self.session.top_p = cfg.top_p
+        if cfg.seed is not None:
+            self.session.seed = cfg.seed
+        await self.state.sessions.save(self.session)
+        await self._send(rt.SessionUpdated(self._eid(), session_state(
+            self.session, self.state.engine.model_id)))
+
+    async def _item_create(self, event: rt.ConversationItemCreate) -> None:
+        assert self.session is not None
+        item, settings = event.item, self.state.settings
+        if not item.content:
+            raise GatewayError("invalid_event", "a message needs at least one content part",
+                               param="item.content")
+        item_id = item.id or new_id("item")
+        if any(i.id == item_id for i in self.session.items):
+            raise GatewayError("invalid_event", f"item id {item_id!r} already exists", param="item.id")
+        parts: list[StoredPart] = []
+        new_images: list[tuple[int, str, bytes | None]] = []  # (content index, digest, bytes)
+        for index, part in enumerate(item.content):
+            param = f"item.content[{index}]"
+            if part.type == "input_image":
+                if item.role != "user":
+                    raise GatewayError("invalid_event", "only user messages may hold images", param=param)
+                if not part.image_url:
+                    raise GatewayError("invalid_event", "input_image needs image_url",
+                                       param=f"{param}.image_url")
+                ref = parse_image_url(part.image_url, max_bytes=settings.max_image_bytes,
+                                      param=f"{param}.image_url")
+                if isinstance(ref, ImageRef):
+                    if not await self.state.vision.known(ref):
+                        raise GatewayError("image_not_found", f"no image with digest {ref}",
+                                           param=f"{param}.image_url")
+                    digest, data = str(ref), None
+                else:
+                    sniff_image(ref, max_bytes=settings.max_image_bytes,
+                                max_pixels=settings.max_pixels, param=f"{param}.image_url")
+                    digest, data = digest_of(ref), bytes(ref)
+                parts.append(StoredPart("image", digest=digest))
+                new_images.append((index, digest, data))
+            else:
+                if part.text is None:
+                    raise GatewayError("invalid_event", f"{part.type} needs text", param=f"{param}.text")
+                parts.append(StoredPart("text", text=part.text))
+        known = set(self.session.image_digests)
+        if len(known | {d for _, d, _ in new_images}) > settings.max_images_per_session:
+            raise GatewayError("too_many_images",
+                               f"a session holds at most {settings.max_images_per_session} images")
+        for _, digest, data in new_images:
+            if data is not None:
+                await self.state.vision.add(digest, data)
+
+        stored = StoredItem(id=item_id, role=item.role, parts=parts)
+        previous = self._insert(stored, event.previous_item_id)
+        await self.state.sessions.save(self.session)
+        await self._send(rt.ConversationItemAdded(self._eid(), wire_item(stored), previous))
+        if not new_images:
+            await self._send(rt.ConversationItemDone(self._eid(), wire_item(stored), previous))
+            return
+        # pre-encode now, before the question arrives; a response joins these tasks
+        for _, digest, _ in new_images:
+            if digest not in self.pending:
+                self.pending[digest] = self.state.vision.start(digest)
+        watcher = asyncio.create_task(self._watch_encodes(stored, previous, new_images, event.event_id))
+        self.watchers.add(watcher)
+        watcher.add_done_callback(self.watchers.discard)
+
+    def _insert(self, stored: StoredItem, previous_item_id: str | None) -> str | None:
+        assert self.session is not None
+        items = self.session.items
+        if previous_item_id is None:
+            previous = items[-1].id if items else None
+            items.append(stored)
+            return previous
+        if previous_item_id == "root":
+            items.insert(0, stored)
+            return None
+        for index, existing in enumerate(items):
+            if existing.id == previous_item_id:
+                items.insert(index + 1, stored)
+                return previous_item_id
+        raise GatewayError("invalid_event", f"previous_item_id {previous_item_id!r} not found",
+                           param="previous_item_id")
+
+    async def _watch_encodes(self, stored: StoredItem, previous: str | None,
+                             images: list[tuple[int, str, bytes | None]], event_id: str | None) -> None:
+        assert self.session is not None
+        failed: GatewayError | None = None
+        for index, digest, _ in images:
+            task = self.pending.get(digest) or self.state.vision.start(digest)
+            try:
+                resolved = await asyncio.shield(task)
+            except GatewayError as exc:
+                failed = exc
+                self.pending.pop(digest, None)
+                break
+            encoded = resolved.source in ("encoded", "joined")
+            await self._send(rt.ImageEncoded(
+                self._eid(), item_id=stored.id, content_index=index, digest=digest,
+                tokens_kept=resolved.image.tokens_kept, tokens_total=resolved.image.tokens_total,
+                encode_ms=round(sum(v for k, v in resolved.image.timings_ms.items()
+                                    if k in ("decode", "preprocess", "vision", "prune", "quantize")), 3)
+                if encoded else 0.0,
+                cache="miss" if encoded else "hit"))
+        if failed is not None:
+            # the item never becomes part of the conversation
+            self.session.items[:] = [i for i in self.session.items if i.id != stored.id]
+            await self.state.sessions.save(self.session)
+            failed.message = f"item {stored.id}: {failed.message}"
+            await self._send_error(failed, event_id)
+            return
+        await self._send(rt.ConversationItemDone(self._eid(), wire_item(stored), previous))
+
+    async def _response_create(self, event: rt.ResponseCreate) -> None:
+        received = time.perf_counter()
+        assert self.session is not None
+        if self.response_task is not None and not self.response_task.done():
+            raise GatewayError("response_in_progress",
+                               f"response {self.response_options.response_id} is still in progress; "
+                               "cancel it or wait for response.done")
+        params = event.response or rt.ResponseParams()
+        if params.output_modalities is not None and "audio" in params.output_modalities:
+            raise GatewayError("invalid_event", "only text output is supported",
+                               param="response.output_modalities")
+        options = ResponseOptions(
+            instructions=params.instructions,
+            max_output_tokens=_max_tokens(params.max_output_tokens,
+                                          self.state.settings.max_output_tokens_limit,
+                                          "response.max_output_tokens"),
+            temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+            store=params.conversation != "none",
+        )
+        if options.temperature is not None and not 0.0 <= options.temperature <= 2.0:
+            raise GatewayError("invalid_event", "temperature must be in [0, 2]",
+                               param="response.temperature")
+        self.response_options = options
+        self.response_task = asyncio.create_task(
+            self._run_response(options, params, event.event_id, received),
+            name=f"response {options.response_id}")
+
+    async def _response_cancel(self, event: rt.ResponseCancel) -> None:
+        active = self.response_task is not None and not self.response_task.done()
+        if not active or (event.response_id and event.response_id != self.response_options.response_id):
+            raise GatewayError("response_not_found", "no response in progress"
+                               + (f" with id {event.response_id!r}" if event.response_id else ""),
+                               param="response_id")
+        self.response_options.cancel.set()
+
+    async def _run_response(self, options: ResponseOptions, params: rt.ResponseParams,
+                            event_id: str | None, received: float) -> None:
+        assert self.session is not None
+        rid, iid = options.response_id, options.item_id
+        conversation = None if not options.store else self.session.id
+        text: list[str] = []
+        async for ev in self.state.service.respond(self.session, options, pending=self.pending,
+                                                   received_at=received):
+            if isinstance(ev, Started):
+                await self._send(rt.ResponseCreated(self._eid(), rt.ResponseState(
+                    id=rid, status="in_progress", conversation_id=conversation,
+                    max_output_tokens=options.max_output_tokens, metadata=params.metadata)))
+                item = rt.Item(role="assistant", content=[], id=iid, object="realtime.item",
+                               status="in_progress")
+                await self._send(rt.OutputItemAdded(self._eid(), rid, 0, item))
+                await self._send(rt.ContentPartAdded(self._eid(), rid, iid, 0, 0, rt.Part()))
+            elif isinstance(ev, TextChunk):
+                text.append(ev.text)
+                await self._send(rt.OutputTextDelta(self._eid(), rid, iid, 0, 0, ev.text))
+            elif isinstance(ev, Finished):
+                await self._finish(ev, params, conversation, event_id)
+
+    async def _finish(self, ev: Finished, params: rt.ResponseParams, conversation: str | None,
+                      event_id: str | None) -> None:
+        rid, iid = ev.response_id, ev.item_id
+        item = rt.Item(role="assistant", content=[rt.ContentPart("output_text", text=ev.text)],
+                       id=iid, object="realtime.item",
+                       status="completed" if ev.status == "completed" else "incomplete")
+        if ev.status != "failed":
+            await self._send(rt.OutputTextDone(self._eid(), rid, iid, 0, 0, ev.text))
+            await self._send(rt.ContentPartDone(self._eid(), rid, iid, 0, 0, rt.Part(text=ev.text)))
+            await self._send(rt.OutputItemDone(self._eid(), rid, 0, item))
+        details = None
+        if ev.status == "cancelled":
+            details = rt.StatusDetails(type="cancelled", reason="client_cancelled")
+        elif ev.status == "incomplete":
+            details = rt.StatusDetails(type="incomplete", reason="max_output_tokens")
+        elif ev.status == "failed" and ev.error is not None:
+            details = rt.StatusDetails(type="failed", error=rt.StatusError(
+                type=ev.error.type, code=ev.error.code, message=ev.error.message))
+            await self._send_error(ev.error, event_id)
+        usage = rt.Usage(
+            total_tokens=ev.input_tokens + ev.output_tokens, input_tokens=ev.input_tokens,
+            output_tokens=ev.output_tokens,
+            input_token_details=rt.InputTokenDetails(
+                text_tokens=ev.text_tokens, image_tokens=ev.image_tokens,
+                cached_tokens=ev.cached_tokens,
+                cached_tokens_details=rt.CachedTokensDetails(
+                    image_tokens=min(ev.image_tokens, ev.cached_tokens),
+                    text_tokens=ev.cached_tokens - min(ev.image_tokens, ev.cached_tokens))),
+            output_token_details=rt.OutputTokenDetails(text_tokens=ev.output_tokens))
+        t = ev.timings
+        ext = rt.ResponseExtension(
+            timings=rt.Timings(queue_ms=t.get("queue_ms", 0.0), encode_ms=t.get("encode_ms", 0.0),
+                               prefill_ms=t.get("prefill_ms", 0.0), decode_ms=t.get("decode_ms", 0.0),
+                               ttft_ms=t.get("ttft_ms", 0.0), total_ms=t.get("total_ms", 0.0)),
+            cache=rt.CacheReport(vision=ev.vision, vision_hits=ev.vision_hits,
+                                 vision_misses=ev.vision_misses, kv_tokens_reused=ev.cached_tokens),
+            image_tokens_total=ev.image_tokens_total, model=self.state.engine.model_id)
+        await self._send(rt.ResponseDone(self._eid(), rt.ResponseState(
+            id=rid, status=ev.status, conversation_id=conversation,
+            output=[item] if ev.status != "failed" else [],
+            max_output_tokens=self.response_options.max_output_tokens if self.response_options else None,
+            metadata=params.metadata, status_details=details, usage=usage, visiongate=ext)))
+        if self.state.telemetry_hook is not None:
+            self.state.telemetry_hook(ev, "realtime", self.session)
+
+    # ------------------------------------------------------------ sending
+
+    def _eid(self) -> str:
+        self._event_seq += 1
+        return f"event_{self._event_seq:06d}"
+
+    async def _send(self, event: rt.ServerEvent) -> None:
+        if self.conn_state is not ConnState.OPEN:
+            return
+        data = self.codec.encode(event)
+        async with self._send_lock:
+            try:
+                if self.codec.binary:
+                    await self.socket.send_bytes(data)
+                else:
+                    await self.socket.send_text(data.decode())
+            except Exception:  # the peer went away; the receive loop will see the disconnect
+                log.debug("send_failed", event=type(event).__name__)
+
+    async def _send_error(self, exc: GatewayError, event_id: str | None) -> None:
+        if self.state.metrics is not None:
+            self.state.metrics.record_error(code=exc.code, api="realtime")
+        log.info("client_error", code=exc.code, message=exc.message, event_id=event_id)
+        await self._send(rt.ErrorEvent(self._eid(), rt.ErrorBody(
+            type=exc.type, code=exc.code, message=exc.message, param=exc.param, event_id=event_id)))
+
+
+def _max_tokens(value: int | str | None, limit: int, param: str) -> int | None:
+    if value is None:
+        return None
+    if value == "inf":
+        return limit
+    if not isinstance(value, int) or not 1 <= value <= limit:
+        raise GatewayError("invalid_event", f"max_output_tokens must be 1..{limit} or \"inf\"", param=param)
+    return value

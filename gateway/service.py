@@ -1,0 +1,258 @@
+"""Chat serving: one response over a session, independent of the transport.
+
+`ChatService.respond` takes a loaded session and response options, resolves the session's
+images to visual tokens (waiting for pre-encodes already under way rather than starting new
+ones), asks the engine, and yields transport-neutral events: `Started`, `TextChunk`, then one
+`Finished` carrying usage, timings and cache results. The WebSocket and HTTP layers turn those
+into their own wire events; neither talks to the engine directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import structlog
+
+from gateway.engine.base import (
+    Engine,
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    ImageInput,
+    Message,
+    SamplingParams,
+    TextDelta,
+)
+from gateway.protocol.errors import GatewayError
+from gateway.sessions.base import Session, SessionStore, StoredItem, StoredPart, new_id
+from gateway.vision import Resolved, VisionResolver
+
+__all__ = ("ChatService", "Finished", "ResponseOptions", "Started", "TextChunk")
+
+log = structlog.get_logger("visiongate.service")
+
+Status = Literal["completed", "cancelled", "incomplete", "failed"]
+
+
+@dataclass(slots=True)
+class ResponseOptions:
+    instructions: str | None = None  # overrides the session's for this response
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    store: bool = True  # append the answer to the conversation
+    response_id: str = field(default_factory=lambda: new_id("resp"))
+    item_id: str = field(default_factory=lambda: new_id("item"))
+    api: str = "realtime"
+    cancel: threading.Event = field(default_factory=threading.Event)  # set to stop the answer
+
+
+@dataclass(slots=True)
+class Started:
+    response_id: str
+    item_id: str
+
+
+@dataclass(slots=True)
+class TextChunk:
+    text: str
+
+
+@dataclass(slots=True)
+class Finished:
+    response_id: str
+    item_id: str
+    status: Status
+    text: str
+    reason: str | None = None  # client_cancelled | max_output_tokens
+    error: GatewayError | None = None
+    input_tokens: int = 0
+    image_tokens: int = 0
+    image_tokens_total: int = 0
+    text_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    vision_hits: int = 0
+    vision_misses: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def vision(self) -> str:
+        if self.vision_hits == 0 and self.vision_misses == 0:
+            return "none"
+        if self.vision_misses == 0:
+            return "hit"
+        return "miss" if self.vision_hits == 0 else "partial"
+
+
+ServiceEvent = Started | TextChunk | Finished
+
+
+class ChatService:
+    """Turns (session, options) into a streamed answer; persists the turn when done."""
+
+    def __init__(self, *, engine: Engine, vision: VisionResolver, sessions: SessionStore,
+                 max_output_tokens_limit: int, metrics=None) -> None:
+        self.engine = engine
+        self.vision = vision
+        self.sessions = sessions
+        self.max_output_tokens_limit = max_output_tokens_limit
+        self.metrics = metrics
+
+    async def respond(
+        self,
+        session: Session,
+        options: ResponseOptions,
+        *,
+        pending: dict[str, asyncio.Task[Resolved]] | None = None,
+        received_at: float | None = None,
+    ) -> AsyncIterator[ServiceEvent]:
+        """Stream one response. `pending` holds pre-encodes already running, by digest; they are
+        awaited instead of started again. Closing the iterator early cancels generation."""
+        t0 = received_at if received_at is not None else time.perf_counter()
+        yield Started(options.response_id, options.item_id)
+        pending = pending or {}
+
+        # 1. visual tokens for every image the conversation references
+        t_enc = time.perf_counter()
+        try:
+            images = await self._resolve_images(session, pending)
+        except GatewayError as exc:
+            yield Finished(options.response_id, options.item_id, "failed", "", error=exc,
+                           timings={"total_ms": _ms(t0)})
+            return
+        hits = sum(1 for r in images.values() if r.source in ("memory", "redis"))
+        misses = len(images) - hits
+        # encode time is what this response waited for images that had to be encoded; tokens
+        # served from the cache cost no encode
+        encode_wait_ms = _ms(t_enc) if misses else 0.0
+
+        if options.cancel.is_set():  # cancelled while waiting for images
+            yield Finished(options.response_id, options.item_id, "cancelled", "",
+                           reason="client_cancelled", timings={"total_ms": _ms(t0)})
+            return
+
+        # 2. the prompt
+        messages = self._messages(session, options, images)
+        sampling = SamplingParams(
+            max_output_tokens=min(options.max_output_tokens or session.max_output_tokens,
+                                  self.max_output_tokens_limit),
+            temperature=session.temperature if options.temperature is None else options.temperature,
+            top_p=session.top_p if options.top_p is None else options.top_p,
+            seed=session.seed if options.seed is None else options.seed,
+            stop=options.stop,
+        )
+        request = GenerationRequest(request_id=options.response_id, messages=messages,
+                                    sampling=sampling, kv_key=session.id, cancel=options.cancel)
+
+        # 3. generate
+        text_parts: list[str] = []
+        result: GenerationResult | None = None
+        ttft_ms = 0.0
+        error: GatewayError | None = None
+        stream = self.engine.generate(request)
+        try:
+            async for delta in stream:
+                if isinstance(delta, TextDelta):
+                    if not text_parts:
+                        ttft_ms = _ms(t0)
+                    text_parts.append(delta.text)
+                    yield TextChunk(delta.text)
+                else:
+                    result = delta
+        except EngineError as exc:
+            error = GatewayError(exc.code if exc.code in ("busy", "engine_error") else "engine_error",
+                                 str(exc))
+        except (asyncio.CancelledError, GeneratorExit):
+            request.cancel.set()
+            raise
+        finally:
+            if result is None:
+                request.cancel.set()
+            await stream.aclose()
+
+        text = "".join(text_parts)
+        image_tokens_total = sum(r.image.tokens_total for r in images.values())
+        timings = {"queue_ms": 0.0, "encode_ms": encode_wait_ms, "prefill_ms": 0.0,
+                   "decode_ms": 0.0, "ttft_ms": ttft_ms, "total_ms": _ms(t0)}
+        if error is not None or result is None:
+            error = error or GatewayError("engine_error", "the engine ended without a result")
+            yield Finished(options.response_id, options.item_id, "failed", text, error=error,
+                           vision_hits=hits, vision_misses=misses,
+                           image_tokens_total=image_tokens_total, timings=timings)
+            return
+        status: Status = {"stop": "completed", "length": "incomplete",
+                          "cancelled": "cancelled"}[result.finish_reason]
+        reason = {"length": "max_output_tokens", "cancelled": "client_cancelled"}.get(result.finish_reason)
+        timings.update(queue_ms=result.queue_ms, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms)
+
+        # 4. the turn joins the conversation (a cancelled answer too, marked incomplete)
+        if options.store:
+            session.items.append(StoredItem(
+                id=options.item_id, role="assistant", parts=[StoredPart("text", text=result.text)],
+                status="completed" if status == "completed" else "incomplete",
+                response_id=options.response_id))
+            await self.sessions.save(session)
+
+        yield Finished(
+            options.response_id, options.item_id, status, result.text, reason=reason,
+            input_tokens=result.input_tokens, image_tokens=result.image_tokens,
+            image_tokens_total=image_tokens_total,
+            text_tokens=result.input_tokens - result.image_tokens,
+            output_tokens=result.output_tokens, cached_tokens=result.cached_tokens,
+            vision_hits=hits, vision_misses=misses, timings=timings,
+        )
+
+    async def _resolve_images(self, session: Session,
+                              pending: dict[str, asyncio.Task[Resolved]]) -> dict[str, Resolved]:
+        digests = session.image_digests
+        if not digests:
+            return {}
+
+        async def one(digest: str) -> Resolved:
+            # a pre-encode started when the image arrived is joined, not repeated; it is
+            # consumed here, so the next response finds the tokens in the cache (a hit)
+            task = pending.pop(digest, None)
+            if task is not None:
+                return await asyncio.shield(task)
+            return await self.vision.resolve(digest)
+
+        results = await asyncio.gather(*(one(d) for d in digests))
+        return dict(zip(digests, results, strict=True))
+
+    def _messages(self, session: Session, options: ResponseOptions,
+                  images: dict[str, Resolved]) -> list[Message]:
+        instructions = session.instructions if options.instructions is None else options.instructions
+        messages: list[Message] = []
+        if instructions:
+            messages.append(Message("system", [instructions]))
+        device = getattr(self.engine, "device", "cpu")
+        fingerprint = self.vision.fingerprint[:16]
+        embeds_by_digest: dict[str, ImageInput] = {}
+        for item in session.items:
+            content: list[str | ImageInput] = []
+            for part in item.parts:
+                if part.kind == "text":
+                    content.append(part.text or "")
+                elif part.digest in images:
+                    image = embeds_by_digest.get(part.digest)
+                    if image is None:
+                        # the id names the tokens, not just the bytes: a new encoder config is new content
+                        image = ImageInput(f"{fingerprint}:{part.digest}",
+                                           images[part.digest].image.embeds(device))
+                        embeds_by_digest[part.digest] = image
+                    content.append(image)
+            if content:
+                messages.append(Message(item.role, content))
+        return messages
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1e3, 3)

@@ -1,0 +1,34 @@
+"""Session stores: `memory` (embedded default) and `redis` (scale-out).
+
+`RedisSessionStore` is imported on first use, so the memory path needs no Redis client.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gateway.sessions.base import Session, SessionStore, StoredItem, StoredPart
+from gateway.sessions.memory import MemorySessionStore
+
+if TYPE_CHECKING:
+    from gateway.sessions.redis import RedisSessionStore
+
+__all__ = ("MemorySessionStore", "RedisSessionStore", "Session", "SessionStore", "StoredItem",
+           "StoredPart", "make_session_store")
+
+
+def make_session_store(redis_url: str | None, ttl_s: float) -> SessionStore:
+    """In-process without a Redis URL (nothing survives a restart); otherwise Redis."""
+    if redis_url is None:
+        return MemorySessionStore(ttl_s)
+    from gateway.sessions.redis import RedisSessionStore
+
+    return RedisSessionStore(redis_url, ttl_s)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RedisSessionStore":
+        from gateway.sessions.redis import RedisSessionStore
+
+        return RedisSessionStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

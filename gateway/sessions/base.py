@@ -1,0 +1,89 @@
+"""Sessions: a conversation's items, settings and image references, owned by one API key.
+
+A `SessionStore` keeps sessions by id with an idle TTL. It does not keep images or KV blocks
+themselves (the vision cache and the KV store do, by content); a session references its
+images by digest. Loading a session with the wrong owner is the same error as an unknown id,
+so a caller can't probe for other keys' sessions.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Literal, Protocol, runtime_checkable
+
+import msgspec
+
+from gateway.protocol.errors import GatewayError
+
+__all__ = ("Session", "SessionStore", "StoredItem", "StoredPart", "new_id", "not_found")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(10)}"
+
+
+class StoredPart(msgspec.Struct, array_like=True, omit_defaults=True):
+    kind: Literal["text", "image"]
+    text: str | None = None
+    digest: str | None = None  # sha256 hex of the image bytes
+
+
+class StoredItem(msgspec.Struct, omit_defaults=True):
+    id: str
+    role: Literal["user", "system", "assistant"]
+    parts: list[StoredPart]
+    status: Literal["completed", "incomplete"] = "completed"
+    response_id: str | None = None
+
+
+class Session(msgspec.Struct, omit_defaults=True):
+    id: str
+    owner: str
+    created_at: float
+    updated_at: float
+    instructions: str
+    max_output_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    items: list[StoredItem] = msgspec.field(default_factory=list)
+
+    @property
+    def image_digests(self) -> list[str]:
+        """Digests of the images the conversation references, in order, without repeats."""
+        seen: dict[str, None] = {}
+        for item in self.items:
+            for part in item.parts:
+                if part.kind == "image" and part.digest:
+                    seen.setdefault(part.digest, None)
+        return list(seen)
+
+    @classmethod
+    def new(cls, owner: str, *, instructions: str, max_output_tokens: int,
+            session_id: str | None = None) -> Session:
+        now = time.time()
+        return cls(id=session_id or new_id("sess"), owner=owner, created_at=now, updated_at=now,
+                   instructions=instructions, max_output_tokens=max_output_tokens)
+
+
+def not_found(session_id: str) -> GatewayError:
+    return GatewayError("session_not_found", f"no session {session_id!r} for this API key",
+                        param="session_id")
+
+
+@runtime_checkable
+class SessionStore(Protocol):
+    async def load(self, session_id: str, owner: str) -> Session:
+        """The stored session; GatewayError(session_not_found) if unknown, expired or foreign."""
+
+    async def save(self, session: Session) -> None:
+        """Store the whole session (refreshing its idle TTL). Last write wins."""
+
+    async def delete(self, session_id: str, owner: str) -> bool:
+        """Remove it; False if it was not there (or not the owner's)."""
+
+    async def count(self) -> int:
+        """Sessions currently stored (for the active-sessions gauge)."""
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,56 @@
+"""In-process SessionStore: a dict with an idle TTL. The embedded default; nothing survives a restart."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from gateway.sessions.base import Session, not_found
+
+__all__ = ("MemorySessionStore",)
+
+
+class MemorySessionStore:
+    __slots__ = ("ttl_s", "_sessions", "_clock")
+
+    def __init__(self, ttl_s: float, *, clock=time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self._clock = clock
+        # id -> (expires_at, encoded session). Stored encoded so callers never share mutable state.
+        self._sessions: dict[str, tuple[float, bytes]] = {}
+
+    async def load(self, session_id: str, owner: str) -> Session:
+        entry = self._sessions.get(session_id)
+        if entry is None or entry[0] <= self._clock():
+            self._sessions.pop(session_id, None)
+            raise not_found(session_id)
+        session = msgspec.msgpack.decode(entry[1], type=Session)
+        if session.owner != owner:
+            raise not_found(session_id)
+        return session
+
+    async def save(self, session: Session) -> None:
+        session.updated_at = time.time()
+        self._sessions[session.id] = (self._clock() + self.ttl_s, msgspec.msgpack.encode(session))
+        self._expire()
+
+    async def delete(self, session_id: str, owner: str) -> bool:
+        try:
+            await self.load(session_id, owner)
+        except Exception:
+            return False
+        del self._sessions[session_id]
+        return True
+
+    async def count(self) -> int:
+        self._expire()
+        return len(self._sessions)
+
+    async def aclose(self) -> None:
+        self._sessions.clear()
+
+    def _expire(self) -> None:
+        now = self._clock()
+        for key in [k for k, (exp, _) in self._sessions.items() if exp <= now]:
+            del self._sessions[key]

@@ -1,0 +1,121 @@
+"""Gateway configuration: one msgspec struct, filled from defaults, `VISIONGATE_*` variables and flags.
+
+Every field can be set from the environment as `VISIONGATE_<FIELD>` (upper case). Values are
+validated once at start; a bad value stops the gateway with a message naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+__all__ = ("Settings", "SettingsError")
+
+ENV_PREFIX = "VISIONGATE_"
+MiB = 1024 * 1024
+
+
+class SettingsError(ValueError):
+    """A configuration value is missing or out of range."""
+
+
+class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # serving
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    api_keys: list[str] = []  # empty: no authentication, every caller is "anonymous"
+    # language model
+    model_path: str | None = None  # a local HF checkpoint dir; None: the embedded SmolLM2-135M-Instruct
+    cache_dir: str | None = None  # converted models; default ~/.cache/visiongate
+    device: str = "auto"
+    max_output_tokens: int = 256  # default per response; clients may ask for less
+    max_output_tokens_limit: int = 2048
+    engine_max_queue: int = 8
+    # vision encoder
+    vision_tower: str = "vit-b16-224"  # or vit-l14-336, or a local CLIP/SigLIP checkpoint dir
+    pruning: str = "dynamic"  # none | random | topk | dynamic | dynamic+merge
+    max_image_bytes: int = 20 * MiB
+    max_pixels: int = 40_000_000
+    max_images_per_session: int = 16
+    # sessions and caches
+    session_ttl_s: int = 3600
+    redis_url: str | None = None  # absent: everything in process
+    vision_cache_bytes: int = 512 * MiB
+    vision_cache_ttl_s: int = 86400
+    image_store_bytes: int = 256 * MiB
+    kv_budget_bytes: int = 256 * MiB
+    kv_ttl_s: int = 3600
+    default_instructions: str = "You are a helpful assistant. Answer concisely."
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, field: str, why: str) -> None:
+            if not ok:
+                raise SettingsError(f"{ENV_PREFIX}{field.upper()}: {why}")
+
+        need(0 < self.port < 65536, "port", f"must be 1..65535, got {self.port}")
+        need(self.log_level in ("debug", "info", "warning", "error"), "log_level",
+             f"must be debug, info, warning or error, got {self.log_level!r}")
+        need(1 <= self.max_output_tokens <= self.max_output_tokens_limit, "max_output_tokens",
+             f"must be 1..{self.max_output_tokens_limit}, got {self.max_output_tokens}")
+        need(self.engine_max_queue >= 1, "engine_max_queue", "must be >= 1")
+        need(self.pruning in ("none", "random", "topk", "dynamic", "dynamic+merge"), "pruning",
+             f"must be none, random, topk, dynamic or dynamic+merge, got {self.pruning!r}")
+        need(1024 <= self.max_image_bytes <= 512 * MiB, "max_image_bytes", "must be 1 KiB..512 MiB")
+        need(self.max_pixels >= 64 * 64, "max_pixels", "must be >= 4096")
+        need(self.max_images_per_session >= 1, "max_images_per_session", "must be >= 1")
+        need(self.session_ttl_s >= 1, "session_ttl_s", "must be >= 1 second")
+        need(self.vision_cache_bytes >= 0, "vision_cache_bytes", "must be >= 0")
+        need(self.kv_budget_bytes >= 0, "kv_budget_bytes", "must be >= 0")
+        need(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+             "redis_url", f"must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        need(self.model_path is None or os.path.isdir(self.model_path), "model_path",
+             f"{self.model_path!r} is not a directory")
+
+    @property
+    def ws_max_frame_bytes(self) -> int:
+        """Largest WebSocket frame accepted: one base64 image at the byte limit, plus headroom,
+        so an oversized image still gets a proper `image_too_large` error instead of a dropped
+        connection."""
+        return self.max_image_bytes * 4 // 3 + 4 * MiB
+
+    @classmethod
+    def load(cls, overrides: Mapping[str, Any] | None = None,
+             environ: Mapping[str, str] | None = None) -> Settings:
+        """Defaults < `VISIONGATE_*` environment < explicit overrides (e.g. CLI flags)."""
+        environ = os.environ if environ is None else environ
+        raw: dict[str, Any] = {}
+        fields = {f.name: f for f in msgspec.structs.fields(cls)}
+        for key, value in environ.items():
+            if not key.startswith(ENV_PREFIX):
+                continue
+            name = key[len(ENV_PREFIX):].lower()
+            if name not in fields:
+                raise SettingsError(f"{key}: unknown setting (known: "
+                                    f"{', '.join(ENV_PREFIX + n.upper() for n in sorted(fields))})")
+            raw[name] = _parse_env(name, value, fields[name].type)
+        raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        try:
+            return msgspec.convert(raw, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise SettingsError(_explain(exc)) from None
+
+
+def _parse_env(name: str, value: str, annotation: Any) -> Any:
+    if value == "" and "None" in str(annotation):
+        return None
+    if "list" in str(annotation):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return value  # msgspec.convert(strict=False) turns "8000" into 8000 and checks the type
+
+
+def _explain(exc: msgspec.ValidationError) -> str:
+    # "Expected `int`, got `str` - at `$.port`" -> name the environment variable
+    text = str(exc)
+    if "$." in text:
+        field = text.rsplit("$.", 1)[1].rstrip("`").split("[")[0]
+        return f"{ENV_PREFIX}{field.upper()}: {text.split(' - at ')[0]}"
+    return text

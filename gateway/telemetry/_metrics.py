@@ -1,0 +1,245 @@
+"""The gateway's metric instruments, their bucket boundaries and their Prometheus names.
+
+`GatewayMetrics` is the only thing the serving code touches: plain methods that record one fact
+each. It does not time anything itself; callers pass measured durations.
+
+Prometheus names are what ``opentelemetry-exporter-prometheus`` derives from the OTel name and
+unit (dots become underscores, ``s`` adds ``_seconds``, counters get ``_total``, curly-brace
+units add nothing). Recording rules, alerts and dashboards use `PROMETHEUS_NAMES` values only.
+Attribute keys become label names the same way (``gen_ai.request.model`` ->
+``gen_ai_request_model``). Histogram ``le`` labels are written from float bounds (``"2.0"``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import Meter
+
+__all__ = (
+    "BATCH_SIZE_BUCKETS",
+    "DURATION_BUCKETS_S",
+    "ENCODE_BUCKETS_S",
+    "METRICS",
+    "PROMETHEUS_NAMES",
+    "TPOT_BUCKETS_S",
+    "TTFT_BUCKETS_S",
+    "GatewayMetrics",
+    "metric_views",
+)
+
+# Multimodal TTFT spans a text-only follow-up (tens of ms) to a cold multi-image encode (seconds).
+TTFT_BUCKETS_S: tuple[float, ...] = (
+    0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0,
+    15.0, 20.0, 30.0,
+)
+DURATION_BUCKETS_S: tuple[float, ...] = (
+    0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
+    90.0, 120.0,
+)
+TPOT_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+    0.3, 0.5, 1.0,
+)
+# One encode stage takes from about a millisecond (INT4 pack on GPU) to seconds (CPU tower).
+ENCODE_BUCKETS_S: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 2.0, 5.0,
+)
+BATCH_SIZE_BUCKETS: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0)
+
+# OTel instrument name -> (kind, unit, description)
+METRICS: dict[str, tuple[str, str, str]] = {
+    "gen_ai.server.time_to_first_token": (
+        "histogram", "s", "Time from response start to its first output token"),
+    "gen_ai.server.time_per_output_token": (
+        "histogram", "s", "Mean time per output token after the first"),
+    "gen_ai.server.request.duration": ("histogram", "s", "Whole response duration"),
+    "visiongate.encode.stage.duration": ("histogram", "s", "Duration of one image encode stage"),
+    "visiongate.encode.queue.duration": ("histogram", "s", "Wait in the encode queue"),
+    "visiongate.encode.batch.size": ("histogram", "{image}", "Images per encoder batch"),
+    "visiongate.responses": ("counter", "{response}", "Responses by final status"),
+    "visiongate.tokens": ("counter", "{token}", "Tokens by type (input/output/image/cached)"),
+    "visiongate.visual_tokens": ("counter", "{token}", "Visual tokens kept or dropped by pruning"),
+    "visiongate.cache.lookups": ("counter", "{lookup}", "Cache lookups by cache, tier and result"),
+    "visiongate.kv.reused_tokens": ("counter", "{token}", "Prompt tokens served from reused KV"),
+    "visiongate.kv.prefill_tokens": ("counter", "{token}", "Prompt tokens prefilled anew"),
+    "visiongate.errors": ("counter", "{error}", "Errors returned to clients by code"),
+    "visiongate.websocket.connections": ("updowncounter", "{connection}", "Open WebSockets"),
+    "visiongate.sessions.active": ("gauge", "{session}", "Sessions held by this replica"),
+    "visiongate.encode.queue.depth": ("gauge", "{job}", "Encode jobs waiting"),
+    "visiongate.cache.bytes": ("gauge", "By", "Bytes held by each cache"),
+}
+
+# OTel instrument name -> the series name Prometheus stores (histograms: add _bucket/_sum/_count).
+PROMETHEUS_NAMES: dict[str, str] = {
+    "gen_ai.server.time_to_first_token": "gen_ai_server_time_to_first_token_seconds",
+    "gen_ai.server.time_per_output_token": "gen_ai_server_time_per_output_token_seconds",
+    "gen_ai.server.request.duration": "gen_ai_server_request_duration_seconds",
+    "visiongate.encode.stage.duration": "visiongate_encode_stage_duration_seconds",
+    "visiongate.encode.queue.duration": "visiongate_encode_queue_duration_seconds",
+    "visiongate.encode.batch.size": "visiongate_encode_batch_size",
+    "visiongate.responses": "visiongate_responses_total",
+    "visiongate.tokens": "visiongate_tokens_total",
+    "visiongate.visual_tokens": "visiongate_visual_tokens_total",
+    "visiongate.cache.lookups": "visiongate_cache_lookups_total",
+    "visiongate.kv.reused_tokens": "visiongate_kv_reused_tokens_total",
+    "visiongate.kv.prefill_tokens": "visiongate_kv_prefill_tokens_total",
+    "visiongate.errors": "visiongate_errors_total",
+    "visiongate.websocket.connections": "visiongate_websocket_connections",
+    "visiongate.sessions.active": "visiongate_sessions_active",
+    "visiongate.encode.queue.depth": "visiongate_encode_queue_depth",
+    "visiongate.cache.bytes": "visiongate_cache_bytes",
+}
+
+_BUCKETS: dict[str, tuple[float, ...]] = {
+    "gen_ai.server.time_to_first_token": TTFT_BUCKETS_S,
+    "gen_ai.server.time_per_output_token": TPOT_BUCKETS_S,
+    "gen_ai.server.request.duration": DURATION_BUCKETS_S,
+    "visiongate.encode.stage.duration": ENCODE_BUCKETS_S,
+    "visiongate.encode.queue.duration": ENCODE_BUCKETS_S,
+    "visiongate.encode.batch.size": BATCH_SIZE_BUCKETS,
+}
+
+
+def metric_views() -> list[View]:
+    """Explicit bucket boundaries for every histogram (the SDK defaults suit none of them)."""
+    return [
+        View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(list(bounds)))
+        for name, bounds in _BUCKETS.items()
+    ]
+
+
+class GatewayMetrics:
+    """Records the gateway's metrics on one OTel meter. Thread-safe; never blocks on export."""
+
+    __slots__ = ("_gauge_lock", "_gauges_registered", "_i", "_meter")
+
+    def __init__(self, meter: Meter) -> None:
+        self._meter = meter
+        self._gauge_lock = threading.Lock()
+        self._gauges_registered = False
+        i: dict[str, object] = {}
+        for name, (kind, unit, description) in METRICS.items():
+            if kind == "histogram":
+                i[name] = meter.create_histogram(name, unit=unit, description=description)
+            elif kind == "counter":
+                i[name] = meter.create_counter(name, unit=unit, description=description)
+            elif kind == "updowncounter":
+                i[name] = meter.create_up_down_counter(name, unit=unit, description=description)
+        self._i = i
+
+    def _add(self, name: str, value: float, attributes: Mapping[str, str]) -> None:
+        if value:
+            self._i[name].add(value, attributes)  # type: ignore[attr-defined]
+
+    def _record(self, name: str, value: float, attributes: Mapping[str, str] | None = None) -> None:
+        self._i[name].record(value, attributes)  # type: ignore[attr-defined]
+
+    def record_response(
+        self,
+        *,
+        model: str,
+        status: str,
+        ttft_s: float | None,
+        duration_s: float,
+        output_tokens: int,
+        input_tokens: int,
+        image_tokens: int,
+        cached_tokens: int,
+        time_per_output_token_s: float | None,
+        api: str,
+    ) -> None:
+        """One finished response. ``status``: completed | cancelled | failed | incomplete;
+        ``api``: realtime | chat_completions. ``ttft_s`` is ``None`` when no token came out."""
+        base = {"gen_ai.operation.name": "chat", "gen_ai.request.model": model, "api": api}
+        self._add("visiongate.responses", 1, {**base, "status": status})
+        self._record("gen_ai.server.request.duration", duration_s, {**base, "status": status})
+        if ttft_s is not None:
+            self._record("gen_ai.server.time_to_first_token", ttft_s, base)
+        if time_per_output_token_s is not None:
+            self._record("gen_ai.server.time_per_output_token", time_per_output_token_s, base)
+        for kind, count in (
+            ("input", input_tokens),
+            ("output", output_tokens),
+            ("image", image_tokens),
+            ("cached", cached_tokens),
+        ):
+            self._add("visiongate.tokens", count, {"gen_ai.request.model": model, "type": kind})
+
+    def record_encode(
+        self,
+        *,
+        timings_ms: Mapping[str, float],
+        batch_size: int,
+        queue_ms: float,
+        tokens_kept: int,
+        tokens_total: int,
+    ) -> None:
+        """One encoded image: per-stage durations (ms, keys like ``preprocess``), the batch it
+        rode in, its queue wait, and how many visual tokens pruning kept out of the total."""
+        for stage, ms in timings_ms.items():
+            name = stage.removeprefix("encode.")
+            self._record("visiongate.encode.stage.duration", ms / 1000.0, {"stage": name})
+        self._record("visiongate.encode.queue.duration", queue_ms / 1000.0)
+        self._record("visiongate.encode.batch.size", float(batch_size))
+        self._add("visiongate.visual_tokens", tokens_kept, {"kind": "kept"})
+        self._add("visiongate.visual_tokens", max(tokens_total - tokens_kept, 0), {"kind": "dropped"})
+
+    def record_cache_lookup(self, *, cache: str, tier: str, result: str) -> None:
+        """``cache``: vision | kv; ``tier``: memory | redis | none; ``result``: hit | miss."""
+        self._add("visiongate.cache.lookups", 1, {"cache": cache, "tier": tier, "result": result})
+
+    def record_kv_reuse(self, *, reused_tokens: int, prefill_tokens: int) -> None:
+        """Prompt tokens taken from a session's KV blocks vs. prefilled for one response."""
+        self._add("visiongate.kv.reused_tokens", reused_tokens, {})
+        self._add("visiongate.kv.prefill_tokens", prefill_tokens, {})
+
+    def record_error(self, *, code: str, api: str) -> None:
+        """One error event / HTTP error sent to a client, by its stable ``code``."""
+        self._add("visiongate.errors", 1, {"code": code, "api": api})
+
+    def ws_connection_opened(self) -> None:
+        self._i["visiongate.websocket.connections"].add(1)  # type: ignore[attr-defined]
+
+    def ws_connection_closed(self) -> None:
+        self._i["visiongate.websocket.connections"].add(-1)  # type: ignore[attr-defined]
+
+    def observe_gauges(
+        self,
+        *,
+        active_sessions: Callable[[], int],
+        queue_depth: Callable[[], int],
+        cache_bytes: Callable[[], Mapping[str, int]],
+    ) -> None:
+        """Register the observable gauges; the callables run at each collection. Once only:
+        a second call raises, since OTel cannot unregister a callback."""
+        with self._gauge_lock:
+            if self._gauges_registered:
+                raise RuntimeError("observe_gauges() was already called on these metrics")
+            self._gauges_registered = True
+
+        def sessions(_: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(int(active_sessions()))]
+
+        def depth(_: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(int(queue_depth()))]
+
+        def nbytes(_: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(int(v), {"cache": k}) for k, v in cache_bytes().items()]
+
+        for name, callback in (
+            ("visiongate.sessions.active", sessions),
+            ("visiongate.encode.queue.depth", depth),
+            ("visiongate.cache.bytes", nbytes),
+        ):
+            _, unit, description = METRICS[name]
+            self._meter.create_observable_gauge(
+                name, callbacks=[callback], unit=unit, description=description
+            )

@@ -1,0 +1,166 @@
+"""Image digest -> visual tokens, encoding each image once.
+
+`VisionResolver` is the gateway's one path to visual tokens: read-through the vision cache
+(memory, then Redis when configured), else one encode per digest however many callers ask at
+once (single-flight), written through to the cache. It also keeps the original bytes in the
+image store, so an image can be referenced later by digest and re-encoded when the encoder
+changes. It does not decide what a response needs; the chat service asks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+import structlog
+
+from encoder_worker.types import EncodedImage, Encoder, ImageError
+from gateway.protocol.errors import GatewayError
+
+__all__ = ("Resolved", "VisionResolver", "pack_encoded", "unpack_encoded")
+
+log = structlog.get_logger("visiongate.vision")
+
+Source = Literal["memory", "redis", "encoded", "joined"]
+
+
+class _CachedHeader(msgspec.Struct, array_like=True):
+    digest: str
+    fingerprint: str
+    tokens_kept: int
+    tokens_total: int
+    hidden_size: int
+    timings_ms: dict[str, float]
+
+
+_MAGIC = b"VGV1"
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(_CachedHeader)
+
+
+def pack_encoded(image: EncodedImage) -> bytes:
+    """EncodedImage -> bytes for the vision cache: magic, header length, msgpack header, payload."""
+    from encoder_worker.payload import payload_to_bytes
+
+    header = _header_encoder.encode(_CachedHeader(
+        image.digest, image.fingerprint, image.tokens_kept, image.tokens_total, image.hidden_size,
+        {k: float(v) for k, v in image.timings_ms.items()}))
+    return b"".join((_MAGIC, struct.pack("<I", len(header)), header, payload_to_bytes(image.payload)))
+
+
+def unpack_encoded(data: bytes) -> EncodedImage:
+    """Inverse of pack_encoded; ValueError on anything malformed (never unpickles)."""
+    from encoder_worker.payload import payload_from_bytes
+
+    if len(data) < 8 or data[:4] != _MAGIC:
+        raise ValueError("not a visiongate vision-cache entry")
+    (n,) = struct.unpack_from("<I", data, 4)
+    if 8 + n > len(data):
+        raise ValueError("truncated vision-cache entry")
+    try:
+        header = _header_decoder.decode(data[8:8 + n])
+    except msgspec.MsgspecError as exc:
+        raise ValueError(f"bad vision-cache header: {exc}") from None
+    payload = payload_from_bytes(data[8 + n:])
+    return EncodedImage(digest=header.digest, fingerprint=header.fingerprint,
+                        tokens_kept=header.tokens_kept, tokens_total=header.tokens_total,
+                        hidden_size=header.hidden_size, payload=payload, timings_ms=header.timings_ms)
+
+
+@dataclass(slots=True)
+class Resolved:
+    image: EncodedImage
+    source: Source  # where the tokens came from for this call
+    wait_ms: float  # wall time this call waited
+
+
+class VisionResolver:
+    __slots__ = ("encoder", "cache", "images", "_flight", "_metrics")
+
+    def __init__(self, encoder: Encoder, cache, images, metrics=None) -> None:
+        from gateway.caching import SingleFlight
+
+        self.encoder = encoder
+        self.cache = cache  # gateway.caching.VisionCache
+        self.images = images  # gateway.caching.ImageStore
+        self._flight = SingleFlight()
+        self._metrics = metrics
+
+    @property
+    def fingerprint(self) -> str:
+        return self.encoder.fingerprint
+
+    async def add(self, digest: str, data: bytes) -> None:
+        """Keep the original bytes so the image can be referenced and re-encoded later."""
+        await self.images.put(digest, data)
+
+    async def known(self, digest: str) -> bool:
+        """True if the bytes or the visual tokens of this digest are stored."""
+        if await self.images.contains(digest):
+            return True
+        return await self.cache.get(self.fingerprint, digest) is not None
+
+    async def cached(self, digest: str) -> EncodedImage | None:
+        hit = await self.cache.get(self.fingerprint, digest)
+        if hit is None:
+            return None
+        try:
+            return unpack_encoded(hit.payload)
+        except ValueError as exc:
+            log.error("vision_cache_entry_corrupt", digest=digest[:12], error=str(exc))
+            return None
+
+    async def resolve(self, digest: str) -> Resolved:
+        """The visual tokens of `digest`, encoding it at most once across concurrent callers.
+
+        Raises GatewayError(image_not_found) when neither tokens nor bytes are stored, and
+        GatewayError with the encoder's code when the image cannot be encoded.
+        """
+        t0 = time.perf_counter()
+        fingerprint = self.fingerprint
+        hit = await self.cache.get(fingerprint, digest)
+        if hit is not None:
+            try:
+                image = unpack_encoded(hit.payload)
+            except ValueError as exc:
+                log.error("vision_cache_entry_corrupt", digest=digest[:12], error=str(exc))
+            else:
+                self._lookup(hit.tier, "hit")
+                return Resolved(image, hit.tier, (time.perf_counter() - t0) * 1e3)
+        self._lookup("none", "miss")
+        joined = self._flight.in_flight(digest)
+        image = await self._flight.do(digest, lambda: self._encode(digest))
+        return Resolved(image, "joined" if joined else "encoded", (time.perf_counter() - t0) * 1e3)
+
+    async def _encode(self, digest: str) -> EncodedImage:
+        data = await self.images.get(digest)
+        if data is None:
+            raise GatewayError("image_not_found", f"no stored image with digest {digest}",
+                               param="image_url")
+        try:
+            image = await self.encoder.encode(data)
+        except ImageError as exc:
+            raise GatewayError(exc.code if exc.code in ("invalid_image", "image_too_large",
+                                                        "unsupported_image_format")
+                               else "invalid_image", exc.message, param="image_url") from None
+        if self._metrics is not None:
+            self._metrics.record_encode(
+                timings_ms={k: v for k, v in image.timings_ms.items()
+                            if k in ("decode", "preprocess", "vision", "prune", "quantize")},
+                batch_size=int(image.timings_ms.get("batch_size", 1)),
+                queue_ms=float(image.timings_ms.get("queue", 0.0)),
+                tokens_kept=image.tokens_kept, tokens_total=image.tokens_total)
+        await self.cache.put(self.fingerprint, digest, pack_encoded(image))
+        return image
+
+    def _lookup(self, tier: str, result: str) -> None:
+        if self._metrics is not None:
+            self._metrics.record_cache_lookup(cache="vision", tier=tier, result=result)
+
+    def start(self, digest: str) -> asyncio.Task[Resolved]:
+        """Pre-encode: begin resolving now, so a later response finds the tokens ready."""
+        return asyncio.create_task(self.resolve(digest), name=f"pre-encode {digest[:12]}")

@@ -1,0 +1,95 @@
+"""Shared fixtures: a private redis-server per test session, free ports, real sample photos."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_for_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[str]:
+    """A real redis-server on a free port, private to this test session; yields its URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="visiongate-redis-")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", workdir],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for_port(port)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> Iterator[str]:
+    """The session's redis URL, flushed after each test so tests never share state."""
+    import redis
+
+    yield redis_server
+    client = redis.Redis.from_url(redis_server)
+    client.flushall()
+    client.close()
+
+
+def photo_bytes(name: str = "astronaut", fmt: str = "JPEG", size: int | None = None) -> bytes:
+    """A real photo from scikit-image's sample data, encoded as `fmt`."""
+    from PIL import Image
+    from skimage import data
+
+    img = Image.fromarray(getattr(data, name)())
+    if img.mode != "RGB":
+        img = img.convert("RGB")
+    if size is not None:
+        img = img.resize((size, size))
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, quality=90) if fmt == "JPEG" else img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def astronaut_jpeg() -> bytes:
+    return photo_bytes("astronaut")
+
+
+@pytest.fixture(scope="session")
+def chelsea_jpeg() -> bytes:
+    return photo_bytes("chelsea")
+
+
+@pytest.fixture(scope="session")
+def tmp_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
