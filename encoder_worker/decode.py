@@ -136,7 +136,7 @@ def decode_image(
             img.load()
         img = ImageOps.exif_transpose(img)
         img = _to_rgb(img)
-        arr = np.asarray(img, dtype=np.uint8)
+        arr = np.array(img, dtype=np.uint8)  # a writable copy: torch.from_numpy wants one
     except ImageError:
         raise
     except (Image.DecompressionBombError, MemoryError) as exc:

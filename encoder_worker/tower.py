@@ -30,7 +30,15 @@ from torch import nn
 
 from encoder_worker.preprocess import PreprocessSpec
 
-__all__ = ("SYNTHETIC_SHAPES", "TowerOutput", "VisionTower", "build_tower", "cls_attention_row")
+__all__ = (
+    "SYNTHETIC_SHAPES",
+    "TowerInfo",
+    "TowerOutput",
+    "VisionTower",
+    "build_tower",
+    "cls_attention_row",
+    "describe_tower",
+)
 
 # name -> (hidden, mlp, layers, heads, image size, patch size)
 SYNTHETIC_SHAPES = {
@@ -159,6 +167,43 @@ def _checkpoint_id(path: str) -> str:
     return h.hexdigest()
 
 
+class TowerInfo(NamedTuple):
+    kind: str  # "clip" | "siglip"
+    hidden_size: int
+    num_layers: int
+    spec: PreprocessSpec
+    weights_id: str
+
+
+def describe_tower(tower: str, seed: int) -> TowerInfo:
+    """What a tower is, from its name or its checkpoint's JSON files alone (no weights loaded)."""
+    if tower in SYNTHETIC_SHAPES:
+        d, _, n_layers, _, size, patch = SYNTHETIC_SHAPES[tower]
+        weights_id = f"synthetic:{tower}:seed={seed}:std={SYNTHETIC_INIT_STD}"
+        return TowerInfo("clip", d, n_layers, PreprocessSpec(image_size=size, patch_size=patch), weights_id)
+    cfg_path = os.path.join(tower, "config.json")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{tower}: cannot read config.json ({exc})") from None
+    model_type = cfg.get("model_type")
+    if model_type in ("clip", "siglip"):
+        cfg = cfg.get("vision_config") or {}
+    kind = {"clip": "clip", "clip_vision_model": "clip", "siglip": "siglip", "siglip_vision_model": "siglip"}.get(
+        model_type or ""
+    )
+    if kind is None:
+        raise ValueError(f"{tower}: unsupported vision model type {model_type!r} (CLIP or SigLIP)")
+    defaults = {"clip": (768, 12, 224, 32), "siglip": (768, 12, 224, 16)}[kind]
+    hidden = int(cfg.get("hidden_size", defaults[0]))
+    n_layers = int(cfg.get("num_hidden_layers", defaults[1]))
+    size = int(cfg.get("image_size", defaults[2]))
+    patch = int(cfg.get("patch_size", defaults[3]))
+    spec = _checkpoint_spec(tower, kind, size, patch)
+    return TowerInfo(kind, hidden, n_layers, spec, f"{kind}:{_checkpoint_id(tower)}")
+
+
 def _checkpoint_spec(path: str, kind: str, image_size: int, patch: int) -> PreprocessSpec:
     base = dict(image_size=image_size, patch_size=patch)
     if kind == "siglip":
@@ -171,9 +216,9 @@ def _checkpoint_spec(path: str, kind: str, image_size: int, patch: int) -> Prepr
             cfg = json.load(f)
         resample = {2: "bilinear", 3: "bicubic"}.get(cfg.get("resample"), spec.resample)
         size = cfg.get("size") or {}
-        resize = "shortest_edge_crop" if "shortest_edge" in size and cfg.get("do_center_crop", True) else "squash"
+        crop = "shortest_edge" in size and cfg.get("do_center_crop", True)
         spec = PreprocessSpec(
-            resize=resize,
+            resize="shortest_edge_crop" if crop else "squash",
             resample=resample,
             mean=tuple(cfg.get("image_mean", spec.mean)),
             std=tuple(cfg.get("image_std", spec.std)),
@@ -182,34 +227,19 @@ def _checkpoint_spec(path: str, kind: str, image_size: int, patch: int) -> Prepr
     return spec
 
 
-def build_tower(
-    tower: str, feature_layer: int, seed: int
-) -> tuple[VisionTower, PreprocessSpec, str]:
-    """-> (tower on CPU in float32, the preprocessing it expects, a weights id for fingerprints)."""
+def build_tower(tower: str, feature_layer: int, seed: int) -> tuple[VisionTower, TowerInfo]:
+    """-> (the tower on CPU in float32, truncated at `feature_layer`; what it is)."""
+    info = describe_tower(tower, seed)
+    layer = _absolute_layer(feature_layer, info.num_layers)
     if tower in SYNTHETIC_SHAPES:
         model = _synthetic_model(tower, seed, feature_layer)
-        kind = "clip"
-        weights_id = f"synthetic:{tower}:seed={seed}:std={SYNTHETIC_INIT_STD}"
-        spec = PreprocessSpec(image_size=model.config.image_size, patch_size=model.config.patch_size)
     else:
-        from transformers import AutoConfig, CLIPVisionModel, SiglipVisionModel
+        from transformers import CLIPVisionModel, SiglipVisionModel
 
-        cfg = AutoConfig.from_pretrained(tower, local_files_only=True)
-        model_type = cfg.model_type
-        if model_type in ("clip", "clip_vision_model"):
-            cls, kind = CLIPVisionModel, "clip"
-        elif model_type in ("siglip", "siglip_vision_model"):
-            cls, kind = SiglipVisionModel, "siglip"
-        else:
-            raise ValueError(f"{tower}: unsupported vision model type {model_type!r} (CLIP or SigLIP)")
-        model = cls.from_pretrained(
-            tower, local_files_only=True, use_safetensors=True, torch_dtype=torch.float32
-        )
-        weights_id = f"{kind}:{_checkpoint_id(tower)}"
-        vcfg = model.config
-        spec = _checkpoint_spec(tower, kind, vcfg.image_size, vcfg.patch_size)
-    vt = VisionTower(model, kind, _absolute_layer(feature_layer, model.config.num_hidden_layers))
-    return vt.eval().requires_grad_(False), spec, weights_id
+        cls = CLIPVisionModel if info.kind == "clip" else SiglipVisionModel
+        model = cls.from_pretrained(tower, local_files_only=True, use_safetensors=True, dtype=torch.float32)
+    vt = VisionTower(model, info.kind, layer)
+    return vt.eval().requires_grad_(False), info
 
 
 def _absolute_layer(feature_layer: int, n_layers: int) -> int:

@@ -156,6 +156,12 @@ def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any
         await RealtimeConnection(socket, state, owner).run(query.get("session_id"))
 
     route_handlers: list[Any] = [healthz, readyz, realtime]
+    try:
+        from gateway.http import http_route_handlers
+    except ImportError:
+        http_route_handlers = None
+    if http_route_handlers is not None:
+        route_handlers.extend(http_route_handlers(state))
     if telemetry is not None:
         @get("/metrics", sync_to_thread=False)
         def prometheus_metrics() -> Response[bytes]:

@@ -18,7 +18,7 @@ def uvicorn_config(app: Litestar, settings: Settings, *, host: str | None = None
                    port: int | None = None) -> uvicorn.Config:
     return uvicorn.Config(
         app, host=host or settings.host, port=port if port is not None else settings.port,
-        ws="websockets", ws_max_size=settings.ws_max_frame_bytes, ws_ping_interval=20.0,
+        ws="websockets-sansio", ws_max_size=settings.ws_max_frame_bytes, ws_ping_interval=20.0,
         ws_ping_timeout=30.0, log_config=None, access_log=False, lifespan="on",
         timeout_graceful_shutdown=5,
     )

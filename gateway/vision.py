@@ -44,17 +44,15 @@ _header_decoder = msgspec.msgpack.Decoder(_CachedHeader)
 
 def pack_encoded(image: EncodedImage) -> bytes:
     """EncodedImage -> bytes for the vision cache: magic, header length, msgpack header, payload."""
-    from encoder_worker.payload import payload_to_bytes
-
     header = _header_encoder.encode(_CachedHeader(
         image.digest, image.fingerprint, image.tokens_kept, image.tokens_total, image.hidden_size,
         {k: float(v) for k, v in image.timings_ms.items()}))
-    return b"".join((_MAGIC, struct.pack("<I", len(header)), header, payload_to_bytes(image.payload)))
+    return b"".join((_MAGIC, struct.pack("<I", len(header)), header, image.payload.to_bytes()))
 
 
 def unpack_encoded(data: bytes) -> EncodedImage:
     """Inverse of pack_encoded; ValueError on anything malformed (never unpickles)."""
-    from encoder_worker.payload import payload_from_bytes
+    from encoder_worker.payload import VisualTokens
 
     if len(data) < 8 or data[:4] != _MAGIC:
         raise ValueError("not a visiongate vision-cache entry")
@@ -65,7 +63,7 @@ def unpack_encoded(data: bytes) -> EncodedImage:
         header = _header_decoder.decode(data[8:8 + n])
     except msgspec.MsgspecError as exc:
         raise ValueError(f"bad vision-cache header: {exc}") from None
-    payload = payload_from_bytes(data[8 + n:])
+    payload = VisualTokens.from_bytes(data[8 + n:])
     return EncodedImage(digest=header.digest, fingerprint=header.fingerprint,
                         tokens_kept=header.tokens_kept, tokens_total=header.tokens_total,
                         hidden_size=header.hidden_size, payload=payload, timings_ms=header.timings_ms)
@@ -87,7 +85,8 @@ class VisionResolver:
         self.encoder = encoder
         self.cache = cache  # gateway.caching.VisionCache
         self.images = images  # gateway.caching.ImageStore
-        self._flight = SingleFlight()
+        # an encode runs to the end even if its callers go away: its tokens serve the next turn
+        self._flight = SingleFlight(cancel_abandoned=False)
         self._metrics = metrics
 
     @property

@@ -107,7 +107,7 @@ def _quantize_int4_kernel(
     best_scale = 0.0
     for i in tl.static_range(RATIOS):
         scale = (amax * ((1.0 - i * RATIO_STEP) / 7.0)).to(tl.float16).to(tl.float32)
-        inv = tl.where(scale > 0, 1.0 / scale, 0.0)
+        inv = tl.where(scale > 0, 1.0 / tl.maximum(scale, 1e-30), 0.0)
         qlo = tl.minimum(tl.maximum(tl.floor(lo * inv + 0.5), -8.0), 7.0)
         qhi = tl.minimum(tl.maximum(tl.floor(hi * inv + 0.5), -8.0), 7.0)
         elo = qlo * scale - lo
@@ -116,7 +116,7 @@ def _quantize_int4_kernel(
         better = err < best_err
         best_err = tl.where(better, err, best_err)
         best_scale = tl.where(better, scale, best_scale)
-    inv = tl.where(best_scale > 0, 1.0 / best_scale, 0.0)
+    inv = tl.where(best_scale > 0, 1.0 / tl.maximum(best_scale, 1e-30), 0.0)
     qlo = tl.minimum(tl.maximum(tl.floor(lo * inv + 0.5), -8.0), 7.0).to(tl.int32) + 8
     qhi = tl.minimum(tl.maximum(tl.floor(hi * inv + 0.5), -8.0), 7.0).to(tl.int32) + 8
     byte = (qlo | (qhi << 4)).to(tl.uint8)

@@ -13,7 +13,7 @@ __all__ = ("ByteLRU",)
 
 
 class ByteLRU:
-    __slots__ = ("max_bytes", "nbytes", "evictions", "_entries")
+    __slots__ = ("_entries", "evictions", "max_bytes", "nbytes")
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:

@@ -52,7 +52,7 @@ def connect(redis_url: str, *, connect_timeout_s: float = 1.0, timeout_s: float 
 
 
 class RedisTier:
-    __slots__ = ("client", "tier", "retry_after_s", "errors", "_down", "_down_until", "_failures")
+    __slots__ = ("_down", "_down_until", "_failures", "client", "errors", "retry_after_s", "tier")
 
     def __init__(self, redis_url: str, *, tier: str, retry_after_s: float = 5.0) -> None:
         from redis.exceptions import RedisError

@@ -111,7 +111,7 @@ class RedisImageStore:
     then Redis EXISTS. put: memory and Redis (SET with PX).
     """
 
-    __slots__ = ("memory", "ttl_s", "namespace", "_redis", "_ttl_ms")
+    __slots__ = ("_redis", "_ttl_ms", "memory", "namespace", "ttl_s")
 
     def __init__(self, memory: MemoryImageStore, redis_url: str, ttl_s: float,
                  namespace: str = "vg", *, retry_after_s: float = 5.0) -> None:

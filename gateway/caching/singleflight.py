@@ -36,7 +36,7 @@ async def _run(fn: Callable[[], Awaitable[V]]) -> V:
 
 
 class SingleFlight(Generic[K, V]):
-    __slots__ = ("cancel_abandoned", "_calls")
+    __slots__ = ("_calls", "cancel_abandoned")
 
     def __init__(self, *, cancel_abandoned: bool = True) -> None:
         self.cancel_abandoned = cancel_abandoned

@@ -69,7 +69,7 @@ def _check_key(fingerprint: str, digest: str) -> None:
 class MemoryVisionCache:
     """In-process LRU under `max_bytes` of payload; an entry larger than the budget is not stored."""
 
-    __slots__ = ("_lru", "_hits", "_misses")
+    __slots__ = ("_hits", "_lru", "_misses")
 
     def __init__(self, max_bytes: int) -> None:
         self._lru = ByteLRU(max_bytes)
@@ -125,7 +125,7 @@ class TieredVisionCache:
     Redis >= 6.2 (GETEX).
     """
 
-    __slots__ = ("memory", "ttl_s", "namespace", "_redis", "_ttl_ms", "_hits", "_misses")
+    __slots__ = ("_hits", "_misses", "_redis", "_ttl_ms", "memory", "namespace", "ttl_s")
 
     def __init__(self, memory: MemoryVisionCache, redis_url: str, ttl_s: float,
                  namespace: str = "vg", *, retry_after_s: float = 5.0) -> None:

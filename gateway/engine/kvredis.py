@@ -15,6 +15,7 @@ block hashes do not match its tokens is a miss (logged), never an error.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import threading
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ class KVHeader(msgspec.Struct, frozen=True):
     hashes: list[bytes]
     tokens: list[int]  # -1 at image positions
     images: list[tuple[int, int, str]]  # (start, length, key)
+    body_hash: bytes  # blake2b of the tensor bytes: a flipped bit is a miss, not wrong KV
 
 
 _header_encoder = msgspec.msgpack.Encoder()
@@ -55,17 +57,22 @@ class CorruptEntry(ValueError):
     pass
 
 
+def _body_hash(body: bytes | bytearray) -> bytes:
+    return hashlib.blake2b(body, digest_size=16).digest()
+
+
 def encode_entry(entry: KVEntry, seed: bytes) -> bytes:
     tensors = [t for pair in entry.layers for t in pair]
     dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "float32"
     header = KVHeader(
         version=1, seed=seed, block_size=entry.block_size, dtype=dtype,
         shapes=[list(t.shape) for t in tensors], hashes=list(entry.hashes), tokens=list(entry.tokens),
-        images=[(s.start, s.length, s.key) for s in entry.images],
+        images=[(s.start, s.length, s.key) for s in entry.images], body_hash=b"",
     )
-    head = _header_encoder.encode(header)
     # raw bytes as uint8 views, so every dtype (bfloat16 included) goes through numpy unchanged
     body = b"".join(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+    header = msgspec.structs.replace(header, body_hash=_body_hash(body))
+    head = _header_encoder.encode(header)
     return _MAGIC + _LEN.pack(len(head)) + head + body
 
 
@@ -93,6 +100,8 @@ def decode_entry(raw: bytes, seed: bytes) -> KVEntry:
     body = bytearray(raw[8 + head_len :])
     if sum(sizes) != len(body):
         raise CorruptEntry(f"body is {len(body)} bytes, header says {sum(sizes)}")
+    if _body_hash(body) != header.body_hash:
+        raise CorruptEntry("tensor bytes do not match their hash")
     try:
         images = [ImageSpan(int(a), int(b), str(c)) for a, b, c in header.images]
     except (TypeError, ValueError):
@@ -130,7 +139,7 @@ class RedisKVStore:
         self._ttl_s = ttl_s
         self._prefix = f"{namespace}:{seed.hex()[:16]}:"
         self._device = torch.device(device)
-        self._pending: dict[str, KVEntry] = {}
+        self._pending: dict[str, KVEntry | None] = {}  # None: delete
         self._writing = 0
         self._cond = threading.Condition()
         self._closed = False
@@ -144,6 +153,8 @@ class RedisKVStore:
         entry = self.memory.get(key)
         if entry is None:
             with self._cond:
+                if key in self._pending and self._pending[key] is None:
+                    return None  # deleted; the delete is still on its way to Redis
                 entry = self._pending.get(key)
         if entry is None:
             entry = self._load(key)
@@ -181,15 +192,10 @@ class RedisKVStore:
             self._cond.notify_all()
 
     def delete(self, key: str) -> None:
-        import redis
-
         self.memory.delete(key)
-        with self._cond:
-            self._pending.pop(key, None)
-        try:
-            self._redis.delete(self.redis_key(key))
-        except redis.RedisError as exc:
-            log.warning("kv.redis_unavailable", key=key, error=str(exc))
+        with self._cond:  # through the writer, so a write already in flight cannot undo it
+            self._pending[key] = None
+            self._cond.notify_all()
 
     def _write_loop(self) -> None:
         import redis
@@ -204,9 +210,12 @@ class RedisKVStore:
                 entry = self._pending.pop(key)
                 self._writing += 1
             try:
-                raw = encode_entry(entry, self._seed)
-                self._redis.set(self.redis_key(key), raw, ex=self._ttl_s)
-                log.debug("kv.redis_written", key=key, nbytes=len(raw))
+                if entry is None:
+                    self._redis.delete(self.redis_key(key))
+                else:
+                    raw = encode_entry(entry, self._seed)
+                    self._redis.set(self.redis_key(key), raw, ex=self._ttl_s)
+                    log.debug("kv.redis_written", key=key, nbytes=len(raw))
             except redis.RedisError as exc:
                 log.warning("kv.redis_write_failed", key=key, error=str(exc))
             except Exception:

@@ -14,6 +14,7 @@ long a turn takes, never its tokens.
 from __future__ import annotations
 
 import asyncio
+import copy
 import queue
 import threading
 import time
@@ -103,11 +104,14 @@ class LocalEngine:
         self.embedding_rms = 0.0  # RMS of the token-embedding rows; set on start
         self.kv_store: KVStore | None = None
         self._weights: LoadedModel | None = None
+        self._count_tokenizer: Any = None
         self._jobs: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
         self._thread: threading.Thread | None = None
         self._ready = False
         self._closed = False
         self._running: GenerationRequest | None = None
+        self._keeping = 0  # turns whose KV is being stored (after their result went out)
+        self._keep_done = threading.Condition()
         self._eos_ids: frozenset[int] = frozenset()
         self._seed = b""
 
@@ -146,6 +150,8 @@ class LocalEngine:
         table = w.model.get_input_embeddings().weight.detach().float()  # [vocab, H]
         self.embedding_rms = float(table.pow(2).mean().sqrt())
         self._eos_ids = self._stop_ids(w)
+        # the worker thread uses the tokenizer; a Rust tokenizer is not safe to share across threads
+        self._count_tokenizer = copy.deepcopy(w.tokenizer)
         dtype_name = str(w.dtype).removeprefix("torch.")
         self._seed = chain_seed(w.model_id, dtype_name, self._kv_block_size)
         self._cache_arg = cache_kwarg(w.model)
@@ -201,10 +207,30 @@ class LocalEngine:
         if self.kv_store is not None:
             await asyncio.to_thread(self.kv_store.close)
 
+    async def flush_kv(self, timeout: float = 30.0) -> bool:
+        """Wait until finished turns are in the KV store and written to Redis (if any).
+
+        A turn's KV is stored just after its result is sent, and written to Redis behind that.
+        """
+        def wait() -> bool:
+            deadline = time.monotonic() + timeout
+            with self._keep_done:
+                if not self._keep_done.wait_for(lambda: self._keeping == 0, timeout):
+                    return False
+            store = self.kv_store
+            return store is None or store.flush(max(0.0, deadline - time.monotonic()))
+
+        return await asyncio.to_thread(wait)
+
     def count_tokens(self, text: str) -> int:
-        if self._weights is None:
+        if self._count_tokenizer is None:
             raise EngineError("engine not started", code="not_ready")
-        return len(self._weights.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return len(self._count_tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (with its chat template); None before `start`."""
+        return self._weights.tokenizer if self._weights is not None else None
 
     # -- the async side ----------------------------------------------------------------------
 
@@ -342,14 +368,25 @@ class LocalEngine:
             decode_ms=_ms(done - prefill_done),
             ttft_ms=_ms((first_delta or done) - picked),
         )
+        keep = req.kv_key is not None and self.kv_store is not None
+        if keep:
+            with self._keep_done:
+                self._keeping += 1
         job.post(result)
         log.info(
             "engine.generated", request_id=req.request_id, finish_reason=finish,
             input_tokens=result.input_tokens, cached_tokens=cached, output_tokens=result.output_tokens,
             prefill_ms=result.prefill_ms, decode_ms=result.decode_ms,
         )
-        if req.kv_key is not None and self.kv_store is not None:
-            self._keep(req, prompt, generated, cache, decoder.text, image_keys)
+        if keep:
+            try:
+                self._keep(req, prompt, generated, cache, decoder.text, image_keys)
+            except Exception:  # losing a cache entry costs speed only
+                log.exception("kv.keep_failed", kv_key=req.kv_key)
+            finally:
+                with self._keep_done:
+                    self._keeping -= 1
+                    self._keep_done.notify_all()
 
     # -- KV reuse ----------------------------------------------------------------------------
 

@@ -28,6 +28,8 @@ class MemorySessionStore:
         session = msgspec.msgpack.decode(entry[1], type=Session)
         if session.owner != owner:
             raise not_found(session_id)
+        # An idle TTL: reading the session refreshes it, as saving does.
+        self._sessions[session_id] = (self._clock() + self.ttl_s, entry[1])
         return session
 
     async def save(self, session: Session) -> None:

@@ -88,8 +88,17 @@ _FAILURES = (redis.exceptions.RedisError, OSError, TimeoutError)
 
 
 class RedisSessionStore:
-    __slots__ = ("ttl_s", "namespace", "_client", "_ttl_ms", "_index",
-                 "_save", "_touch", "_delete", "_count")
+    __slots__ = (
+        "_client",
+        "_count",
+        "_delete",
+        "_index",
+        "_save",
+        "_touch",
+        "_ttl_ms",
+        "namespace",
+        "ttl_s",
+    )
 
     def __init__(self, redis_url: str, ttl_s: float, namespace: str = "vg") -> None:
         if ttl_s <= 0:

@@ -1,0 +1,148 @@
+"""`LocalEncoder`: the in-process `Encoder` (types.py) with dynamic micro-batching.
+
+`encode()` computes nothing on the event loop: it parks the bytes and a future on a queue. One
+batching task takes the first waiting request, gathers whatever else arrives within
+`max_wait_ms` (up to `max_batch`), and hands the batch to `EncoderPipeline.encode_batch` on a
+single worker thread. Each caller gets its own result or its own `ImageError`; if the batch
+call itself fails unexpectedly, the images are retried one by one so only the culprit fails.
+While a batch runs, new requests queue up and form the next batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+
+from encoder_worker.config import EncoderConfig
+from encoder_worker.pipeline import EncoderPipeline, encoder_fingerprint
+from encoder_worker.types import EncodedImage, ImageError
+
+__all__ = ("LocalEncoder",)
+
+log = structlog.get_logger("encoder_worker.service")
+
+_Job = tuple[bytes, "asyncio.Future[EncodedImage]"]
+
+
+class LocalEncoder:
+    """Encoder protocol implementation running `EncoderPipeline` on a worker thread."""
+
+    def __init__(self, config: EncoderConfig, hidden_size: int, target_rms: float | None = None) -> None:
+        self.config = config
+        self.hidden_size = hidden_size
+        self.target_rms = target_rms
+        # known before the tower is built, so caches can be consulted right away
+        self.fingerprint = encoder_fingerprint(config, hidden_size, target_rms)
+        self.pipeline: EncoderPipeline | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._queue: asyncio.Queue[_Job] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.batches = 0  # batches run so far (observability and tests)
+
+    async def start(self) -> None:
+        """Build the tower and projector off the loop, warm up once, start batching."""
+        if self._task is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="vg-encoder")
+        self.pipeline = await loop.run_in_executor(self._executor, self._build)
+        self._queue = asyncio.Queue()
+        self._task = asyncio.create_task(self._batch_loop(), name="visiongate-encoder-batcher")
+
+    def _build(self) -> EncoderPipeline:
+        pipeline = EncoderPipeline(self.config, self.hidden_size, self.target_rms)
+        pipeline.warmup()
+        return pipeline
+
+    async def encode(self, data: bytes) -> EncodedImage:
+        """Encode one image (micro-batched with concurrent calls). Raises ImageError."""
+        if self._queue is None or self._task is None or self._task.done():
+            raise RuntimeError("LocalEncoder is not started (await start() first)")
+        if len(data) > self.config.max_image_bytes:
+            raise ImageError(
+                "image_too_large", f"image is {len(data)} bytes; the limit is {self.config.max_image_bytes}"
+            )
+        fut: asyncio.Future[EncodedImage] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((bytes(data), fut))
+        return await fut
+
+    async def _collect(self) -> list[_Job]:
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        batch = [await self._queue.get()]
+        deadline = loop.time() + self.config.max_wait_ms / 1e3
+        while len(batch) < self.config.max_batch:
+            if not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+                continue
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+            except TimeoutError:
+                break
+        return [job for job in batch if not job[1].done()]  # callers that gave up
+
+    async def _batch_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                batch = await self._collect()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let the batcher die with callers waiting
+                log.exception("encoder.collect_failed")
+                continue
+            if not batch:
+                continue
+            datas = [data for data, _ in batch]
+            try:
+                results = await loop.run_in_executor(self._executor, self._encode, datas)
+            except asyncio.CancelledError:
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(RuntimeError("encoder closed"))
+                raise
+            self.batches += 1
+            for (_, fut), result in zip(batch, results):
+                if fut.done():
+                    continue
+                if isinstance(result, BaseException):
+                    fut.set_exception(result)
+                else:
+                    fut.set_result(result)
+
+    def _encode(self, datas: list[bytes]) -> list[EncodedImage | BaseException]:
+        assert self.pipeline is not None
+        try:
+            return list(self.pipeline.encode_batch(datas))
+        except Exception as exc:
+            if len(datas) == 1:
+                log.exception("encoder.batch_failed", batch_size=1)
+                return [RuntimeError(f"encoding failed: {exc}")]
+        log.warning("encoder.batch_failed_retrying_singly", batch_size=len(datas))
+        return [self._encode([d])[0] for d in datas]
+
+    async def aclose(self) -> None:
+        """Stop batching, fail whatever is still queued, release the worker thread."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._queue is not None:
+            while not self._queue.empty():
+                _, fut = self._queue.get_nowait()
+                if not fut.done():
+                    fut.set_exception(RuntimeError("encoder closed"))
+            self._queue = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None

@@ -1,0 +1,285 @@
+"""SessionStore contract, run on MemorySessionStore and on RedisSessionStore over a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+import redis
+from structlog.testing import capture_logs
+
+from gateway.protocol.errors import GatewayError
+from gateway.sessions import (
+    MemorySessionStore,
+    RedisSessionStore,
+    Session,
+    SessionStore,
+    StoredItem,
+    StoredPart,
+    make_session_store,
+)
+from tests.conftest import free_port
+
+ALICE, BOB = "key_alice", "key_bob"
+DIGEST = "ab" * 32
+
+
+def conversation(owner: str = ALICE) -> Session:
+    session = Session.new(owner, instructions="Be brief.", max_output_tokens=64)
+    session.items.append(StoredItem(id="item_1", role="user", parts=[
+        StoredPart("image", digest=DIGEST), StoredPart("text", text="What is in the photo?")]))
+    session.items.append(StoredItem(id="item_2", role="assistant", response_id="resp_1",
+                                    parts=[StoredPart("text", text="An astronaut.")]))
+    return session
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def make_store(request: pytest.FixtureRequest):
+    url = request.getfixturevalue("redis_url") if request.param == "redis" else None
+    made: list[SessionStore] = []
+
+    def make(ttl_s: float = 60.0) -> SessionStore:
+        store = MemorySessionStore(ttl_s) if url is None else RedisSessionStore(url, ttl_s)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        await store.aclose()
+
+
+async def expect_not_found(store: SessionStore, session_id: str, owner: str) -> GatewayError:
+    with pytest.raises(GatewayError) as info:
+        await store.load(session_id, owner)
+    assert info.value.code == "session_not_found" and info.value.http_status == 404
+    return info.value
+
+
+# -- contract: every backend ------------------------------------------------------------------
+
+
+async def test_round_trip(make_store) -> None:
+    store = make_store()
+    assert isinstance(store, SessionStore)
+    session = conversation()
+    await store.save(session)
+    loaded = await store.load(session.id, ALICE)
+    assert loaded == session
+    assert loaded.image_digests == [DIGEST]
+    assert loaded is not session
+
+
+async def test_unknown_id_is_not_found(make_store) -> None:
+    await expect_not_found(make_store(), "sess_missing", ALICE)
+
+
+async def test_foreign_owner_is_the_same_error_as_unknown(make_store) -> None:
+    store = make_store()
+    session = conversation()
+    await store.save(session)
+    foreign = await expect_not_found(store, session.id, BOB)
+    await store.delete(session.id, ALICE)
+    unknown = await expect_not_found(store, session.id, ALICE)
+    assert (foreign.code, foreign.type, foreign.message, foreign.param) == (
+        unknown.code, unknown.type, unknown.message, unknown.param)
+
+
+async def test_save_overwrites_and_stamps_updated_at(make_store) -> None:
+    store = make_store()
+    session = conversation()
+    await store.save(session)
+    first = session.updated_at
+    session.items.append(StoredItem(id="item_3", role="user",
+                                    parts=[StoredPart("text", text="And the flag?")]))
+    await asyncio.sleep(0.01)
+    await store.save(session)
+    loaded = await store.load(session.id, ALICE)
+    assert [i.id for i in loaded.items] == ["item_1", "item_2", "item_3"]
+    assert loaded.updated_at > first
+
+
+async def test_loaded_session_is_a_copy(make_store) -> None:
+    store = make_store()
+    session = conversation()
+    await store.save(session)
+    loaded = await store.load(session.id, ALICE)
+    loaded.items.clear()
+    assert len((await store.load(session.id, ALICE)).items) == 2
+
+
+async def test_delete(make_store) -> None:
+    store = make_store()
+    session = conversation()
+    await store.save(session)
+    assert not await store.delete(session.id, BOB)
+    assert (await store.load(session.id, ALICE)).id == session.id  # untouched
+    assert await store.delete(session.id, ALICE)
+    assert not await store.delete(session.id, ALICE)
+    assert not await store.delete("sess_missing", ALICE)
+    await expect_not_found(store, session.id, ALICE)
+
+
+async def test_count(make_store) -> None:
+    store = make_store()
+    assert await store.count() == 0
+    a, b = conversation(ALICE), conversation(BOB)
+    await store.save(a)
+    await store.save(b)
+    await store.save(a)  # saving again is not a new session
+    assert await store.count() == 2
+    await store.delete(a.id, ALICE)
+    assert await store.count() == 1
+
+
+async def test_idle_ttl_expiry_and_refresh(make_store) -> None:
+    store = make_store(ttl_s=0.6)
+    kept, idle = conversation(), conversation()
+    await store.save(kept)
+    await store.save(idle)
+    await asyncio.sleep(0.35)
+    await store.load(kept.id, ALICE)  # refreshes its idle TTL
+    await asyncio.sleep(0.35)  # 0.7 s since save: `idle` has expired, `kept` has not
+    await expect_not_found(store, idle.id, ALICE)
+    assert (await store.load(kept.id, ALICE)).id == kept.id
+    assert await store.count() == 1
+    await asyncio.sleep(0.7)
+    await expect_not_found(store, kept.id, ALICE)
+    assert await store.count() == 0
+
+
+# -- Redis ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def redis_store(redis_url: str):
+    made: list[RedisSessionStore] = []
+
+    def make(ttl_s: float = 60.0, **kw) -> RedisSessionStore:
+        store = RedisSessionStore(kw.pop("url", redis_url), ttl_s, **kw)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        await store.aclose()
+
+
+@pytest.fixture
+def raw_redis(redis_url: str):
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+async def test_survives_restart(redis_store) -> None:
+    before = redis_store()
+    session = conversation()
+    await before.save(session)
+    await before.aclose()
+    after = redis_store()
+    assert await after.load(session.id, ALICE) == session
+    assert await after.count() == 1
+
+
+async def test_key_layout_and_ttl(redis_store, raw_redis) -> None:
+    store = redis_store(ttl_s=30)
+    session = conversation()
+    await store.save(session)
+    key = f"vg:session:{session.id}"
+    assert msgspec.msgpack.decode(raw_redis.get(key), type=Session) == session
+    assert 25_000 < raw_redis.pttl(key) <= 30_000
+    expiry_ms = raw_redis.zscore("vg:sessions", session.id)
+    assert abs(expiry_ms - (time.time() * 1000 + 30_000)) < 5_000
+    await redis_store(namespace="blue").save(conversation())
+    assert raw_redis.zcard("blue:sessions") == 1 and raw_redis.zcard("vg:sessions") == 1
+
+
+async def test_load_refreshes_ttl_but_not_for_a_foreign_owner(redis_store, raw_redis) -> None:
+    store = redis_store(ttl_s=30)
+    session = conversation()
+    await store.save(session)
+    key = f"vg:session:{session.id}"
+    raw_redis.pexpire(key, 5_000)
+    await expect_not_found(store, session.id, BOB)
+    assert raw_redis.pttl(key) <= 5_000
+    await store.load(session.id, ALICE)
+    assert raw_redis.pttl(key) > 25_000
+
+
+async def test_expired_sessions_are_not_counted_forever(redis_store, raw_redis) -> None:
+    store = redis_store(ttl_s=0.2)
+    for _ in range(3):
+        await store.save(conversation())
+    assert await store.count() == 3
+    await asyncio.sleep(0.3)
+    assert await store.count() == 0
+    assert raw_redis.zcard("vg:sessions") == 0  # pruned, not just filtered
+
+
+async def test_vanished_key_leaves_the_count_within_one_ttl(redis_store, raw_redis) -> None:
+    store = redis_store(ttl_s=0.3)
+    session = conversation()
+    await store.save(session)
+    raw_redis.delete(f"vg:session:{session.id}")  # e.g. evicted under maxmemory
+    await expect_not_found(store, session.id, ALICE)  # the failed refresh adds nothing back
+    await asyncio.sleep(0.4)
+    assert await store.count() == 0
+
+
+async def test_corrupted_value_is_not_found(redis_store, raw_redis) -> None:
+    store = redis_store()
+    session = conversation()
+    await store.save(session)
+    key = f"vg:session:{session.id}"
+    for garbage in (b"\xc1\xc1\xc1", msgspec.msgpack.encode({"id": session.id, "owner": 7}), b""):
+        raw_redis.set(key, garbage)
+        with capture_logs() as logs:
+            await expect_not_found(store, session.id, ALICE)
+            assert not await store.delete(session.id, ALICE)
+        assert logs and all(e["event"] == "session_corrupt" and e["log_level"] == "error"
+                            for e in logs)
+    assert await store.count() == 1
+    await store.save(session)  # the next save overwrites it
+    assert await store.load(session.id, ALICE) == session
+
+
+async def test_value_stored_under_another_id_is_not_found(redis_store, raw_redis) -> None:
+    store = redis_store()
+    session = conversation()
+    await store.save(session)
+    raw_redis.copy(f"vg:session:{session.id}", "vg:session:sess_other")
+    await expect_not_found(store, "sess_other", ALICE)
+
+
+async def test_concurrent_saves_from_two_replicas(redis_store) -> None:
+    a, b = redis_store(), redis_store()
+    sessions = [conversation() for _ in range(20)]
+    await asyncio.gather(*(store.save(s) for s in sessions for store in (a, b)))
+    assert await a.count() == 20
+    for s in sessions:  # whichever replica wrote last, the content is the same
+        loaded = await b.load(s.id, ALICE)
+        assert msgspec.structs.replace(loaded, updated_at=s.updated_at) == s
+
+
+async def test_unreachable_redis_is_busy(redis_store) -> None:
+    store = redis_store(url=f"redis://127.0.0.1:{free_port()}/0")
+    with capture_logs() as logs, pytest.raises(GatewayError) as info:
+        await store.save(conversation())
+    assert info.value.code == "busy" and info.value.http_status == 503
+    assert logs[-1]["event"] == "session_store_unavailable"
+    for call in (store.load("sess_x", ALICE), store.delete("sess_x", ALICE), store.count()):
+        with pytest.raises(GatewayError, match="unavailable"):
+            await call
+
+
+async def test_factory(redis_url: str) -> None:
+    memory = make_session_store(None, 60)
+    assert isinstance(memory, MemorySessionStore) and memory.ttl_s == 60
+    store = make_session_store(redis_url, 60)
+    assert isinstance(store, RedisSessionStore) and store.ttl_s == 60
+    session = conversation()
+    await store.save(session)
+    assert await store.load(session.id, ALICE) == session
+    await store.aclose()
