@@ -80,6 +80,12 @@ class VisualTokens(msgspec.Struct, frozen=True):
         """(packed [N, B] uint8, scales [N, G] fp16, positions [N] int64) on `device`."""
         h = self.header
         (n, nbytes), (_, groups) = packed_shapes(h.n_tokens, h.hidden, h.group_size)
+        if n == 0:
+            return (
+                torch.empty(0, nbytes, dtype=torch.uint8, device=device),
+                torch.empty(0, groups, dtype=torch.float16, device=device),
+                torch.empty(0, dtype=torch.long, device=device),
+            )
         packed = torch.frombuffer(bytearray(self.packed), dtype=torch.uint8).view(n, nbytes)
         scales = torch.frombuffer(bytearray(self.scales), dtype=torch.float16).view(n, groups)
         positions = torch.frombuffer(bytearray(self.positions), dtype=torch.int32).long()

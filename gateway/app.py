@@ -171,7 +171,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any
         route_handlers.append(prometheus_metrics)
 
     app = Litestar(route_handlers=route_handlers, on_startup=[on_startup],
-                   on_shutdown=[on_shutdown], state=State({"gateway": state}), debug=False)
+                   on_shutdown=[on_shutdown], state=State({"gateway": state}), debug=False,
+                   logging_config=None)
     return app
 
 

@@ -77,7 +77,12 @@ def run_demo(settings: Settings, *, photo: str = "astronaut", max_output_tokens:
     from gateway.logging import configure_logging
     from gateway.server import ServerThread
 
-    configure_logging("warning")
+    import msgspec
+
+    # the demo's own output is the conversation; server logs only when something is wrong
+    if settings.log_level == "info":
+        settings = msgspec.structs.replace(settings, log_level="warning")
+    configure_logging(settings.log_level)
     image = photo_jpeg(photo)
     t0 = time.perf_counter()
     print("starting visiongate (the first run converts the embedded model once) ...", file=out)

@@ -123,16 +123,16 @@ class ChatService:
         # 1. visual tokens for every image the conversation references
         t_enc = time.perf_counter()
         try:
-            images = await self._resolve_images(session, pending)
+            images, waited = await self._resolve_images(session, pending)
         except GatewayError as exc:
             yield Finished(options.response_id, options.item_id, "failed", "", error=exc,
                            timings={"total_ms": _ms(t0)})
             return
         hits = sum(1 for r in images.values() if r.source in ("memory", "redis"))
         misses = len(images) - hits
-        # encode time is what this response waited for images that had to be encoded; tokens
-        # served from the cache cost no encode
-        encode_wait_ms = _ms(t_enc) if misses else 0.0
+        # encode time is what this response waited for encodes still running (or started by
+        # it); tokens from the cache or from a pre-encode that already finished cost none
+        encode_wait_ms = _ms(t_enc) if waited else 0.0
 
         if options.cancel.is_set():  # cancelled while waiting for images
             yield Finished(options.response_id, options.item_id, "cancelled", "",
@@ -210,22 +210,28 @@ class ChatService:
             vision_hits=hits, vision_misses=misses, timings=timings,
         )
 
-    async def _resolve_images(self, session: Session,
-                              pending: dict[str, asyncio.Task[Resolved]]) -> dict[str, Resolved]:
+    async def _resolve_images(self, session: Session, pending: dict[str, asyncio.Task[Resolved]]
+                              ) -> tuple[dict[str, Resolved], bool]:
+        """Resolved tokens by digest, and whether any of them had to be waited for."""
         digests = session.image_digests
         if not digests:
-            return {}
+            return {}, False
+        waited = False
 
         async def one(digest: str) -> Resolved:
+            nonlocal waited
             # a pre-encode started when the image arrived is joined, not repeated; it is
             # consumed here, so the next response finds the tokens in the cache (a hit)
             task = pending.pop(digest, None)
             if task is not None:
+                waited |= not task.done()
                 return await asyncio.shield(task)
-            return await self.vision.resolve(digest)
+            resolved = await self.vision.resolve(digest)
+            waited |= resolved.source in ("encoded", "joined")
+            return resolved
 
         results = await asyncio.gather(*(one(d) for d in digests))
-        return dict(zip(digests, results, strict=True))
+        return dict(zip(digests, results, strict=True)), waited
 
     def _messages(self, session: Session, options: ResponseOptions,
                   images: dict[str, Resolved]) -> list[Message]:

@@ -77,7 +77,7 @@ class Resolved:
 
 
 class VisionResolver:
-    __slots__ = ("encoder", "cache", "images", "_flight", "_metrics")
+    __slots__ = ("encoder", "cache", "images", "encodes", "_flight", "_metrics")
 
     def __init__(self, encoder: Encoder, cache, images, metrics=None) -> None:
         from gateway.caching import SingleFlight
@@ -88,6 +88,7 @@ class VisionResolver:
         # an encode runs to the end even if its callers go away: its tokens serve the next turn
         self._flight = SingleFlight(cancel_abandoned=False)
         self._metrics = metrics
+        self.encodes = 0  # images actually run through the encoder by this resolver
 
     @property
     def fingerprint(self) -> str:
@@ -140,6 +141,7 @@ class VisionResolver:
         if data is None:
             raise GatewayError("image_not_found", f"no stored image with digest {digest}",
                                param="image_url")
+        self.encodes += 1
         try:
             image = await self.encoder.encode(data)
         except ImageError as exc:

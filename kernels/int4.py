@@ -70,7 +70,7 @@ def quantize_int4_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.
         best_scale = torch.where(better, scale, best_scale)
     inv = torch.where(best_scale > 0, 1.0 / best_scale, torch.zeros_like(best_scale))
     q = torch.floor(xg * inv[..., None] + 0.5).clamp_(_QMIN, _QMAX).to(torch.int32) + 8
-    q = q.view(n, nbytes, 2)
+    q = q.view(n, nbytes, 2)  # [N, B, 2]: (low, high) nibble of each byte
     packed = (q[..., 0] | (q[..., 1] << 4)).to(torch.uint8)
     return packed, best_scale.half()
 
@@ -79,11 +79,11 @@ def dequantize_int4_ref(
     packed: torch.Tensor, scales: torch.Tensor, hidden: int, group: int
 ) -> torch.Tensor:
     """Torch reference. (packed [N, B] uint8, scales [N, G] fp16) -> [N, hidden] float32."""
-    n = packed.shape[0]
+    n, groups = scales.shape
     b = packed.to(torch.int32)
-    q = torch.stack((b & 15, b >> 4), dim=-1).view(n, -1, group) - 8  # [N, G, group]
+    q = torch.stack((b & 15, b >> 4), dim=-1).view(n, groups, group) - 8  # [N, G, group]
     x = q.float() * scales.float()[..., None]
-    return x.view(n, -1)[:, :hidden]
+    return x.view(n, groups * group)[:, :hidden]
 
 
 def _quantize_int4_kernel(

@@ -19,7 +19,7 @@ import time
 import zlib
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import (
@@ -134,7 +134,7 @@ class OTLPReceiver:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
-    def __enter__(self) -> OTLPReceiver:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -167,10 +167,7 @@ class OTLPReceiver:
                                 start_time_unix_nano=int(s.start_time_unix_nano),
                                 end_time_unix_nano=int(s.end_time_unix_nano),
                                 attributes=_attrs(s.attributes),
-                                events=[
-                                    ReceivedEvent(e.name, int(e.time_unix_nano), _attrs(e.attributes))
-                                    for e in s.events
-                                ],
+                                events=[_event(e) for e in s.events],
                                 status_code=int(s.status.code),
                                 scope=ss.scope.name,
                                 resource=resource,
@@ -202,7 +199,7 @@ class OTLPReceiver:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server naming)
+            def do_POST(self) -> None:
                 route = _ROUTES.get(self.path.split("?", 1)[0])
                 if route is None:
                     self.send_error(404)
@@ -229,10 +226,14 @@ class OTLPReceiver:
                 self.end_headers()
                 self.wfile.write(payload)
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            def log_message(self, format: str, *args: Any) -> None:
                 return
 
         return Handler
+
+
+def _event(e: Any) -> ReceivedEvent:
+    return ReceivedEvent(e.name, int(e.time_unix_nano), _attrs(e.attributes))
 
 
 def _points(m: Any, resource: dict[str, Any]) -> list[ReceivedPoint]:

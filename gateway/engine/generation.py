@@ -32,7 +32,9 @@ def cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def make_cache(model: Any, layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Any:
+def make_cache(
+    model: Any, layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+) -> Any:
     """A DynamicCache, optionally pre-filled with per-layer (keys, values) [1, Hkv, S, D]."""
     from transformers import DynamicCache
 
@@ -64,7 +66,9 @@ def prefill(
     return logits
 
 
-def decode_one_token(model: Any, cache: Any, token_id: int, *, cache_arg: str = "cache") -> torch.Tensor:
+def decode_one_token(
+    model: Any, cache: Any, token_id: int, *, cache_arg: str = "cache"
+) -> torch.Tensor:
     """Feed one token; return the next-token logits [vocab]."""
     ids = torch.tensor([[token_id]], device=model.device)  # [1, 1]
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_arg: cache})
@@ -99,7 +103,7 @@ class StreamDecoder:
     still grow into a stop string. `text` is everything emitted so far.
     """
 
-    __slots__ = ("_decode", "_stops", "ids", "text", "stopped")
+    __slots__ = ("_decode", "_stops", "ids", "stopped", "text")
 
     def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = ()) -> None:
         self._decode = decode

@@ -89,11 +89,18 @@ class KVEntry:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers)
+        return sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.layers
+        )
 
-    def reusable(self, tokens: Sequence[int], images: Sequence[ImageSpan], hashes: Sequence[bytes]) -> int:
+    def reusable(
+        self, tokens: Sequence[int], images: Sequence[ImageSpan], hashes: Sequence[bytes]
+    ) -> int:
         """How many leading positions of the given sequence this entry's KV covers."""
         return common_prefix(
-            self.hashes, position_keys(self.tokens, self.images),
-            hashes, position_keys(tokens, images), self.block_size,
+            self.hashes,
+            position_keys(self.tokens, self.images),
+            hashes,
+            position_keys(tokens, images),
+            self.block_size,
         )

@@ -65,12 +65,20 @@ def encode_entry(entry: KVEntry, seed: bytes) -> bytes:
     tensors = [t for pair in entry.layers for t in pair]
     dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "float32"
     header = KVHeader(
-        version=1, seed=seed, block_size=entry.block_size, dtype=dtype,
-        shapes=[list(t.shape) for t in tensors], hashes=list(entry.hashes), tokens=list(entry.tokens),
-        images=[(s.start, s.length, s.key) for s in entry.images], body_hash=b"",
+        version=1,
+        seed=seed,
+        block_size=entry.block_size,
+        dtype=dtype,
+        shapes=[list(t.shape) for t in tensors],
+        hashes=list(entry.hashes),
+        tokens=list(entry.tokens),
+        images=[(s.start, s.length, s.key) for s in entry.images],
+        body_hash=b"",
     )
     # raw bytes as uint8 views, so every dtype (bfloat16 included) goes through numpy unchanged
-    body = b"".join(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+    body = b"".join(
+        t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes() for t in tensors
+    )
     header = msgspec.structs.replace(header, body_hash=_body_hash(body))
     head = _header_encoder.encode(header)
     return _MAGIC + _LEN.pack(len(head)) + head + body
@@ -110,7 +118,11 @@ def decode_entry(raw: bytes, seed: bytes) -> KVEntry:
         raise CorruptEntry("block hashes do not match the tokens")
     tensors, offset = [], 0
     for shape, size in zip(header.shapes, sizes):
-        flat = torch.frombuffer(body, dtype=torch.uint8, count=size, offset=offset) if size else torch.empty(0, dtype=torch.uint8)
+        flat = (
+            torch.frombuffer(body, dtype=torch.uint8, count=size, offset=offset)
+            if size
+            else torch.empty(0, dtype=torch.uint8)
+        )
         tensors.append(flat.view(dtype).reshape(shape))
         offset += size
     layers = list(zip(tensors[0::2], tensors[1::2]))
@@ -143,7 +155,9 @@ class RedisKVStore:
         self._writing = 0
         self._cond = threading.Condition()
         self._closed = False
-        self._writer = threading.Thread(target=self._write_loop, name="kv-redis-writer", daemon=True)
+        self._writer = threading.Thread(
+            target=self._write_loop, name="kv-redis-writer", daemon=True
+        )
         self._writer.start()
 
     def redis_key(self, key: str) -> str:

@@ -18,7 +18,7 @@ import copy
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,12 +99,17 @@ class LocalEngine:
         self._kv_redis_url = kv_spill_redis_url
         self._kv_ttl_s = kv_ttl_s
         self._device = device
-        self.model_id = "SmolLM2-135M-Instruct" if model_path is None else str(model_path).rstrip("/").split("/")[-1]
+        self.model_id = (
+            "SmolLM2-135M-Instruct"
+            if model_path is None
+            else str(model_path).rstrip("/").split("/")[-1]
+        )
         self.hidden_size = 576 if model_path is None else 0  # set from the config on start
         self.embedding_rms = 0.0  # RMS of the token-embedding rows; set on start
         self.kv_store: KVStore | None = None
         self._weights: LoadedModel | None = None
         self._count_tokenizer: Any = None
+        self._max_positions = 1 << 30
         self._jobs: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
         self._thread: threading.Thread | None = None
         self._ready = False
@@ -125,11 +130,16 @@ class LocalEngine:
         """A new, unstarted engine sharing this one's loaded weights (its own queue and KV store)."""
         if self._weights is None:
             raise EngineError("start the engine before making a replica", code="not_ready")
-        args = dict(
-            model_path=self._model_path, cache_dir=self._cache_dir, max_queue=self._max_queue,
-            kv_budget_bytes=self._kv_budget_bytes, kv_block_size=self._kv_block_size,
-            kv_spill_redis_url=self._kv_redis_url, kv_ttl_s=self._kv_ttl_s, device=self._device,
-        )
+        args = {
+            "model_path": self._model_path,
+            "cache_dir": self._cache_dir,
+            "max_queue": self._max_queue,
+            "kv_budget_bytes": self._kv_budget_bytes,
+            "kv_block_size": self._kv_block_size,
+            "kv_spill_redis_url": self._kv_redis_url,
+            "kv_ttl_s": self._kv_ttl_s,
+            "device": self._device,
+        }
         args.update(overrides)
         twin = LocalEngine(**args)
         twin._weights = self._weights
@@ -150,20 +160,28 @@ class LocalEngine:
         table = w.model.get_input_embeddings().weight.detach().float()  # [vocab, H]
         self.embedding_rms = float(table.pow(2).mean().sqrt())
         self._eos_ids = self._stop_ids(w)
+        text_config = w.model.config.get_text_config()
+        self._max_positions = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 30)
         # the worker thread uses the tokenizer; a Rust tokenizer is not safe to share across threads
         self._count_tokenizer = copy.deepcopy(w.tokenizer)
         dtype_name = str(w.dtype).removeprefix("torch.")
         self._seed = chain_seed(w.model_id, dtype_name, self._kv_block_size)
         self._cache_arg = cache_kwarg(w.model)
         self.kv_store = self._make_store()
-        self._thread = threading.Thread(target=self._worker, name=f"engine-{w.model_id}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._worker, name=f"engine-{w.model_id}", daemon=True
+        )
         self._thread.start()
-        warm = GenerationRequest("warmup", [Message("user", ["Hi"])], SamplingParams(max_output_tokens=2))
+        warm = GenerationRequest(
+            "warmup", [Message("user", ["Hi"])], SamplingParams(max_output_tokens=2)
+        )
         started = time.perf_counter()
         async for _ in self._stream(warm):
             pass
         self._ready = True
-        log.info("engine.ready", model_id=self.model_id, warmup_ms=_ms(time.perf_counter() - started))
+        log.info(
+            "engine.ready", model_id=self.model_id, warmup_ms=_ms(time.perf_counter() - started)
+        )
 
     def _make_store(self) -> KVStore:
         if self._kv_redis_url is None:
@@ -171,14 +189,20 @@ class LocalEngine:
         from gateway.engine.kvredis import RedisKVStore
 
         return RedisKVStore(
-            self._kv_redis_url, self._kv_budget_bytes, seed=self._seed, ttl_s=self._kv_ttl_s,
+            self._kv_redis_url,
+            self._kv_budget_bytes,
+            seed=self._seed,
+            ttl_s=self._kv_ttl_s,
             device=self._weights.device if self._weights is not None else "cpu",
         )
 
     @staticmethod
     def _stop_ids(w: LoadedModel) -> frozenset[int]:
         ids: set[int] = set()
-        for source in (w.tokenizer.eos_token_id, getattr(w.model.generation_config, "eos_token_id", None)):
+        for source in (
+            w.tokenizer.eos_token_id,
+            getattr(w.model.generation_config, "eos_token_id", None),
+        ):
             if isinstance(source, int):
                 ids.add(source)
             elif source:
@@ -212,6 +236,7 @@ class LocalEngine:
 
         A turn's KV is stored just after its result is sent, and written to Redis behind that.
         """
+
         def wait() -> bool:
             deadline = time.monotonic() + timeout
             with self._keep_done:
@@ -293,20 +318,32 @@ class LocalEngine:
         image_keys: dict[int, str] = {}
         for message in req.messages:
             for part in message.content:
-                if isinstance(part, ImageInput) and (part.embeds.ndim != 2 or part.embeds.shape[1] != self.hidden_size):
+                if isinstance(part, ImageInput) and (
+                    part.embeds.ndim != 2 or part.embeds.shape[1] != self.hidden_size
+                ):
                     raise EngineError(
                         f"image embeds must be [N, {self.hidden_size}], got {tuple(part.embeds.shape)}",
                         code="invalid_image",
                     )
-        prompt = render(w.tokenizer, req.messages, add_generation_prompt=True, image_keys=image_keys)
+        prompt = render(
+            w.tokenizer, req.messages, add_generation_prompt=True, image_keys=image_keys
+        )
         if prompt.length == 0:
             raise EngineError("empty prompt", code="invalid_request")
+        if prompt.length >= self._max_positions:
+            raise EngineError(
+                f"prompt is {prompt.length} tokens; the model takes {self._max_positions}",
+                code="context_length_exceeded",
+            )
+        max_new = min(sp.max_output_tokens, self._max_positions - prompt.length)
 
         cached, layers = self._lookup(req.kv_key, prompt)
         cache = make_cache(w.model, layers)
         started = time.perf_counter()
         embeds = embed_positions(w.model.get_input_embeddings(), prompt, cached, w.dtype, w.device)
-        logits = prefill(w.model, cache, embeds, cache_arg=self._cache_arg, should_stop=req.cancel.is_set)
+        logits = prefill(
+            w.model, cache, embeds, cache_arg=self._cache_arg, should_stop=req.cancel.is_set
+        )
         prefill_done = time.perf_counter()
 
         generator = None
@@ -317,7 +354,9 @@ class LocalEngine:
             else:
                 generator.seed()
         decoder = StreamDecoder(
-            lambda ids: w.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False),
+            lambda ids: w.tokenizer.decode(
+                ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+            ),
             sp.stop,
         )
         generated: list[int] = []
@@ -327,7 +366,7 @@ class LocalEngine:
             if logits is None or req.cancel.is_set():
                 finish = "cancelled"
                 break
-            if len(generated) >= sp.max_output_tokens:
+            if len(generated) >= max_new:
                 finish = "length"
                 break
             token = sample_next(logits, sp.temperature, sp.top_p, generator)
@@ -343,7 +382,7 @@ class LocalEngine:
             if decoder.stopped:
                 finish = "stop"
                 break
-            if len(generated) >= sp.max_output_tokens:
+            if len(generated) >= max_new:
                 finish = "length"
                 break
             if req.cancel.is_set():
@@ -374,9 +413,14 @@ class LocalEngine:
                 self._keeping += 1
         job.post(result)
         log.info(
-            "engine.generated", request_id=req.request_id, finish_reason=finish,
-            input_tokens=result.input_tokens, cached_tokens=cached, output_tokens=result.output_tokens,
-            prefill_ms=result.prefill_ms, decode_ms=result.decode_ms,
+            "engine.generated",
+            request_id=req.request_id,
+            finish_reason=finish,
+            input_tokens=result.input_tokens,
+            cached_tokens=cached,
+            output_tokens=result.output_tokens,
+            prefill_ms=result.prefill_ms,
+            decode_ms=result.decode_ms,
         )
         if keep:
             try:
@@ -390,7 +434,9 @@ class LocalEngine:
 
     # -- KV reuse ----------------------------------------------------------------------------
 
-    def _lookup(self, kv_key: str | None, prompt: Prompt) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+    def _lookup(
+        self, kv_key: str | None, prompt: Prompt
+    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | None]:
         """Positions of `prompt` whose KV is reusable, and those KV tensors (sliced)."""
         if kv_key is None or self.kv_store is None:
             return 0, None
@@ -429,12 +475,18 @@ class LocalEngine:
         history = [*req.messages, Message("assistant", [answer])]
         target = render(w.tokenizer, history, add_generation_prompt=False, image_keys=image_keys)
         keep = common_prefix(
-            (), position_keys(have_tokens, prompt.images), (), position_keys(target.tokens, target.images), 1
+            (),
+            position_keys(have_tokens, prompt.images),
+            (),
+            position_keys(target.tokens, target.images),
+            1,
         )
         layers = [(layer.keys[:, :, :keep], layer.values[:, :, :keep]) for layer in cache.layers]
         if keep < target.length:
             cache = make_cache(w.model, layers)
-            embeds = embed_positions(w.model.get_input_embeddings(), target, keep, w.dtype, w.device)
+            embeds = embed_positions(
+                w.model.get_input_embeddings(), target, keep, w.dtype, w.device
+            )
             prefill(w.model, cache, embeds, cache_arg=self._cache_arg)
             layers = [(layer.keys, layer.values) for layer in cache.layers]
         layers = [(k.contiguous(), v.contiguous()) for k, v in layers]
@@ -442,6 +494,10 @@ class LocalEngine:
         entry = KVEntry(target.tokens, target.images, self._kv_block_size, hashes, layers)
         self.kv_store.put(req.kv_key, entry)  # type: ignore[arg-type]
         log.debug(
-            "kv.kept", kv_key=req.kv_key, positions=entry.length, realigned=target.length - keep,
-            nbytes=entry.nbytes, ms=_ms(time.perf_counter() - started),
+            "kv.kept",
+            kv_key=req.kv_key,
+            positions=entry.length,
+            realigned=target.length - keep,
+            nbytes=entry.nbytes,
+            ms=_ms(time.perf_counter() - started),
         )

@@ -21,7 +21,15 @@ import torch
 
 from gateway.engine.base import ImageInput, Message
 
-__all__ = ("IMAGE_CLOSE", "IMAGE_OPEN", "ImageSpan", "Prompt", "embed_positions", "image_key", "render")
+__all__ = (
+    "IMAGE_CLOSE",
+    "IMAGE_OPEN",
+    "ImageSpan",
+    "Prompt",
+    "embed_positions",
+    "image_key",
+    "render",
+)
 
 IMAGE_OPEN = "<image>"
 IMAGE_CLOSE = "</image>"
@@ -94,7 +102,9 @@ def render(
         else:
             image = images[int(piece)]
             if image.embeds.ndim != 2:
-                raise ValueError(f"image embeds must be [N, hidden], got {tuple(image.embeds.shape)}")
+                raise ValueError(
+                    f"image embeds must be [N, hidden], got {tuple(image.embeds.shape)}"
+                )
             key = keys.get(id(image))
             if key is None:
                 key = keys[id(image)] = image_key(image)

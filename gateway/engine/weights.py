@@ -152,7 +152,9 @@ def ensure_default_converted(cache_dir: str | os.PathLike[str] | None = None) ->
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("model.convert.done", target=str(target), seconds=round(time.perf_counter() - started, 2))
+    log.info(
+        "model.convert.done", target=str(target), seconds=round(time.perf_counter() - started, 2)
+    )
     return target
 
 
@@ -191,7 +193,10 @@ def load_weights(
     model.to(dev).eval()
     hidden = int(model.config.get_text_config().hidden_size)
     log.info(
-        "model.loaded", model_id=model_id, path=str(path), device=str(dev),
+        "model.loaded",
+        model_id=model_id,
+        path=str(path),
+        device=str(dev),
         seconds=round(time.perf_counter() - started, 2),
     )
     return LoadedModel(model, tokenizer, model_id, path, dev, dtype, hidden)

@@ -1,8 +1,9 @@
 """Telemetry configuration read from the standard ``OTEL_*`` environment variables.
 
 Only what decides *whether and where* to export is resolved here; the SDK's own knobs
-(``OTEL_BSP_*``, ``OTEL_TRACES_SAMPLER``, ``OTEL_EXPORTER_OTLP_HEADERS``, ``OTEL_RESOURCE_ATTRIBUTES``)
-are left for the SDK to read when the exporters and providers are built.
+(``OTEL_BSP_*``, ``OTEL_TRACES_SAMPLER``, ``OTEL_EXPORTER_OTLP_HEADERS``,
+``OTEL_RESOURCE_ATTRIBUTES``) are left for the SDK to read when the exporters and providers
+are built.
 """
 
 from __future__ import annotations

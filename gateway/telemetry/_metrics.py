@@ -190,7 +190,8 @@ class GatewayMetrics:
         self._record("visiongate.encode.queue.duration", queue_ms / 1000.0)
         self._record("visiongate.encode.batch.size", float(batch_size))
         self._add("visiongate.visual_tokens", tokens_kept, {"kind": "kept"})
-        self._add("visiongate.visual_tokens", max(tokens_total - tokens_kept, 0), {"kind": "dropped"})
+        dropped = max(tokens_total - tokens_kept, 0)
+        self._add("visiongate.visual_tokens", dropped, {"kind": "dropped"})
 
     def record_cache_lookup(self, *, cache: str, tier: str, result: str) -> None:
         """``cache``: vision | kv; ``tier``: memory | redis | none; ``result``: hit | miss."""

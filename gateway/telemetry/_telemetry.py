@@ -89,7 +89,8 @@ class Telemetry:
         )
         self.tracer_provider = TracerProvider(resource=self.resource)
         if config.traces is not None:
-            self.tracer_provider.add_span_processor(BatchSpanProcessor(_span_exporter(config.traces)))
+            exporter = _span_exporter(config.traces)
+            self.tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
 
         self.registry = CollectorRegistry(auto_describe=False)
         readers: list[MetricReader] = [

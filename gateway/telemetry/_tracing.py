@@ -117,7 +117,7 @@ def record_stage_spans(
     cursor = int(start_ns)
     for stage, ms in timings_ms.items():
         name = stage if stage.startswith(prefix) else prefix + stage
-        end = cursor + max(int(round(float(ms) * 1_000_000)), 0)
+        end = cursor + max(round(float(ms) * 1_000_000), 0)
         span = tracer.start_span(name, context=context, start_time=cursor, attributes=attrs)
         span.end(end_time=end)
         cursor = end

@@ -104,7 +104,9 @@ def test_k8s_manifests(k8s: list[dict[str, Any]], compose: dict[str, Any]) -> No
     (g,) = _containers(gateway)
     (e,) = _containers(encoder)
     assert g["image"] == e["image"]
-    assert g["image"].split(":")[0] == compose["services"]["gateway"]["image"].split(":-")[-1].split(":")[0]
+    # compose: ${VISIONGATE_IMAGE:-visiongate:0.1.0}; the default is the k8s image
+    compose_default = compose["services"]["gateway"]["image"].split(":-", 1)[-1].rstrip("}")
+    assert g["image"] == compose_default
     assert g["args"][:2] == ["visiongate", "serve"] and e["args"][:2] == ["visiongate", "worker"]
     assert e["resources"]["limits"]["nvidia.com/gpu"] == 1
 

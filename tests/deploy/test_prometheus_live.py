@@ -32,7 +32,7 @@ def metrics_server() -> Iterator[tuple[Telemetry, int]]:
     telemetry = Telemetry(config_from_env({}), "0.0.0-test", "live-test")
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             body, content_type = telemetry.prometheus_text()
             self.send_response(200)
             self.send_header("Content-Type", content_type)

@@ -16,7 +16,7 @@ MiB = 1024 * 1024
 
 def gateway_settings(**overrides) -> Settings:
     base = dict(max_output_tokens=24, max_image_bytes=2 * MiB, max_pixels=4_000_000,
-                engine_max_queue=4, cache_dir=os.environ.get("VISIONGATE_CACHE_DIR"))
+                engine_max_queue=8, cache_dir=os.environ.get("VISIONGATE_CACHE_DIR"))
     base.update(overrides)
     return Settings.load(base, environ={})
 
@@ -33,3 +33,17 @@ def gateway_server() -> Iterator[ServerThread]:
 @pytest.fixture(scope="session")
 def ws_url(gateway_server: ServerThread) -> str:
     return gateway_server.ws_url
+
+
+def gateway_state(server: ServerThread):
+    return server.app.state["gateway"]
+
+
+@pytest.fixture(scope="module")
+def uncached_server() -> Iterator[ServerThread]:
+    """A gateway that keeps nothing between turns: no vision cache, no KV reuse (the stateless
+    baseline answers must match)."""
+    settings = gateway_settings(vision_cache_bytes=0, kv_budget_bytes=0)
+    with ServerThread(create_app(settings), settings) as server:
+        server.wait_ready()
+        yield server

@@ -18,7 +18,9 @@ async def engine() -> AsyncIterator[LocalEngine]:
     await eng.aclose()
 
 
-async def _collect(engine: LocalEngine, request: GenerationRequest) -> tuple[list[str], GenerationResult]:
+async def _collect(
+    engine: LocalEngine, request: GenerationRequest
+) -> tuple[list[str], GenerationResult]:
     """Run one request to the end: (text deltas, the result)."""
     deltas: list[str] = []
     result = None

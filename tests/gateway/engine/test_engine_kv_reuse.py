@@ -15,7 +15,9 @@ SYSTEM = Message("system", ["You are a concise geography tutor."])
 
 
 def request(messages: list[Message], kv_key: str | None, max_tokens: int = 16) -> GenerationRequest:
-    return GenerationRequest("kv", messages, SamplingParams(max_output_tokens=max_tokens), kv_key=kv_key)
+    return GenerationRequest(
+        "kv", messages, SamplingParams(max_output_tokens=max_tokens), kv_key=kv_key
+    )
 
 
 def image(engine, seed: int, digest: str, n: int = 12) -> ImageInput:
@@ -64,7 +66,7 @@ async def test_length_and_stop_answers_are_reused_too(engine, collect) -> None:
 
 async def test_edited_history_reuses_only_the_common_prefix(engine, collect) -> None:
     first = [SYSTEM, Message("user", ["What is the capital of Spain?"])]
-    turn1, _, _ = await two_turns(engine, collect, "s-edit", first, "Thanks.")
+    _turn1, _, _ = await two_turns(engine, collect, "s-edit", first, "Thanks.")
     edited = [SYSTEM, Message("user", ["What is the capital of Portugal?"])]
     _, turn3 = await collect(engine, request(edited, "s-edit"))
     system_len = history_length(engine, [SYSTEM])
@@ -77,11 +79,15 @@ async def test_changed_image_invalidates_from_its_block(engine, collect) -> None
     photo_a = image(engine, 1, "a" * 64)
     photo_b = image(engine, 2, "b" * 64)
     first = [SYSTEM, Message("user", ["Here is a photo.", photo_a, "What do you see?"])]
-    turn1, turn2, second = await two_turns(engine, collect, "s-img", first, "Is it outdoors?")
+    _turn1, turn2, second = await two_turns(engine, collect, "s-img", first, "Is it outdoors?")
     assert turn2.cached_tokens == history_length(engine, second[:3])  # same image: all reused
     assert turn2.image_tokens == 12
 
-    swapped = [SYSTEM, Message("user", ["Here is a photo.", photo_b, "What do you see?"]), *second[2:]]
+    swapped = [
+        SYSTEM,
+        Message("user", ["Here is a photo.", photo_b, "What do you see?"]),
+        *second[2:],
+    ]
     _, turn3 = await collect(engine, request(swapped, "s-img"))
     image_start = render(engine.tokenizer, swapped, add_generation_prompt=True).images[0].start
     assert 0 < turn3.cached_tokens <= image_start
@@ -90,7 +96,11 @@ async def test_changed_image_invalidates_from_its_block(engine, collect) -> None
 
     # same digest, different embeddings (another encoder config): not reused either
     regenerated = ImageInput("b" * 64, photo_b.embeds * 0.5)
-    again = [SYSTEM, Message("user", ["Here is a photo.", regenerated, "What do you see?"]), *second[2:]]
+    again = [
+        SYSTEM,
+        Message("user", ["Here is a photo.", regenerated, "What do you see?"]),
+        *second[2:],
+    ]
     _, turn4 = await collect(engine, request(again, "s-img"))
     assert turn4.cached_tokens <= image_start
 

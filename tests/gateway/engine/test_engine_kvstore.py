@@ -23,7 +23,10 @@ PER_TOKEN = LAYERS * 2 * HEADS * DIM * 4  # bytes per position
 def make_entry(tokens: list[int], images: list[ImageSpan] = (), fill: float = 1.0) -> KVEntry:
     n = len(tokens)
     layers = [
-        (torch.full((1, HEADS, n, DIM), float(fill + i), dtype=torch.float32), torch.arange(n * DIM, dtype=torch.float32).reshape(1, HEADS, n, DIM))
+        (
+            torch.full((1, HEADS, n, DIM), float(fill + i), dtype=torch.float32),
+            torch.arange(n * DIM, dtype=torch.float32).reshape(1, HEADS, n, DIM),
+        )
         for i in range(LAYERS)
     ]
     return KVEntry(list(tokens), list(images), 4, block_hashes(tokens, images, 4, SEED), layers)
@@ -31,7 +34,9 @@ def make_entry(tokens: list[int], images: list[ImageSpan] = (), fill: float = 1.
 
 def same(a: KVEntry, b: KVEntry) -> bool:
     return (
-        a.tokens == b.tokens and a.images == b.images and a.hashes == b.hashes
+        a.tokens == b.tokens
+        and a.images == b.images
+        and a.hashes == b.hashes
         and all(torch.equal(x, y) for pa, pb in zip(a.layers, b.layers) for x, y in zip(pa, pb))
     )
 
@@ -115,7 +120,9 @@ def test_common_prefix_stops_at_changed_image() -> None:
     assert ha[0] == hb[0] and ha[1] != hb[1]
     n = common_prefix(ha, position_keys(tokens, a_imgs), hb, position_keys(tokens, b_imgs), 4)
     assert n == 5
-    assert common_prefix(ha, position_keys(tokens, a_imgs), ha, position_keys(tokens, a_imgs), 4) == 16
+    assert (
+        common_prefix(ha, position_keys(tokens, a_imgs), ha, position_keys(tokens, a_imgs), 4) == 16
+    )
 
 
 def test_codec_round_trip_and_seed_check() -> None:
@@ -200,7 +207,9 @@ def test_redis_token_tampering_detected_by_hashes(redis_url: str) -> None:
 def test_redis_unreachable_is_a_miss() -> None:
     from tests.conftest import free_port
 
-    store = RedisKVStore(f"redis://127.0.0.1:{free_port()}/0", 1 << 20, seed=SEED, socket_timeout_s=0.5)
+    store = RedisKVStore(
+        f"redis://127.0.0.1:{free_port()}/0", 1 << 20, seed=SEED, socket_timeout_s=0.5
+    )
     try:
         assert store.get("s1") is None
         store.put("s1", make_entry(list(range(9))))  # kept in memory, the write fails quietly

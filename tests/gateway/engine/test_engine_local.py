@@ -158,7 +158,9 @@ async def test_queue_full_is_busy_and_cancelled_waiter_never_runs(engine, collec
 async def test_image_is_spliced_and_counted(engine, collect) -> None:
     image = random_image(engine, 8, seed=1, digest="a" * 64)
     with_image = GenerationRequest(
-        "img", [Message("user", ["Describe this image.", image])], SamplingParams(max_output_tokens=8)
+        "img",
+        [Message("user", ["Describe this image.", image])],
+        SamplingParams(max_output_tokens=8),
     )
     deltas, result = await collect(engine, with_image)
     _, text_only = await collect(engine, ask("Describe this image.", 8))
@@ -183,3 +185,13 @@ async def test_seeded_sampling_is_reproducible(engine, collect) -> None:
     second = await collect(engine, ask(STORY, 12, temperature=0.9, top_p=0.9, seed=1234))
     assert first[1].text == second[1].text
     assert first[1].output_tokens == second[1].output_tokens
+
+
+async def test_prompt_past_the_context_is_an_error(engine) -> None:
+    from gateway.engine.base import EngineError
+
+    request = ask("word " * 9000, 4)
+    with pytest.raises(EngineError) as info:
+        async for _ in engine.generate(request):
+            pass
+    assert info.value.code == "context_length_exceeded"

@@ -44,6 +44,8 @@ def test_exporter_none_and_sdk_disabled() -> None:
 def test_interval_and_bad_values() -> None:
     assert config_from_env({"OTEL_METRIC_EXPORT_INTERVAL": "250"}).metric_export_interval_ms == 250
     with pytest.raises(ValueError, match="protocol"):
-        config_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c", "OTEL_EXPORTER_OTLP_PROTOCOL": "x"})
+        config_from_env(
+            {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c", "OTEL_EXPORTER_OTLP_PROTOCOL": "x"}
+        )
     with pytest.raises(ValueError, match="OTEL_METRIC_EXPORT_INTERVAL"):
         config_from_env({"OTEL_METRIC_EXPORT_INTERVAL": "soon"})

@@ -1,4 +1,5 @@
-"""structlog output: JSON lines carrying the current span's ids, for structlog and stdlib loggers."""
+"""structlog output: JSON lines carrying the current span's ids, from structlog and stdlib
+loggers alike."""
 
 from __future__ import annotations
 

@@ -37,7 +37,9 @@ def samples(t: Telemetry) -> list[tuple[str, dict[str, str], float]]:
 
 
 def value(rows: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
-    found = [v for n, lab, v in rows if n == name and all(lab.get(k) == x for k, x in labels.items())]
+    found = [
+        v for n, lab, v in rows if n == name and all(lab.get(k) == x for k, x in labels.items())
+    ]
     assert len(found) == 1, (name, labels, found)
     return found[0]
 
@@ -96,7 +98,8 @@ def test_values_and_labels(telemetry: Telemetry) -> None:
     assert value(rows, "visiongate_sessions_active") == 2
     assert value(rows, "visiongate_encode_queue_depth") == 5
     assert value(rows, "visiongate_cache_bytes", cache="vision") == 1024
-    info = value(rows, "target_info", service_name="visiongate", service_instance_id="test-instance")
+    info = value(rows, "target_info", service_name="visiongate",
+                 service_instance_id="test-instance")
     assert info == 1
 
 

@@ -22,7 +22,7 @@ def receiver() -> Iterator[OTLPReceiver]:
         yield r
 
 
-def _one_response(t) -> None:  # noqa: ANN001
+def _one_response(t) -> None:
     with t.response_span(model="smol", api="realtime", response_id="r1", session_id="s1") as root:
         t.stage_spans(None, time.time_ns(), {"preprocess": 2.0, "vision": 9.0})
         root.add_event(SPAN.EVENT_TTFT)
@@ -73,7 +73,7 @@ class _Traces(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self) -> None:
         self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
 
-    def Export(self, request, context):  # noqa: ANN001, N802
+    def Export(self, request, context):
         self.requests.append(request)
         return trace_service_pb2.ExportTraceServiceResponse()
 
@@ -82,7 +82,7 @@ class _Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
     def __init__(self) -> None:
         self.requests: list[metrics_service_pb2.ExportMetricsServiceRequest] = []
 
-    def Export(self, request, context):  # noqa: ANN001, N802
+    def Export(self, request, context):
         self.requests.append(request)
         return metrics_service_pb2.ExportMetricsServiceResponse()
 

@@ -1,0 +1,1 @@
+"""Reproducible benchmarks: side-by-side ratios, JSON and PNG output."""

@@ -1,0 +1,155 @@
+"""Serving the small resources of the HTTP API: models, uploaded images, sessions.
+
+Like the chat serving layer, these return values (`ErrorResponse` for a refusal) and leave
+HTTP to the routes. Images are content-addressed and shared by every caller (the digest is the
+name); sessions belong to one API key, and a foreign session is indistinguishable from an
+unknown one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import structlog
+
+from gateway.http import protocol as p
+from gateway.images import REF_PREFIX, digest_of, sniff_image
+from gateway.protocol.errors import GatewayError
+from gateway.sessions.base import StoredItem
+
+if TYPE_CHECKING:
+    from gateway.app import GatewayState
+    from gateway.vision import Resolved
+
+__all__ = ("ImageServing", "ModelServing", "SessionServing", "session_view")
+
+log = structlog.get_logger("visiongate.http")
+
+ENCODE_STAGES = ("decode", "preprocess", "vision", "prune", "quantize")
+
+
+def _not_ready() -> GatewayError:
+    return GatewayError("busy", "the model is still loading; retry when /readyz answers 200")
+
+
+class ModelServing:
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    def _card(self) -> p.ModelCard:
+        return p.ModelCard(id=self.state.engine.model_id, created=int(self.state.started_at))
+
+    def list(self) -> p.ModelList:
+        return p.ModelList(data=[self._card()])
+
+    def get(self, model: str) -> p.ModelCard | p.ErrorResponse:
+        if model != self.state.engine.model_id:
+            return p.error_response(GatewayError("model_not_found",
+                                                 f"the model {model!r} does not exist", param="model"))
+        return self._card()
+
+
+class ImageServing:
+    """`POST /v1/images` stores the bytes and starts encoding; the status is polled by digest."""
+
+    MAX_TRACKED = 1024  # encodes remembered for status (the cache itself remembers the rest)
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+        self._encodes: OrderedDict[str, asyncio.Task[Resolved]] = OrderedDict()
+
+    async def upload(self, data: bytes) -> p.ImageStatus | p.ErrorResponse:
+        state, settings = self.state, self.state.settings
+        if not state.ready:
+            return p.error_response(_not_ready())
+        if not data:
+            return p.error_response(GatewayError("invalid_image", "the request holds no image bytes",
+                                                 param="file"))
+        try:
+            fmt, width, height = sniff_image(data, max_bytes=settings.max_image_bytes,
+                                             max_pixels=settings.max_pixels, param="file")
+        except GatewayError as exc:
+            return p.error_response(exc)
+        digest = digest_of(data)
+        await state.vision.add(digest, data)
+        status = await self.status(digest)
+        if not (isinstance(status, p.ImageStatus) and status.status in ("encoding", "ready")):
+            self._track(digest, state.vision.start(digest))
+            status = p.ImageStatus(id=digest, ref=REF_PREFIX + digest, status="encoding")
+        status.bytes, status.format, status.width, status.height = len(data), fmt, width, height
+        log.info("image_uploaded", digest=digest[:12], bytes=len(data), status=status.status)
+        return status
+
+    async def status(self, digest: str) -> p.ImageStatus | p.ErrorResponse:
+        state = self.state
+        digest = digest.lower().removeprefix(REF_PREFIX)
+        if not state.ready:
+            return p.error_response(_not_ready())
+        ref = REF_PREFIX + digest
+        task = self._encodes.get(digest)
+        if task is not None and not task.done():
+            return p.ImageStatus(id=digest, ref=ref, status="encoding")
+        if task is not None and not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            error = exc if isinstance(exc, GatewayError) else GatewayError("internal_error", str(exc))
+            return p.ImageStatus(id=digest, ref=ref, status="failed",
+                                 error=p.error_response(error).error)
+        image = await state.vision.cached(digest)
+        if image is not None:
+            encode_ms = sum(v for k, v in image.timings_ms.items() if k in ENCODE_STAGES)
+            return p.ImageStatus(id=digest, ref=ref, status="ready", tokens_kept=image.tokens_kept,
+                                 tokens_total=image.tokens_total, encode_ms=round(encode_ms, 3))
+        if await state.vision.known(digest):
+            return p.ImageStatus(id=digest, ref=ref, status="stored")
+        return p.error_response(GatewayError("image_not_found", f"no image with digest {digest}",
+                                             param="digest"))
+
+    def _track(self, digest: str, task: asyncio.Task[Resolved]) -> None:
+        # a failed pre-encode is reported by status(); retrieve it so asyncio does not warn
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._encodes[digest] = task
+        self._encodes.move_to_end(digest)
+        while len(self._encodes) > self.MAX_TRACKED:
+            oldest, old = next(iter(self._encodes.items()))
+            if not old.done():
+                break
+            del self._encodes[oldest]
+
+
+def session_view(session) -> p.SessionView:
+    return p.SessionView(
+        id=session.id, created_at=session.created_at, updated_at=session.updated_at,
+        instructions=session.instructions, max_output_tokens=session.max_output_tokens,
+        temperature=session.temperature, top_p=session.top_p, seed=session.seed,
+        items=[_item_view(i) for i in session.items], images=session.image_digests)
+
+
+def _item_view(item: StoredItem) -> p.SessionItemView:
+    content: list[dict[str, object]] = []
+    for part in item.parts:
+        if part.kind == "image":
+            content.append({"type": "image_url", "image_url": {"url": REF_PREFIX + (part.digest or "")}})
+        else:
+            content.append({"type": "text", "text": part.text or ""})
+    return p.SessionItemView(id=item.id, role=item.role, content=content, status=item.status)
+
+
+class SessionServing:
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    async def get(self, session_id: str, owner: str) -> p.SessionView | p.ErrorResponse:
+        try:
+            session = await self.state.sessions.load(session_id, owner)
+        except GatewayError as exc:
+            return p.error_response(exc)
+        return session_view(session)
+
+    async def delete(self, session_id: str, owner: str) -> p.SessionDeleted | p.ErrorResponse:
+        if not await self.state.sessions.delete(session_id, owner):
+            return p.error_response(GatewayError(
+                "session_not_found", f"no session {session_id!r} for this API key", param="session_id"))
+        log.info("session_deleted", session_id=session_id, api="http")
+        return p.SessionDeleted(id=session_id)
