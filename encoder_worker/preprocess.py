@@ -2,8 +2,7 @@
 
 `PreprocessSpec` says what the tower expects: CLIP resizes the shorter side to the input size
 and center-crops (bicubic); SigLIP squashes the whole image to a square (bilinear). The
-geometry becomes per-axis filter taps (`kernels.resize_taps`), and
-`kernels.resize_normalize_patchify` turns the uint8 HWC image straight into [N, 3*P*P] rows:
+geometry becomes a `kernels.ResizeCrop`, and `kernels.resize_normalize_patchify` turns the uint8 HWC image straight into [N, 3*P*P] rows:
 the Triton kernel on CUDA, the torch reference on CPU.
 
 `pil_preprocess` is the classic path (Pillow resize + crop, numpy normalize) kept as the
@@ -17,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from kernels import resize_normalize_patchify, resize_taps
+from kernels import ResizeCrop, resize_normalize_patchify
 
 __all__ = ("CLIP_MEAN", "CLIP_STD", "PreprocessSpec", "pil_preprocess", "preprocess_batch", "resize_plan")
 
@@ -65,11 +64,9 @@ def preprocess_batch(
     out = torch.empty(len(images), spec.num_patches, 3 * p * p, dtype=dtype, device=device)
     for i, img in enumerate(images):
         h, w, _ = img.shape
-        rh, rw, top, left = resize_plan(h, w, spec)
-        taps_y = resize_taps(h, rh, spec.resample, top, s)  # type: ignore[arg-type]
-        taps_x = resize_taps(w, rw, spec.resample, left, s)  # type: ignore[arg-type]
+        geom = ResizeCrop(*resize_plan(h, w, spec), s, s, spec.resample)  # type: ignore[arg-type]
         img = img.to(device, non_blocking=True)
-        resize_normalize_patchify(img, taps_y, taps_x, spec.mean, spec.std, p, out=out[i])
+        resize_normalize_patchify(img, geom, spec.mean, spec.std, p, out=out[i])
     return out
 
 

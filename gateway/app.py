@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +38,6 @@ class GatewayState:
     auth: Authenticator
     metrics: Any = None
     telemetry: Any = None
-    telemetry_hook: Callable[..., None] | None = None
     ready: bool = False
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
@@ -97,7 +95,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any
             state.vision = VisionResolver(state.encoder, cache, images, metrics=metrics)
             state.service = ChatService(engine=engine, vision=state.vision, sessions=sessions,
                                         max_output_tokens_limit=settings.max_output_tokens_limit,
-                                        metrics=metrics)
+                                        telemetry=telemetry)
             state.ready = True
             log.info("ready", model=engine.model_id, encoder=state.encoder.fingerprint[:16],
                      load_s=round(time.perf_counter() - t0, 2))
@@ -107,8 +105,29 @@ def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any
 
     loader: list[asyncio.Task[None]] = []
 
+    gauges = {"sessions": 0, "queue": 0, "vision_cache": 0}
+
+    async def refresh_gauges() -> None:
+        # the gauge callbacks run on the exporter's thread and must not await: read stores here
+        while True:
+            try:
+                gauges["sessions"] = await sessions.count()
+                gauges["vision_cache"] = (await cache.stats()).bytes
+                queue = getattr(state.encoder, "_queue", None)
+                gauges["queue"] = queue.qsize() if queue is not None else 0
+            except Exception:
+                log.warning("gauge_refresh_failed", exc_info=True)
+            await asyncio.sleep(5.0)
+
+    if metrics is not None:
+        metrics.observe_gauges(active_sessions=lambda: gauges["sessions"],
+                               queue_depth=lambda: gauges["queue"],
+                               cache_bytes=lambda: {"vision": gauges["vision_cache"]})
+
     async def on_startup() -> None:
         loader.append(asyncio.create_task(load_models(), name="load models"))
+        if metrics is not None:
+            loader.append(asyncio.create_task(refresh_gauges(), name="refresh gauges"))
 
     async def on_shutdown() -> None:
         for task in loader:
@@ -170,7 +189,12 @@ def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any
 
         route_handlers.append(prometheus_metrics)
 
-    app = Litestar(route_handlers=route_handlers, on_startup=[on_startup],
+    plugins: list[Any] = []
+    if telemetry is not None:
+        from gateway.telemetry import litestar_plugin
+
+        plugins.append(litestar_plugin(telemetry))
+    app = Litestar(route_handlers=route_handlers, on_startup=[on_startup], plugins=plugins,
                    on_shutdown=[on_shutdown], state=State({"gateway": state}), debug=False,
                    logging_config=None)
     return app

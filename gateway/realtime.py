@@ -310,6 +310,10 @@ class RealtimeConnection:
             raise GatewayError("response_in_progress",
                                f"response {self.response_options.response_id} is still in progress; "
                                "cancel it or wait for response.done")
+        # the stored session is the truth (another connection may have added to it)
+        load_start = time.time_ns()
+        self.session = await self.state.sessions.load(self.session.id, self.owner)
+        load_ns = (load_start, time.time_ns())
         params = event.response or rt.ResponseParams()
         if params.output_modalities is not None and "audio" in params.output_modalities:
             raise GatewayError("invalid_event", "only text output is supported",
@@ -320,7 +324,7 @@ class RealtimeConnection:
                                           self.state.settings.max_output_tokens_limit,
                                           "response.max_output_tokens"),
             temperature=params.temperature, top_p=params.top_p, seed=params.seed,
-            store=params.conversation != "none",
+            store=params.conversation != "none", session_load_ns=load_ns,
         )
         if options.temperature is not None and not 0.0 <= options.temperature <= 2.0:
             raise GatewayError("invalid_event", "temperature must be in [0, 2]",
@@ -402,8 +406,6 @@ class RealtimeConnection:
             output=[item] if ev.status != "failed" else [],
             max_output_tokens=self.response_options.max_output_tokens if self.response_options else None,
             metadata=params.metadata, status_details=details, usage=usage, visiongate=ext)))
-        if self.state.telemetry_hook is not None:
-            self.state.telemetry_hook(ev, "realtime", self.session)
 
     # ------------------------------------------------------------ sending
 

@@ -30,6 +30,7 @@ from gateway.engine.base import (
 )
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.base import Session, SessionStore, StoredItem, StoredPart, new_id
+from gateway.tracing import ResponseTrace
 from gateway.vision import Resolved, VisionResolver
 
 __all__ = ("ChatService", "Finished", "ResponseOptions", "Started", "TextChunk")
@@ -51,6 +52,7 @@ class ResponseOptions:
     response_id: str = field(default_factory=lambda: new_id("resp"))
     item_id: str = field(default_factory=lambda: new_id("item"))
     api: str = "realtime"
+    session_load_ns: tuple[int, int] | None = None  # when the caller loaded the session (epoch ns)
     cancel: threading.Event = field(default_factory=threading.Event)  # set to stop the answer
 
 
@@ -99,12 +101,12 @@ class ChatService:
     """Turns (session, options) into a streamed answer; persists the turn when done."""
 
     def __init__(self, *, engine: Engine, vision: VisionResolver, sessions: SessionStore,
-                 max_output_tokens_limit: int, metrics=None) -> None:
+                 max_output_tokens_limit: int, telemetry=None) -> None:
         self.engine = engine
         self.vision = vision
         self.sessions = sessions
         self.max_output_tokens_limit = max_output_tokens_limit
-        self.metrics = metrics
+        self.telemetry = telemetry
 
     async def respond(
         self,
@@ -117,16 +119,39 @@ class ChatService:
         """Stream one response. `pending` holds pre-encodes already running, by digest; they are
         awaited instead of started again. Closing the iterator early cancels generation."""
         t0 = received_at if received_at is not None else time.perf_counter()
+        trace = ResponseTrace(self.telemetry, model=self.engine.model_id, api=options.api,
+                              response_id=options.response_id, session_id=session.id,
+                              started_ns=time.time_ns() - int((time.perf_counter() - t0) * 1e9))
+        if options.session_load_ns is not None:
+            trace.span("session.load", *options.session_load_ns)
+        finished = False
+
+        def finish(done: Finished, stream_start_ns: int | None = None) -> Finished:
+            nonlocal finished
+            finished = True
+            trace.finish(done, stream_start_ns=stream_start_ns)
+            return done
+
+        try:
+            async for event in self._respond(session, options, pending or {}, t0, trace, finish):
+                yield event
+        finally:
+            if not finished:  # the consumer went away before the end
+                trace.root.set_attribute("visiongate.abandoned", True)
+                trace.root.end()
+
+    async def _respond(self, session: Session, options: ResponseOptions,
+                       pending: dict[str, asyncio.Task[Resolved]], t0: float, trace: ResponseTrace,
+                       finish) -> AsyncIterator[ServiceEvent]:
         yield Started(options.response_id, options.item_id)
-        pending = pending or {}
 
         # 1. visual tokens for every image the conversation references
         t_enc = time.perf_counter()
         try:
-            images, waited = await self._resolve_images(session, pending)
+            images, waited = await self._resolve_images(session, pending, trace)
         except GatewayError as exc:
-            yield Finished(options.response_id, options.item_id, "failed", "", error=exc,
-                           timings={"total_ms": _ms(t0)})
+            yield finish(Finished(options.response_id, options.item_id, "failed", "", error=exc,
+                                  timings={"total_ms": _ms(t0)}))
             return
         hits = sum(1 for r in images.values() if r.source in ("memory", "redis"))
         misses = len(images) - hits
@@ -135,8 +160,8 @@ class ChatService:
         encode_wait_ms = _ms(t_enc) if waited else 0.0
 
         if options.cancel.is_set():  # cancelled while waiting for images
-            yield Finished(options.response_id, options.item_id, "cancelled", "",
-                           reason="client_cancelled", timings={"total_ms": _ms(t0)})
+            yield finish(Finished(options.response_id, options.item_id, "cancelled", "",
+                                  reason="client_cancelled", timings={"total_ms": _ms(t0)}))
             return
 
         # 2. the prompt
@@ -156,13 +181,16 @@ class ChatService:
         text_parts: list[str] = []
         result: GenerationResult | None = None
         ttft_ms = 0.0
+        first_ns: int | None = None
         error: GatewayError | None = None
+        generate_ns = time.time_ns()
         stream = self.engine.generate(request)
         try:
             async for delta in stream:
                 if isinstance(delta, TextDelta):
                     if not text_parts:
-                        ttft_ms = _ms(t0)
+                        ttft_ms, first_ns = _ms(t0), time.time_ns()
+                        trace.first_token(ttft_ms)
                     text_parts.append(delta.text)
                     yield TextChunk(delta.text)
                 else:
@@ -184,10 +212,11 @@ class ChatService:
                    "decode_ms": 0.0, "ttft_ms": ttft_ms, "total_ms": _ms(t0)}
         if error is not None or result is None:
             error = error or GatewayError("engine_error", "the engine ended without a result")
-            yield Finished(options.response_id, options.item_id, "failed", text, error=error,
-                           vision_hits=hits, vision_misses=misses,
-                           image_tokens_total=image_tokens_total, timings=timings)
+            yield finish(Finished(options.response_id, options.item_id, "failed", text, error=error,
+                                  vision_hits=hits, vision_misses=misses,
+                                  image_tokens_total=image_tokens_total, timings=timings), first_ns)
             return
+        trace.llm(generate_ns, result)
         status: Status = {"stop": "completed", "length": "incomplete",
                           "cancelled": "cancelled"}[result.finish_reason]
         reason = {"length": "max_output_tokens", "cancelled": "client_cancelled"}.get(result.finish_reason)
@@ -201,17 +230,17 @@ class ChatService:
                 response_id=options.response_id))
             await self.sessions.save(session)
 
-        yield Finished(
+        yield finish(Finished(
             options.response_id, options.item_id, status, result.text, reason=reason,
             input_tokens=result.input_tokens, image_tokens=result.image_tokens,
             image_tokens_total=image_tokens_total,
             text_tokens=result.input_tokens - result.image_tokens,
             output_tokens=result.output_tokens, cached_tokens=result.cached_tokens,
             vision_hits=hits, vision_misses=misses, timings=timings,
-        )
+        ), first_ns)
 
-    async def _resolve_images(self, session: Session, pending: dict[str, asyncio.Task[Resolved]]
-                              ) -> tuple[dict[str, Resolved], bool]:
+    async def _resolve_images(self, session: Session, pending: dict[str, asyncio.Task[Resolved]],
+                              trace: ResponseTrace) -> tuple[dict[str, Resolved], bool]:
         """Resolved tokens by digest, and whether any of them had to be waited for."""
         digests = session.image_digests
         if not digests:
@@ -220,14 +249,17 @@ class ChatService:
 
         async def one(digest: str) -> Resolved:
             nonlocal waited
+            start_ns = time.time_ns()
             # a pre-encode started when the image arrived is joined, not repeated; it is
             # consumed here, so the next response finds the tokens in the cache (a hit)
             task = pending.pop(digest, None)
             if task is not None:
                 waited |= not task.done()
-                return await asyncio.shield(task)
-            resolved = await self.vision.resolve(digest)
-            waited |= resolved.source in ("encoded", "joined")
+                resolved = await asyncio.shield(task)
+            else:
+                resolved = await self.vision.resolve(digest)
+                waited |= resolved.source in ("encoded", "joined")
+            trace.image(digest, resolved, start_ns, time.time_ns())
             return resolved
 
         results = await asyncio.gather(*(one(d) for d in digests))

@@ -74,6 +74,15 @@ class Resolved:
     image: EncodedImage
     source: Source  # where the tokens came from for this call
     wait_ms: float  # wall time this call waited
+    encode_started_ns: int | None = None  # epoch ns the encode began (None: from the cache)
+    put_ms: float = 0.0  # writing the tokens to the cache
+
+
+@dataclass(slots=True)
+class _Encoded:
+    image: EncodedImage
+    started_ns: int
+    put_ms: float
 
 
 class VisionResolver:
@@ -133,30 +142,36 @@ class VisionResolver:
                 return Resolved(image, hit.tier, (time.perf_counter() - t0) * 1e3)
         self._lookup("none", "miss")
         joined = self._flight.in_flight(digest)
-        image = await self._flight.do(digest, lambda: self._encode(digest))
-        return Resolved(image, "joined" if joined else "encoded", (time.perf_counter() - t0) * 1e3)
+        done = await self._flight.do(digest, lambda: self._encode(digest))
+        return Resolved(done.image, "joined" if joined else "encoded", (time.perf_counter() - t0) * 1e3,
+                        done.started_ns, done.put_ms)
 
-    async def _encode(self, digest: str) -> EncodedImage:
+    async def _encode(self, digest: str) -> _Encoded:
         data = await self.images.get(digest)
         if data is None:
             raise GatewayError("image_not_found", f"no stored image with digest {digest}",
                                param="image_url")
         self.encodes += 1
+        started_ns, t0 = time.time_ns(), time.perf_counter()
         try:
             image = await self.encoder.encode(data)
         except ImageError as exc:
             raise GatewayError(exc.code if exc.code in ("invalid_image", "image_too_large",
                                                         "unsupported_image_format")
                                else "invalid_image", exc.message, param="image_url") from None
+        stages = {k: float(v) for k, v in image.timings_ms.items()
+                  if k in ("decode", "preprocess", "vision", "prune", "quantize")}
+        # what the stages do not account for is waiting: for a batch to fill, for the worker
+        queue_ms = max((time.perf_counter() - t0) * 1e3 - sum(stages.values()), 0.0)
+        image.timings_ms = {"queue": round(queue_ms, 3), **image.timings_ms}
         if self._metrics is not None:
-            self._metrics.record_encode(
-                timings_ms={k: v for k, v in image.timings_ms.items()
-                            if k in ("decode", "preprocess", "vision", "prune", "quantize")},
-                batch_size=int(image.timings_ms.get("batch_size", 1)),
-                queue_ms=float(image.timings_ms.get("queue", 0.0)),
-                tokens_kept=image.tokens_kept, tokens_total=image.tokens_total)
+            self._metrics.record_encode(timings_ms=stages,
+                                        batch_size=int(image.timings_ms.get("batch_size", 1)),
+                                        queue_ms=queue_ms, tokens_kept=image.tokens_kept,
+                                        tokens_total=image.tokens_total)
+        t_put = time.perf_counter()
         await self.cache.put(self.fingerprint, digest, pack_encoded(image))
-        return image
+        return _Encoded(image, started_ns, (time.perf_counter() - t_put) * 1e3)
 
     def _lookup(self, tier: str, result: str) -> None:
         if self._metrics is not None:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from kernels.gather import gather_tokens, topk_sorted
 from kernels.int4 import dequantize_int4, packed_shapes, quantize_int4
-from kernels.preprocess import resize_normalize_patchify, resize_taps
+from kernels.preprocess import ResizeCrop, resize_normalize_patchify, resize_taps
 
 __all__ = (
+    "ResizeCrop",
     "dequantize_int4",
     "gather_tokens",
     "packed_shapes",

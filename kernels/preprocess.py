@@ -1,15 +1,17 @@
 """Fused resize + normalize + patchify: uint8 HWC image -> [N, C*P*P] patch rows.
 
 The resize is the separable antialiased filter Pillow uses (bicubic a=-0.5 or bilinear; the
-filter widens by the downscale factor so a big photo is low-passed, not aliased). Each output
-axis gets a table of `starts` (first source pixel) and `weights` (K taps, zero past the end),
-built once per call by `resize_taps`. Crops are folded into the tables: only the output
-pixels inside the crop window get rows.
+filter widens by the downscale factor so a big photo is low-passed, not aliased), followed by
+a crop (`ResizeCrop` says both).
 
-- `resize_normalize_patchify_ref`: torch reference, two dense matmuls (rows, then columns).
-- `_resize_normalize_patchify_kernel`: Triton, one program per block of output pixels; each
-  pixel walks its KY x KX taps, clamps to [0, 255] like Pillow, normalizes and writes straight
-  into its patch row, so the resized image never exists in memory.
+- `resize_normalize_patchify_ref`: torch reference: `F.interpolate(antialias=True)` (the same
+  filter), crop, normalize, reshape into patch rows. On CPU it resizes the uint8 image
+  directly (torch's vectorized uint8 path, rounding to whole levels like Pillow);
+  `exact=True` resizes in float instead.
+- `_resize_normalize_patchify_kernel`: Triton, one program per block of output pixels. Each
+  axis gets a table of `starts` and `weights` (`resize_taps`, crop folded in); each pixel walks
+  its KY x KX taps, clamps to [0, 255], normalizes and writes straight into its patch row, so
+  the resized image never exists in memory.
 
 `resize_normalize_patchify` picks one by device (see `kernels._triton.use_triton`).
 """
@@ -17,9 +19,10 @@ pixels inside the crop window get rows.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from kernels._triton import Impl, jit, use_triton
 
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "Filter",
+    "ResizeCrop",
     "resize_normalize_patchify",
     "resize_normalize_patchify_ref",
     "resize_taps",
@@ -72,38 +76,42 @@ def resize_taps(
     return xmin.to(torch.int32), w.to(torch.float32)
 
 
-def _dense(starts: torch.Tensor, weights: torch.Tensor, in_size: int) -> torch.Tensor:
-    """Taps as a dense [O, in_size] matrix (the reference path's resize operator)."""
-    o, k = weights.shape
-    cols = (starts[:, None].long() + torch.arange(k, device=starts.device)).clamp(max=in_size - 1)
-    dense = torch.zeros(o, in_size, dtype=weights.dtype, device=weights.device)
-    # weights past the edge are exactly zero, so a clamped duplicate index adds nothing
-    return dense.scatter_add_(1, cols, weights)
+class ResizeCrop(NamedTuple):
+    """Resize the whole image to resized_h x resized_w, then keep out_h x out_w from (top, left)."""
+
+    resized_h: int
+    resized_w: int
+    top: int
+    left: int
+    out_h: int
+    out_w: int
+    kind: Filter = "bicubic"
 
 
 def resize_normalize_patchify_ref(
     image: torch.Tensor,  # [H, W, C] uint8
-    taps_y: tuple[torch.Tensor, torch.Tensor],
-    taps_x: tuple[torch.Tensor, torch.Tensor],
+    geom: ResizeCrop,
     mean: tuple[float, ...],
     std: tuple[float, ...],
     patch: int,
     out: torch.Tensor,  # [N, C*P*P]
+    exact: bool = False,
 ) -> torch.Tensor:
-    """Torch reference: resize by two matmuls, clamp, normalize, cut into patch rows."""
-    h, w, c = image.shape
-    dev = image.device
-    wy = _dense(taps_y[0].to(dev), taps_y[1].to(dev), h)  # [OH, H]
-    wx = _dense(taps_x[0].to(dev), taps_x[1].to(dev), w)  # [OW, W]
-    x = image.permute(2, 0, 1).to(torch.float32)  # [C, H, W]
-    x = torch.matmul(wy, x)  # [C, OH, W]
-    x = torch.matmul(x, wx.T).clamp_(0.0, 255.0)  # [C, OH, OW]
-    m = torch.tensor(mean, dtype=torch.float32, device=dev).view(c, 1, 1)
-    s = torch.tensor(std, dtype=torch.float32, device=dev).view(c, 1, 1)
+    """Torch reference: antialiased interpolate, crop, clamp, normalize, cut into patch rows."""
+    c = image.shape[2]
+    x = image.permute(2, 0, 1)[None]  # [1, C, H, W]
+    if exact or not (image.device.type == "cpu" and geom.kind in ("bicubic", "bilinear")):
+        x = x.float()
+    else:
+        x = x.contiguous(memory_format=torch.channels_last)  # the vectorized uint8 kernel
+    x = F.interpolate(x, size=(geom.resized_h, geom.resized_w), mode=geom.kind, antialias=True)
+    x = x[0, :, geom.top : geom.top + geom.out_h, geom.left : geom.left + geom.out_w]  # [C, OH, OW]
+    x = x.float().clamp_(0.0, 255.0)
+    m = torch.tensor(mean, dtype=torch.float32, device=x.device).view(c, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32, device=x.device).view(c, 1, 1)
     x = (x / 255.0 - m) / s
-    oh, ow = x.shape[1:]
-    gh, gw = oh // patch, ow // patch
-    x = x.view(c, gh, patch, gw, patch).permute(1, 3, 0, 2, 4)  # [GH, GW, C, P, P]
+    gh, gw = geom.out_h // patch, geom.out_w // patch
+    x = x.reshape(c, gh, patch, gw, patch).permute(1, 3, 0, 2, 4)  # [GH, GW, C, P, P]
     out.copy_(x.reshape(gh * gw, c * patch * patch))
     return out
 
@@ -154,35 +162,37 @@ def _resize_normalize_patchify_kernel(
 
 def resize_normalize_patchify(
     image: torch.Tensor,  # [H, W, 3] uint8, on the target device
-    taps_y: tuple[torch.Tensor, torch.Tensor],
-    taps_x: tuple[torch.Tensor, torch.Tensor],
+    geom: ResizeCrop,
     mean: tuple[float, float, float],
     std: tuple[float, float, float],
     patch: int,
     out: torch.Tensor | None = None,  # [N, 3*P*P], any float dtype, on image.device
     impl: Impl = "auto",
 ) -> torch.Tensor:
-    """Resize (antialiased), normalize and patchify in one step; returns `out` [N, 3*P*P]."""
+    """Resize (antialiased), crop, normalize and patchify in one step; returns `out` [N, 3*P*P]."""
     if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3:
         raise ValueError(f"expected a [H, W, 3] uint8 image, got {tuple(image.shape)} {image.dtype}")
-    oh, ow = taps_y[1].shape[0], taps_x[1].shape[0]
+    oh, ow = geom.out_h, geom.out_w
     if oh % patch or ow % patch:
         raise ValueError(f"output {oh}x{ow} is not a whole number of {patch}px patches")
+    if geom.top + oh > geom.resized_h or geom.left + ow > geom.resized_w:
+        raise ValueError(f"crop {geom} falls outside the resized image")
     n = (oh // patch) * (ow // patch)
     if out is None:
         out = torch.empty(n, 3 * patch * patch, dtype=torch.float32, device=image.device)
     if not use_triton(image, impl):
-        return resize_normalize_patchify_ref(image, taps_y, taps_x, mean, std, patch, out)
+        return resize_normalize_patchify_ref(image, geom, mean, std, patch, out)
 
+    h, w = image.shape[:2]
     dev = image.device
-    sy, wy = (t.to(dev).contiguous() for t in taps_y)
-    sx, wx = (t.to(dev).contiguous() for t in taps_x)
+    sy, wy = (t.to(dev) for t in resize_taps(h, geom.resized_h, geom.kind, geom.top, oh))
+    sx, wx = (t.to(dev) for t in resize_taps(w, geom.resized_w, geom.kind, geom.left, ow))
     kernel = jit(_resize_normalize_patchify_kernel, interpret=not image.is_cuda)
     block = 256
     grid = ((oh * ow + block - 1) // block,)
     kernel[grid](
         image.contiguous(), sy, wy, sx, wx, out,
-        image.shape[0], image.shape[1], oh, ow, wy.shape[1], wx.shape[1],
+        h, w, oh, ow, wy.shape[1], wx.shape[1],
         *(1.0 / (255.0 * s) for s in std),
         *(m / s for m, s in zip(mean, std)),
         P=patch, BLOCK=block,

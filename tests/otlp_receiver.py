@@ -123,7 +123,7 @@ class OTLPReceiver:
         """Base URL for ``OTEL_EXPORTER_OTLP_ENDPOINT`` (exporters append ``/v1/<signal>``)."""
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> OTLPReceiver:
+    def start(self) -> Self:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
         return self

@@ -88,6 +88,7 @@ class LocalEngine:
         kv_spill_redis_url: str | None = None,
         kv_ttl_s: int = 3600,
         device: str = "auto",
+        torch_threads: int | None = None,
     ) -> None:
         if kv_block_size < 1:
             raise ValueError("kv_block_size must be >= 1")
@@ -99,6 +100,8 @@ class LocalEngine:
         self._kv_redis_url = kv_spill_redis_url
         self._kv_ttl_s = kv_ttl_s
         self._device = device
+        # intra-op threads are process-wide in torch; None leaves the process setting alone
+        self._torch_threads = torch_threads
         self.model_id = (
             "SmolLM2-135M-Instruct"
             if model_path is None
@@ -139,6 +142,7 @@ class LocalEngine:
             "kv_spill_redis_url": self._kv_redis_url,
             "kv_ttl_s": self._kv_ttl_s,
             "device": self._device,
+            "torch_threads": self._torch_threads,
         }
         args.update(overrides)
         twin = LocalEngine(**args)
@@ -150,6 +154,8 @@ class LocalEngine:
             return
         if self._closed:
             raise EngineError("engine is closed", code="closed")
+        if self._torch_threads is not None:
+            torch.set_num_threads(self._torch_threads)
         if self._weights is None:
             self._weights = await asyncio.to_thread(
                 load_weights, self._model_path, self._cache_dir, self._device

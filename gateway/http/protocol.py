@@ -209,7 +209,7 @@ class ModelList(Struct):
     object: Literal["list"] = "list"
 
 
-class ImageStatus(Struct, omit_defaults=True):
+class ImageStatus(Struct):
     """An uploaded image: reference it as `image_url.url = ref` in later messages."""
 
     id: str  # sha256 hex of the bytes

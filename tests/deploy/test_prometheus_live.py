@@ -6,6 +6,7 @@ The metrics server here serves exactly what the gateway's /metrics route serves
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import subprocess
@@ -57,6 +58,14 @@ def prometheus(
     prometheus_bin: str, metrics_server: tuple[Telemetry, int], tmp_path: Path
 ) -> Iterator[str]:
     _, target_port = metrics_server
+    with run_prometheus(prometheus_bin, f"127.0.0.1:{target_port}", tmp_path) as base:
+        yield base
+
+
+@contextlib.contextmanager
+def run_prometheus(prometheus_bin: str, target: str, tmp_path: Path) -> Iterator[str]:
+    """Debian's prometheus scraping `target` every second with the SLO rules loaded; yields
+    its base URL."""
     rules = sorted(str(p) for p in (PROMETHEUS_DIR / "rules").glob("*.yml"))
     config = tmp_path / "prometheus.yml"
     config.write_text(
@@ -67,7 +76,7 @@ def prometheus(
                 "scrape_configs": [
                     {
                         "job_name": "visiongate-gateway",
-                        "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}],
+                        "static_configs": [{"targets": [target]}],
                     }
                 ],
             }

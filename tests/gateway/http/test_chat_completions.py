@@ -39,7 +39,7 @@ def test_non_streaming_with_image(openai_client: OpenAI, model: str, camera_jpeg
     assert ext["image_tokens"] > 0 and ext["image_tokens_total"] >= ext["image_tokens"]
     assert ext["cache"]["vision_hits"] + ext["cache"]["vision_misses"] == 1
     assert set(ext["timings"]) >= {"encode_ms", "prefill_ms", "ttft_ms", "total_ms"}
-    assert usage.prompt_tokens_details.model_extra["image_tokens"] == ext["image_tokens"]
+    assert usage.prompt_tokens_details.image_tokens == ext["image_tokens"]
     assert completion.model_extra["visiongate"]["session_id"] is None  # no session: throwaway
 
     # the same image again, without a session: the content-addressed vision cache hits

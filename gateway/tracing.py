@@ -1,0 +1,132 @@
+"""One response's trace and metrics, recorded from the timings the service measures.
+
+The service's work is an async generator and its encoder and engine run on worker threads, so
+spans are not made current across awaits: the root span `chat <model>` is started explicitly,
+and each stage becomes a child span with explicit start and end times once its duration is
+known. Works with telemetry absent (a no-op tracer, no metrics).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+if TYPE_CHECKING:
+    from gateway.engine.base import GenerationResult
+    from gateway.service import Finished
+    from gateway.vision import Resolved
+
+__all__ = ("ResponseTrace",)
+
+STAGES = ("queue", "decode", "preprocess", "vision", "prune", "quantize")
+
+
+def _ns(ms: float) -> int:
+    return max(int(ms * 1_000_000), 0)
+
+
+class ResponseTrace:
+    __slots__ = ("telemetry", "tracer", "root", "context", "api", "model", "session_id", "response_id",
+                 "started_ns")
+
+    def __init__(self, telemetry: Any, *, model: str, api: str, response_id: str,
+                 session_id: str | None, started_ns: int | None = None) -> None:
+        from gateway.telemetry import ATTR, response_span_name
+
+        self.telemetry = telemetry
+        self.tracer = telemetry.tracer if telemetry is not None else trace.NoOpTracer()
+        self.api, self.model, self.session_id, self.response_id = api, model, session_id, response_id
+        self.started_ns = started_ns or time.time_ns()
+        attributes = {ATTR.OPERATION: "chat", ATTR.PROVIDER: "visiongate", ATTR.REQUEST_MODEL: model,
+                      ATTR.RESPONSE_ID: response_id, ATTR.API: api}
+        if session_id:
+            attributes[ATTR.SESSION_ID] = session_id
+        self.root = self.tracer.start_span(response_span_name(model), kind=SpanKind.SERVER,
+                                           attributes=attributes, start_time=self.started_ns)
+        self.context = trace.set_span_in_context(self.root)
+
+    def span(self, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any] | None = None,
+             parent: Any = None) -> Any:
+        span = self.tracer.start_span(name, context=parent or self.context, start_time=start_ns,
+                                      attributes=attributes or {})
+        span.end(end_time=max(end_ns, start_ns))
+        return span
+
+    def image(self, digest: str, resolved: Resolved, start_ns: int, end_ns: int) -> None:
+        """`image.resolve`, and for an encode its stage spans and `cache.put` beneath it."""
+        from gateway.telemetry import ATTR, SPAN
+
+        hit = resolved.source in ("memory", "redis")
+        parent = self.span(SPAN.IMAGE_RESOLVE, start_ns, end_ns, {
+            ATTR.IMAGE_DIGEST: digest[:12], ATTR.CACHE_HIT: hit,
+            ATTR.CACHE_TIER: resolved.source if hit else "none",
+            ATTR.TOKENS_KEPT: resolved.image.tokens_kept, ATTR.TOKENS_TOTAL: resolved.image.tokens_total})
+        if hit or resolved.encode_started_ns is None:
+            return
+        timings = resolved.image.timings_ms
+        stages = {f"encode.{k}": timings[k] for k in STAGES if k in timings}
+        ctx = trace.set_span_in_context(parent)
+        cursor = self.telemetry.stage_spans(ctx, resolved.encode_started_ns, stages, attributes={
+            ATTR.BATCH_SIZE: int(timings.get("batch_size", 1))}) if self.telemetry else 0
+        if self.telemetry:
+            self.span(SPAN.CACHE_PUT, cursor, cursor + _ns(resolved.put_ms), parent=ctx)
+
+    def llm(self, generate_ns: int, result: GenerationResult) -> None:
+        from gateway.telemetry import ATTR, SPAN
+
+        prefill_start = generate_ns + _ns(result.queue_ms)
+        prefill_end = prefill_start + _ns(result.prefill_ms)
+        self.span(SPAN.LLM_PREFILL, prefill_start, prefill_end, {
+            ATTR.PREFILL_TOKENS: result.input_tokens - result.cached_tokens,
+            ATTR.REUSED_KV_TOKENS: result.cached_tokens})
+        self.span(SPAN.LLM_DECODE, prefill_end, prefill_end + _ns(result.decode_ms), {
+            ATTR.DECODE_TOKENS: result.output_tokens})
+
+    def first_token(self, ttft_ms: float) -> None:
+        from gateway.telemetry import ATTR, SPAN
+
+        self.root.add_event(SPAN.EVENT_TTFT, {ATTR.TTFT_MS: ttft_ms})
+
+    def finish(self, done: Finished, *, stream_start_ns: int | None = None) -> None:
+        """Close the root span, write the access line and record the response's metrics."""
+        from gateway.telemetry import ATTR, SPAN
+
+        end_ns = time.time_ns()
+        if stream_start_ns is not None:
+            self.span(SPAN.STREAM, stream_start_ns, end_ns, {ATTR.OUTPUT_TOKENS: done.output_tokens})
+        self.root.set_attribute(ATTR.INPUT_TOKENS, done.input_tokens)
+        self.root.set_attribute(ATTR.OUTPUT_TOKENS, done.output_tokens)
+        self.root.set_attribute(ATTR.FINISH_REASONS, [done.status])
+        if done.error is not None:
+            self.root.set_attribute(ATTR.ERROR_TYPE, done.error.code)
+            self.root.set_status(Status(StatusCode.ERROR, done.error.message))
+        if self.telemetry is not None:
+            from gateway.telemetry import log_response
+
+            with trace.use_span(self.root, end_on_exit=False):
+                log_response(api=self.api, model=self.model, status=done.status,
+                             session_id=self.session_id, response_id=self.response_id,
+                             timings_ms=done.timings, usage={
+                                 "input_tokens": done.input_tokens, "output_tokens": done.output_tokens,
+                                 "image_tokens": done.image_tokens, "cached_tokens": done.cached_tokens},
+                             vision_cache=done.vision)
+            metrics = self.telemetry.metrics
+            decode_s = done.timings.get("decode_ms", 0.0) / 1e3
+            metrics.record_response(
+                model=self.model, status=done.status,
+                ttft_s=done.timings["ttft_ms"] / 1e3 if done.timings.get("ttft_ms") else None,
+                duration_s=done.timings.get("total_ms", 0.0) / 1e3, output_tokens=done.output_tokens,
+                input_tokens=done.input_tokens, image_tokens=done.image_tokens,
+                cached_tokens=done.cached_tokens,
+                time_per_output_token_s=decode_s / (done.output_tokens - 1)
+                if done.output_tokens > 1 and decode_s > 0 else None,
+                api=self.api)
+            if done.input_tokens:
+                metrics.record_kv_reuse(reused_tokens=done.cached_tokens,
+                                        prefill_tokens=done.input_tokens - done.cached_tokens)
+                metrics.record_cache_lookup(cache="kv", tier="memory",
+                                            result="hit" if done.cached_tokens else "miss")
+        self.root.end(end_time=end_ns)
