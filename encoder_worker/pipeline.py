@@ -116,7 +116,7 @@ class EncoderPipeline:
         Image.new("RGB", (self.spec.image_size + 13, self.spec.image_size), (120, 80, 200)).save(buf, "PNG")
         for result in self.encode_batch([buf.getvalue()]):
             if isinstance(result, ImageError):
-                raise RuntimeError(f"warm-up encode failed: {result.message}")
+                raise RuntimeError(f"warm-up encode failed: {result.message}")  # noqa: TRY004
 
     # -- stages -------------------------------------------------------------------------------
 

@@ -57,7 +57,7 @@ class LocalEncoder:
         pipeline.warmup()
         return pipeline
 
-    async def encode(self, data: bytes) -> EncodedImage:
+    async def encode(self, data: bytes, *, traceparent: str | None = None) -> EncodedImage:
         """Encode one image (micro-batched with concurrent calls). Raises ImageError."""
         if self._queue is None or self._task is None or self._task.done():
             raise RuntimeError("LocalEncoder is not started (await start() first)")

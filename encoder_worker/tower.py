@@ -205,7 +205,7 @@ def describe_tower(tower: str, seed: int) -> TowerInfo:
 
 
 def _checkpoint_spec(path: str, kind: str, image_size: int, patch: int) -> PreprocessSpec:
-    base = dict(image_size=image_size, patch_size=patch)
+    base = {"image_size": image_size, "patch_size": patch}
     if kind == "siglip":
         spec = PreprocessSpec(resize="squash", resample="bilinear", mean=(0.5,) * 3, std=(0.5,) * 3, **base)
     else:

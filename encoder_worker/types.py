@@ -55,7 +55,10 @@ class Encoder(Protocol):
     async def start(self) -> None:
         """Build or load the vision tower and warm it up."""
 
-    async def encode(self, data: bytes) -> EncodedImage:
-        """Encode one image off the event loop (micro-batched with concurrent calls)."""
+    async def encode(self, data: bytes, *, traceparent: str | None = None) -> EncodedImage:
+        """Encode one image off the event loop (micro-batched with concurrent calls).
+
+        `traceparent` (W3C) is the caller's span: an encoder that runs elsewhere records its
+        stage spans under it; an in-process one may ignore it (the caller records them)."""
 
     async def aclose(self) -> None: ...

@@ -249,17 +249,21 @@ class ChatService:
 
         async def one(digest: str) -> Resolved:
             nonlocal waited
-            start_ns = time.time_ns()
+            span, traceparent = trace.start_image(digest)
             # a pre-encode started when the image arrived is joined, not repeated; it is
             # consumed here, so the next response finds the tokens in the cache (a hit)
             task = pending.pop(digest, None)
-            if task is not None:
-                waited |= not task.done()
-                resolved = await asyncio.shield(task)
-            else:
-                resolved = await self.vision.resolve(digest)
-                waited |= resolved.source in ("encoded", "joined")
-            trace.image(digest, resolved, start_ns, time.time_ns())
+            try:
+                if task is not None:
+                    waited |= not task.done()
+                    resolved = await asyncio.shield(task)
+                else:
+                    resolved = await self.vision.resolve(digest, traceparent=traceparent)
+                    waited |= resolved.source in ("encoded", "joined")
+            except BaseException as exc:
+                trace.image_failed(span, exc)
+                raise
+            trace.image(span, resolved)
             return resolved
 
         results = await asyncio.gather(*(one(d) for d in digests))

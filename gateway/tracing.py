@@ -55,15 +55,25 @@ class ResponseTrace:
         span.end(end_time=max(end_ns, start_ns))
         return span
 
-    def image(self, digest: str, resolved: Resolved, start_ns: int, end_ns: int) -> None:
-        """`image.resolve`, and for an encode its stage spans and `cache.put` beneath it."""
+    def start_image(self, digest: str) -> tuple[Any, str | None]:
+        """Open `image.resolve` now; its W3C traceparent goes with an encode job to a worker,
+        whose spans then join this trace."""
+        from gateway.telemetry import ATTR, SPAN, traceparent
+
+        span = self.tracer.start_span(SPAN.IMAGE_RESOLVE, context=self.context,
+                                      attributes={ATTR.IMAGE_DIGEST: digest[:12]})
+        return span, traceparent(span)
+
+    def image(self, parent: Any, resolved: Resolved) -> None:
+        """Close `image.resolve`; for an encode done in this process, record its stage spans
+        and `cache.put` beneath it (a remote worker records its own)."""
         from gateway.telemetry import ATTR, SPAN
 
         hit = resolved.source in ("memory", "redis")
-        parent = self.span(SPAN.IMAGE_RESOLVE, start_ns, end_ns, {
-            ATTR.IMAGE_DIGEST: digest[:12], ATTR.CACHE_HIT: hit,
-            ATTR.CACHE_TIER: resolved.source if hit else "none",
+        parent.set_attributes({
+            ATTR.CACHE_HIT: hit, ATTR.CACHE_TIER: resolved.source if hit else "none",
             ATTR.TOKENS_KEPT: resolved.image.tokens_kept, ATTR.TOKENS_TOTAL: resolved.image.tokens_total})
+        parent.end()
         if hit or resolved.encode_started_ns is None:
             return
         timings = resolved.image.timings_ms
@@ -73,6 +83,11 @@ class ResponseTrace:
             ATTR.BATCH_SIZE: int(timings.get("batch_size", 1))}) if self.telemetry else 0
         if self.telemetry:
             self.span(SPAN.CACHE_PUT, cursor, cursor + _ns(resolved.put_ms), parent=ctx)
+
+    def image_failed(self, parent: Any, exc: BaseException) -> None:
+        parent.set_status(Status(StatusCode.ERROR, str(exc)))
+        parent.set_attribute("error.type", getattr(exc, "code", type(exc).__name__))
+        parent.end()
 
     def llm(self, generate_ns: int, result: GenerationResult) -> None:
         from gateway.telemetry import ATTR, SPAN

@@ -123,7 +123,7 @@ class VisionResolver:
             log.error("vision_cache_entry_corrupt", digest=digest[:12], error=str(exc))
             return None
 
-    async def resolve(self, digest: str) -> Resolved:
+    async def resolve(self, digest: str, *, traceparent: str | None = None) -> Resolved:
         """The visual tokens of `digest`, encoding it at most once across concurrent callers.
 
         Raises GatewayError(image_not_found) when neither tokens nor bytes are stored, and
@@ -142,11 +142,11 @@ class VisionResolver:
                 return Resolved(image, hit.tier, (time.perf_counter() - t0) * 1e3)
         self._lookup("none", "miss")
         joined = self._flight.in_flight(digest)
-        done = await self._flight.do(digest, lambda: self._encode(digest))
+        done = await self._flight.do(digest, lambda: self._encode(digest, traceparent))
         return Resolved(done.image, "joined" if joined else "encoded", (time.perf_counter() - t0) * 1e3,
                         done.started_ns, done.put_ms)
 
-    async def _encode(self, digest: str) -> _Encoded:
+    async def _encode(self, digest: str, traceparent: str | None) -> _Encoded:
         data = await self.images.get(digest)
         if data is None:
             raise GatewayError("image_not_found", f"no stored image with digest {digest}",
@@ -154,7 +154,7 @@ class VisionResolver:
         self.encodes += 1
         started_ns, t0 = time.time_ns(), time.perf_counter()
         try:
-            image = await self.encoder.encode(data)
+            image = await self.encoder.encode(data, traceparent=traceparent)
         except ImageError as exc:
             raise GatewayError(exc.code if exc.code in ("invalid_image", "image_too_large",
                                                         "unsupported_image_format")

@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch

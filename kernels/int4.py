@@ -22,7 +22,7 @@ import torch
 from kernels._triton import Impl, jit, use_triton
 
 if TYPE_CHECKING:
-    import triton.language as tl
+    import triton.language as tl  # noqa: TC004 (imported lazily by kernels._triton.jit)
 
 __all__ = (
     "CLIP_RATIOS",

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from kernels._triton import Impl, jit, use_triton
 
 if TYPE_CHECKING:
-    import triton.language as tl
+    import triton.language as tl  # noqa: TC004 (imported lazily by kernels._triton.jit)
 
 __all__ = (
     "Filter",
@@ -64,7 +64,7 @@ def resize_taps(
     scale = in_size / out_size
     filterscale = max(scale, 1.0)
     support = _SUPPORT[kind] * filterscale
-    k = int(math.ceil(support)) * 2 + 1
+    k = math.ceil(support) * 2 + 1
     out = torch.arange(crop_start, crop_start + crop_len, dtype=torch.float64)
     center = (out + 0.5) * scale  # [O]
     xmin = torch.floor(center - support + 0.5).clamp(min=0)  # [O]
@@ -137,10 +137,10 @@ def _resize_normalize_patchify_kernel(
     acc0 = tl.full([BLOCK], 0.0, tl.float32)
     acc1 = tl.full([BLOCK], 0.0, tl.float32)
     acc2 = tl.full([BLOCK], 0.0, tl.float32)
-    for ky in range(0, KY):
+    for ky in range(KY):
         wy = tl.load(wy_ptr + oy * KY + ky, mask=valid, other=0.0)
         sy = tl.minimum(y0 + ky, H - 1)  # past-the-edge taps carry zero weight
-        for kx in range(0, KX):
+        for kx in range(KX):
             wgt = wy * tl.load(wx_ptr + ox * KX + kx, mask=valid, other=0.0)
             sx = tl.minimum(x0 + kx, W - 1)
             base = (sy.to(tl.int64) * W + sx) * 3

@@ -5,7 +5,12 @@ import pytest
 import torch
 from PIL import Image, ImageFilter
 
-from kernels.preprocess import ResizeCrop, resize_normalize_patchify, resize_normalize_patchify_ref, resize_taps
+from kernels.preprocess import (
+    ResizeCrop,
+    resize_normalize_patchify,
+    resize_normalize_patchify_ref,
+    resize_taps,
+)
 
 MEAN = (0.48, 0.46, 0.41)
 STD = (0.27, 0.26, 0.28)
