@@ -30,6 +30,8 @@ _Job = tuple[bytes, "asyncio.Future[EncodedImage]"]
 class LocalEncoder:
     """Encoder protocol implementation running `EncoderPipeline` on a worker thread."""
 
+    remote = False
+
     def __init__(self, config: EncoderConfig, hidden_size: int, target_rms: float | None = None) -> None:
         self.config = config
         self.hidden_size = hidden_size
@@ -126,6 +128,9 @@ class LocalEncoder:
                 return [RuntimeError(f"encoding failed: {exc}")]
         log.warning("encoder.batch_failed_retrying_singly", batch_size=len(datas))
         return [self._encode([d])[0] for d in datas]
+
+    async def queue_depth(self) -> int:
+        return self._queue.qsize() if self._queue is not None else 0
 
     async def aclose(self) -> None:
         """Stop batching, fail whatever is still queued, release the worker thread."""

@@ -14,7 +14,10 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-__all__ = ("EncodedImage", "Encoder", "ImageError")
+__all__ = ("ENCODE_STAGES", "EncodedImage", "Encoder", "ImageError")
+
+# Stages of one encode in the order they run; EncodedImage.timings_ms holds each in ms.
+ENCODE_STAGES = ("decode", "preprocess", "vision", "prune", "project", "quantize")
 
 
 class ImageError(Exception):
@@ -38,7 +41,7 @@ class EncodedImage:
     tokens_total: int  # visual tokens before patch dropping
     hidden_size: int
     payload: object  # the stored form (e.g. INT4-packed tokens); see encoder_worker.payload
-    timings_ms: dict[str, float] = field(default_factory=dict)  # decode/preprocess/vision/prune/quantize
+    timings_ms: dict[str, float] = field(default_factory=dict)  # ENCODE_STAGES, batch_size
 
     def embeds(self, device: str | torch.device = "cpu") -> torch.Tensor:
         """[tokens_kept, hidden_size] float32 visual tokens on `device`."""
@@ -51,6 +54,9 @@ class EncodedImage:
 class Encoder(Protocol):
     fingerprint: str
     hidden_size: int
+    # True when encodes run in other processes that record their own stage spans and write
+    # the vision cache themselves; the caller then does neither.
+    remote: bool
 
     async def start(self) -> None:
         """Build or load the vision tower and warm it up."""
@@ -60,5 +66,8 @@ class Encoder(Protocol):
 
         `traceparent` (W3C) is the caller's span: an encoder that runs elsewhere records its
         stage spans under it; an in-process one may ignore it (the caller records them)."""
+
+    async def queue_depth(self) -> int:
+        """Images waiting to be encoded."""
 
     async def aclose(self) -> None: ...

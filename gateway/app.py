@@ -36,6 +36,7 @@ class GatewayState:
     vision: Any
     service: Any
     auth: Authenticator
+    rate_limiter: Any = None
     metrics: Any = None
     telemetry: Any = None
     ready: bool = False
@@ -59,12 +60,20 @@ def build_encoder(settings: Settings, engine: Engine) -> Any:
     config = EncoderConfig(tower=settings.vision_tower, pruning=settings.pruning,
                            max_image_bytes=settings.max_image_bytes, max_pixels=settings.max_pixels,
                            device=settings.device)
+    if settings.encoder == "redis":
+        from encoder_worker.remote import RedisEncoder
+
+        return RedisEncoder(settings.redis_url, config, hidden_size=engine.hidden_size,
+                            target_rms=getattr(engine, "embedding_rms", None),
+                            image_ttl_s=settings.vision_cache_ttl_s,
+                            vision_ttl_s=settings.vision_cache_ttl_s)
     return LocalEncoder(config, hidden_size=engine.hidden_size,
                         target_rms=getattr(engine, "embedding_rms", None))
 
 
 def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any = None) -> Litestar:
     from gateway.caching import make_image_store, make_vision_cache
+    from gateway.ratelimit import make_rate_limiter
     from gateway.service import ChatService
     from gateway.sessions import make_session_store
     from gateway.vision import VisionResolver
@@ -83,6 +92,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any
         metrics = telemetry.metrics
     state = GatewayState(settings=settings, engine=engine, encoder=encoder, sessions=sessions,
                          vision=None, service=None, auth=Authenticator(settings.api_keys),
+                         rate_limiter=make_rate_limiter(settings.rate_limit_per_minute, settings.redis_url),
                          metrics=metrics, telemetry=telemetry)
 
     async def load_models() -> None:
@@ -113,8 +123,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any
             try:
                 gauges["sessions"] = await sessions.count()
                 gauges["vision_cache"] = (await cache.stats()).bytes
-                queue = getattr(state.encoder, "_queue", None)
-                gauges["queue"] = queue.qsize() if queue is not None else 0
+                if state.ready:
+                    gauges["queue"] = await state.encoder.queue_depth()
             except Exception:
                 log.warning("gauge_refresh_failed", exc_info=True)
             await asyncio.sleep(5.0)
@@ -139,7 +149,7 @@ def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any
                     await part.aclose()
                 except Exception:
                     log.exception("close_failed", part=type(part).__name__)
-        for store in (sessions, cache, images):
+        for store in (sessions, cache, images, state.rate_limiter):
             await store.aclose()
         if telemetry is not None:
             telemetry.shutdown()
@@ -194,7 +204,13 @@ def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any
         from gateway.telemetry import litestar_plugin
 
         plugins.append(litestar_plugin(telemetry))
+    from litestar.openapi import OpenAPIConfig
+
+    openapi = OpenAPIConfig(title="visiongate", version=VERSION,
+                            description="OpenAI-compatible chat gateway for vision-language models "
+                            "with session-aware vision caching.")
     app = Litestar(route_handlers=route_handlers, on_startup=[on_startup], plugins=plugins,
+                   openapi_config=openapi,
                    on_shutdown=[on_shutdown], state=State({"gateway": state}), debug=False,
                    logging_config=None)
     return app

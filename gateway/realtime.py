@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from encoder_worker.types import ENCODE_STAGES
 from gateway.images import REF_PREFIX, ImageRef, digest_of, parse_image_url, sniff_image
 from gateway.protocol import realtime as rt
 from gateway.protocol.errors import GatewayError
@@ -291,7 +292,7 @@ class RealtimeConnection:
                 self._eid(), item_id=stored.id, content_index=index, digest=digest,
                 tokens_kept=resolved.image.tokens_kept, tokens_total=resolved.image.tokens_total,
                 encode_ms=round(sum(v for k, v in resolved.image.timings_ms.items()
-                                    if k in ("decode", "preprocess", "vision", "prune", "quantize")), 3)
+                                    if k in ENCODE_STAGES), 3)
                 if encoded else 0.0,
                 cache="miss" if encoded else "hit"))
         if failed is not None:
@@ -310,6 +311,7 @@ class RealtimeConnection:
             raise GatewayError("response_in_progress",
                                f"response {self.response_options.response_id} is still in progress; "
                                "cancel it or wait for response.done")
+        await self.state.rate_limiter.acquire(self.owner)
         # the stored session is the truth (another connection may have added to it)
         load_start = time.time_ns()
         self.session = await self.state.sessions.load(self.session.id, self.owner)

@@ -28,6 +28,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     port: int = 8000
     log_level: str = "info"
     api_keys: list[str] = []  # empty: no authentication, every caller is "anonymous"
+    rate_limit_per_minute: int = 0  # responses per minute per API key; 0: no limit
     # language model
     model_path: str | None = None  # a local HF checkpoint dir; None: the embedded SmolLM2-135M-Instruct
     cache_dir: str | None = None  # converted models; default ~/.cache/visiongate
@@ -36,6 +37,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_output_tokens_limit: int = 2048
     engine_max_queue: int = 8
     # vision encoder
+    encoder: str = "inproc"  # inproc: in this process | redis: `visiongate worker` processes via redis_url
     vision_tower: str = "vit-b16-224"  # or vit-l14-336, or a local CLIP/SigLIP checkpoint dir
     pruning: str = "dynamic"  # none | random | topk | dynamic | dynamic+merge
     max_image_bytes: int = 20 * MiB
@@ -61,6 +63,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
              f"must be debug, info, warning or error, got {self.log_level!r}")
         need(1 <= self.max_output_tokens <= self.max_output_tokens_limit, "max_output_tokens",
              f"must be 1..{self.max_output_tokens_limit}, got {self.max_output_tokens}")
+        need(self.rate_limit_per_minute >= 0, "rate_limit_per_minute", "must be >= 0")
         need(self.engine_max_queue >= 1, "engine_max_queue", "must be >= 1")
         need(self.pruning in ("none", "random", "topk", "dynamic", "dynamic+merge"), "pruning",
              f"must be none, random, topk, dynamic or dynamic+merge, got {self.pruning!r}")
@@ -72,6 +75,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         need(self.kv_budget_bytes >= 0, "kv_budget_bytes", "must be >= 0")
         need(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
              "redis_url", f"must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        need(self.encoder in ("inproc", "redis") and (self.encoder == "inproc" or self.redis_url is not None),
+             "encoder", f"must be inproc or redis (redis needs {ENV_PREFIX}REDIS_URL), got {self.encoder!r}")
         need(self.model_path is None or os.path.isdir(self.model_path), "model_path",
              f"{self.model_path!r} is not a directory")
 

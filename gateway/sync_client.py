@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import websockets
 
@@ -108,17 +109,15 @@ class ResumingClient:
         last: BaseException | None = None
         for attempt in range(self.retries):
             if self._client is not None:
-                try:
-                    await self._client.close()
-                except Exception:  # already gone
-                    pass
+                with contextlib.suppress(RealtimeError, websockets.WebSocketException, OSError):
+                    await self._client.close()  # already gone
             try:
                 await self.connect()
             except RealtimeError as exc:
                 if exc.code == "session_not_found":
                     raise  # expired or deleted: resuming cannot help
                 last = exc
-            except Exception as exc:
+            except (TimeoutError, websockets.WebSocketException, OSError) as exc:
                 last = exc
             else:
                 self.resumes += 1
@@ -183,7 +182,7 @@ class ResumingClient:
         if self._client is not None:
             await self._client.close()
 
-    async def __aenter__(self) -> ResumingClient:
+    async def __aenter__(self) -> Self:
         return self if self._client is not None else await self.connect()
 
     async def __aexit__(self, *exc: object) -> None:
@@ -298,7 +297,7 @@ class Client:
         self._thread.join(timeout=10)
         self._loop.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

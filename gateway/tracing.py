@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from encoder_worker.types import ENCODE_STAGES
+
 if TYPE_CHECKING:
     from gateway.engine.base import GenerationResult
     from gateway.service import Finished
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = ("ResponseTrace",)
 
-STAGES = ("queue", "decode", "preprocess", "vision", "prune", "quantize")
+STAGES = ("queue", *ENCODE_STAGES)
 
 
 def _ns(ms: float) -> int:

@@ -18,7 +18,7 @@ from typing import Literal
 import msgspec
 import structlog
 
-from encoder_worker.types import EncodedImage, Encoder, ImageError
+from encoder_worker.types import ENCODE_STAGES, EncodedImage, Encoder, ImageError
 from gateway.protocol.errors import GatewayError
 
 __all__ = ("Resolved", "VisionResolver", "pack_encoded", "unpack_encoded")
@@ -81,7 +81,7 @@ class Resolved:
 @dataclass(slots=True)
 class _Encoded:
     image: EncodedImage
-    started_ns: int
+    started_ns: int | None
     put_ms: float
 
 
@@ -160,7 +160,7 @@ class VisionResolver:
                                                         "unsupported_image_format")
                                else "invalid_image", exc.message, param="image_url") from None
         stages = {k: float(v) for k, v in image.timings_ms.items()
-                  if k in ("decode", "preprocess", "vision", "prune", "quantize")}
+                  if k in ENCODE_STAGES}
         # what the stages do not account for is waiting: for a batch to fill, for the worker
         queue_ms = max((time.perf_counter() - t0) * 1e3 - sum(stages.values()), 0.0)
         image.timings_ms = {"queue": round(queue_ms, 3), **image.timings_ms}
@@ -169,6 +169,8 @@ class VisionResolver:
                                         batch_size=int(image.timings_ms.get("batch_size", 1)),
                                         queue_ms=queue_ms, tokens_kept=image.tokens_kept,
                                         tokens_total=image.tokens_total)
+        if getattr(self.encoder, "remote", False):  # the worker stored it and traced its stages
+            return _Encoded(image, None, 0.0)
         t_put = time.perf_counter()
         await self.cache.put(self.fingerprint, digest, pack_encoded(image))
         return _Encoded(image, started_ns, (time.perf_counter() - t_put) * 1e3)

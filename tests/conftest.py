@@ -93,3 +93,21 @@ def chelsea_jpeg() -> bytes:
 @pytest.fixture(scope="session")
 def tmp_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
+
+
+_unique_counter = iter(range(1, 10_000))
+
+
+def unique_photo(name: str = "astronaut") -> bytes:
+    """A real sample photo whose bytes no earlier test sent (a different 1-16 px crop each
+    call), so the gateway's first encode of it is a genuine cache miss."""
+    from PIL import Image
+    from skimage import data
+
+    n = next(_unique_counter)
+    img = Image.fromarray(getattr(data, name)()).convert("RGB")
+    w, h = img.size
+    img = img.crop((n % 16, n // 16 % 16, w - 1, h - 1))
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()

@@ -116,6 +116,12 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(_StoredTokens)
 
 
+def redis_value(payload: bytes) -> bytes:
+    """The Redis value the tiered cache stores for `payload`; for writers outside it (encoder
+    workers writing results in the same transaction as their ack)."""
+    return _encoder.encode(_StoredTokens(zlib.crc32(payload), bytes(payload)))
+
+
 class TieredVisionCache:
     """`memory` in front of Redis: key `{namespace}:vision:{fingerprint}:{digest}`, TTL `ttl_s`.
 
@@ -165,7 +171,7 @@ class TieredVisionCache:
 
     async def put(self, fingerprint: str, digest: str, payload: bytes) -> None:
         await self.memory.put(fingerprint, digest, payload)  # validates the key
-        value = _encoder.encode(_StoredTokens(zlib.crc32(payload), bytes(payload)))
+        value = redis_value(payload)
         key = self.key(fingerprint, digest)
         await self._redis.call("put", lambda r: r.set(key, value, px=self._ttl_ms))
 

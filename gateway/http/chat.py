@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from gateway.app import GatewayState
     from gateway.service import ServiceEvent
 
-__all__ = ("ChatCompletionServing", "EventStream", "create_session")
+__all__ = ("ChatCompletionServing", "EventStream")
 
 log = structlog.get_logger("visiongate.http")
 
@@ -56,21 +56,6 @@ class _Prepared:
     completion_id: str
     created: int
     model: str
-
-
-async def create_session(store, session: Session) -> bool:
-    """Store a new session under a caller-chosen id, unless that id is taken by anyone.
-
-    Uses the store's atomic `create` when it has one. Without it, creating is only safe when
-    there is a single owner (no API keys), since `save` would overwrite a foreign session.
-    """
-    create = getattr(store, "create", None)
-    if create is not None:
-        return bool(await create(session))
-    if session.owner != "anonymous":
-        return False
-    await store.save(session)
-    return True
 
 
 class ChatCompletionServing:
@@ -126,6 +111,8 @@ class ChatCompletionServing:
         for digest, param in conv.refs.items():
             if not await state.vision.known(digest):
                 raise GatewayError("image_not_found", f"no image with digest {digest}", param=param)
+        if state.rate_limiter is not None:
+            await state.rate_limiter.acquire(owner)
         for digest, data in conv.inline.items():
             await state.vision.add(digest, data)
 
@@ -139,7 +126,9 @@ class ChatCompletionServing:
             if not session_id or len(session_id) > 128:
                 raise GatewayError("invalid_request", "session_id must be 1..128 characters",
                                    param="session_id")
+            load_start = time.time_ns()
             session = await self._session(session_id, owner)
+            options.session_load_ns = (load_start, time.time_ns())
             kept = reconcile(session, conv, settings.default_instructions)
             if len(session.image_digests) > settings.max_images_per_session:
                 raise GatewayError("too_many_images", "a session holds at most "
@@ -160,7 +149,7 @@ class ChatCompletionServing:
         settings = self.state.settings
         session = Session.new(owner, instructions=settings.default_instructions,
                               max_output_tokens=settings.max_output_tokens, session_id=session_id)
-        if not await create_session(self.state.sessions, session):
+        if not await self.state.sessions.create(session):
             raise GatewayError("session_not_found", f"no session {session_id!r} for this API key",
                                param="session_id")
         log.info("session_created", session_id=session_id, api="http")
@@ -249,8 +238,10 @@ class ChatCompletionServing:
             session_id=prepared.session.id if prepared.stored else None)
 
     def _finished(self, ev: ServiceEvent | None, prepared: _Prepared) -> None:
-        if isinstance(ev, Finished) and self.state.telemetry_hook is not None:
-            self.state.telemetry_hook(ev, "http", prepared.session)
+        if isinstance(ev, Finished) and ev.status != "failed":
+            log.info("http_completion", completion_id=prepared.completion_id, status=ev.status,
+                     session_id=prepared.session.id if prepared.stored else None,
+                     cached_tokens=ev.cached_tokens, vision=ev.vision)
 
 
 def _options(request: p.ChatCompletionRequest, limit: int) -> ResponseOptions:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from encoder_worker.types import ENCODE_STAGES
 from gateway.http import protocol as p
 from gateway.images import REF_PREFIX, digest_of, sniff_image
 from gateway.protocol.errors import GatewayError
@@ -27,7 +28,6 @@ __all__ = ("ImageServing", "ModelServing", "SessionServing", "session_view")
 
 log = structlog.get_logger("visiongate.http")
 
-ENCODE_STAGES = ("decode", "preprocess", "vision", "prune", "quantize")
 
 
 def _not_ready() -> GatewayError:

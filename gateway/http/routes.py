@@ -39,7 +39,8 @@ MAX_CHAT_BODY = 512 * MiB
 
 ERRORS = {status: ResponseSpec(p.ErrorResponse, description=text) for status, text in (
     (400, "Invalid request"), (401, "Missing or unknown API key"), (404, "Not found"),
-    (413, "Too large"), (415, "Unsupported image format"), (503, "Loading or busy"))}
+    (413, "Too large"), (415, "Unsupported image format"), (429, "Rate limited"),
+    (503, "Loading or busy"))}
 
 
 def http_route_handlers(state: GatewayState) -> list[Any]:

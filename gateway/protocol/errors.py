@@ -21,6 +21,7 @@ ERROR_CODES: dict[str, tuple[str, int]] = {
     "response_not_found": ("invalid_request_error", 404),
     "session_not_found": ("invalid_request_error", 404),
     "unauthorized": ("authentication_error", 401),
+    "rate_limited": ("rate_limit_error", 429),
     "busy": ("server_error", 503),
     "engine_error": ("server_error", 500),
     "internal_error": ("server_error", 500),

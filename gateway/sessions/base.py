@@ -80,6 +80,9 @@ class SessionStore(Protocol):
     async def save(self, session: Session) -> None:
         """Store the whole session (refreshing its idle TTL). Last write wins."""
 
+    async def create(self, session: Session) -> bool:
+        """Store a session under a new id; False (nothing written) if the id is taken by anyone."""
+
     async def delete(self, session_id: str, owner: str) -> bool:
         """Remove it; False if it was not there (or not the owner's)."""
 

@@ -37,6 +37,13 @@ class MemorySessionStore:
         self._sessions[session.id] = (self._clock() + self.ttl_s, msgspec.msgpack.encode(session))
         self._expire()
 
+    async def create(self, session: Session) -> bool:
+        self._expire()
+        if session.id in self._sessions:
+            return False
+        await self.save(session)
+        return True
+
     async def delete(self, session_id: str, owner: str) -> bool:
         try:
             await self.load(session_id, owner)

@@ -55,6 +55,15 @@ redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
 return 1
 """
 
+# KEYS: session key, index. ARGV: encoded session, ttl ms, session id. Stores only a new id.
+_CREATE = _NOW_MS + """
+if redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'NX') == false then
+  return 0
+end
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
+return 1
+"""
+
 # KEYS: session key, index. ARGV: ttl ms, session id. Refreshes only a key that still exists.
 _TOUCH = """
 if redis.call('PEXPIRE', KEYS[1], ARGV[1]) == 0 then
@@ -90,6 +99,7 @@ _FAILURES = (redis.exceptions.RedisError, OSError, TimeoutError)
 class RedisSessionStore:
     __slots__ = (
         "_client",
+        "_create",
         "_count",
         "_delete",
         "_index",
@@ -111,6 +121,7 @@ class RedisSessionStore:
             redis_url, socket_connect_timeout=2.0, socket_timeout=5.0, decode_responses=False,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2))
         self._save: AsyncScript = self._client.register_script(_SAVE)
+        self._create: AsyncScript = self._client.register_script(_CREATE)
         self._touch: AsyncScript = self._client.register_script(_TOUCH)
         self._delete: AsyncScript = self._client.register_script(_DELETE)
         self._count: AsyncScript = self._client.register_script(_COUNT)
@@ -130,6 +141,12 @@ class RedisSessionStore:
         await self._call("save", self._save(keys=[self.key(session.id), self._index],
                                             args=[_encoder.encode(session), self._ttl_ms,
                                                   session.id]))
+
+    async def create(self, session: Session) -> bool:
+        session.updated_at = time.time()
+        return bool(await self._call("create", self._create(
+            keys=[self.key(session.id), self._index],
+            args=[_encoder.encode(session), self._ttl_ms, session.id])))
 
     async def delete(self, session_id: str, owner: str) -> bool:
         key = self.key(session_id)

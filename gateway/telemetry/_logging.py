@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, TextIO
 
 import structlog
+import structlog.tracebacks
 from opentelemetry import trace
 
 __all__ = ("add_trace_ids", "configure_logging", "log_response")
@@ -57,7 +58,9 @@ def configure_logging(
         foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder()],
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            *([structlog.processors.dict_tracebacks] if json else []),
+            # tracebacks without local variables: locals can hold API keys and image bytes
+            *([structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False))] if json else []),
             renderer,
         ],
     )

@@ -10,16 +10,16 @@ import msgspec
 import pytest
 import websockets
 
-from tests.conftest import photo_bytes
+from tests.conftest import photo_bytes, unique_photo
 from tests.gateway.realtime_helpers import Peer, data_url, deltas
 
 pytestmark = pytest.mark.slow
 
 
-async def test_two_turn_conversation_with_image(ws_url: str, astronaut_jpeg: bytes) -> None:
+async def test_two_turn_conversation_with_image(ws_url: str) -> None:
     peer = await Peer.open(ws_url)
     assert peer.created["type"] == "session.created"
-    await peer.add([{"type": "input_image", "image_url": data_url(astronaut_jpeg)},
+    await peer.add([{"type": "input_image", "image_url": data_url(unique_photo("astronaut"))},
                     {"type": "input_text", "text": "What is in this photo?"}])
     added, _ = await peer.until("conversation.item.added")
     assert added["item"]["content"][0]["image_url"].startswith("visiongate:sha256:")

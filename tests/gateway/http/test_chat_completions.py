@@ -141,18 +141,18 @@ def test_bad_requests_get_openai_errors(case: str, base_url: str, model: str,
     hello = [{"role": "user", "content": "hello"}]
     noise = np.random.default_rng(0).integers(0, 255, (1100, 1100, 3), dtype=np.uint8).tobytes()
     cases = {
-        "unknown_model": (dict(model="gpt-nope", messages=hello), 404, "model_not_found", "model"),
-        "no_messages": (dict(model=model, messages=[]), 400, "invalid_request", "messages"),
-        "malformed_data_url": (dict(model=model, messages=image("data:image/jpeg;base64,@@not-b64")),
+        "unknown_model": ({"model": "gpt-nope", "messages": hello}, 404, "model_not_found", "model"),
+        "no_messages": ({"model": model, "messages": []}, 400, "invalid_request", "messages"),
+        "malformed_data_url": ({"model": model, "messages": image("data:image/jpeg;base64,@@not-b64")},
                                400, "invalid_image", "messages[0].content[0].image_url.url"),
-        "remote_url": (dict(model=model, messages=image("https://example.com/cat.jpg")),
+        "remote_url": ({"model": model, "messages": image("https://example.com/cat.jpg")},
                        400, "invalid_image", "messages[0].content[0].image_url.url"),
-        "oversized_image": (dict(model=model, messages=image(data_url(noise[: 3 * 1024 * 1024]))),
+        "oversized_image": ({"model": model, "messages": image(data_url(noise[: 3 * 1024 * 1024]))},
                             413, "image_too_large", "messages[0].content[0].image_url.url"),
-        "n_2": (dict(model=model, messages=hello, n=2), 400, "invalid_request", "n"),
-        "bad_role": (dict(model=model, messages=[{"role": "tool", "content": "x"}]),
+        "n_2": ({"model": model, "messages": hello, "n": 2}, 400, "invalid_request", "n"),
+        "bad_role": ({"model": model, "messages": [{"role": "tool", "content": "x"}]},
                      400, "invalid_request", "messages[0].role"),
-        "max_tokens_0": (dict(model=model, messages=hello, max_tokens=0), 400, "invalid_request",
+        "max_tokens_0": ({"model": model, "messages": hello, "max_tokens": 0}, 400, "invalid_request",
                          "max_tokens"),
     }
     kwargs, status, code, param = cases[case]

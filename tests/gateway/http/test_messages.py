@@ -12,7 +12,7 @@ from gateway.sessions.base import Session
 from tests.conftest import photo_bytes
 from tests.gateway.http.conftest import data_url
 
-LIMITS = dict(max_image_bytes=2 * 1024 * 1024, max_pixels=4_000_000, max_images=4)
+LIMITS = {"max_image_bytes": 2 * 1024 * 1024, "max_pixels": 4_000_000, "max_images": 4}
 
 
 def parse(messages: list[dict]):

@@ -32,7 +32,8 @@ def find_chromium() -> str:
                     "apt-get update && apt-get install -y chromium")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
+                              check=False)
         if done.returncode != 0:
             pytest.fail(f"installing chromium failed ({' '.join(cmd)}): {done.stderr[-2000:]}")
     path = shutil.which("chromium")

@@ -93,7 +93,7 @@ def test_sessions_get_and_delete(http: httpx.Client, model: str) -> None:
         "messages": [{"role": "user", "content": "Something else"}]})
     assert r.status_code == 200
     view = http.get(f"/v1/sessions/{sid}").json()
-    assert [i["content"][0]["text"] for i in view["items"]][0] == "Something else"
+    assert next(i["content"][0]["text"] for i in view["items"]) == "Something else"
     assert len(view["items"]) == 2
 
     assert http.delete(f"/v1/sessions/{sid}").json() == {

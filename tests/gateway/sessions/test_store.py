@@ -86,6 +86,17 @@ async def test_foreign_owner_is_the_same_error_as_unknown(make_store) -> None:
         unknown.code, unknown.type, unknown.message, unknown.param)
 
 
+async def test_create_only_takes_a_free_id(make_store) -> None:
+    store = make_store()
+    session = conversation()
+    assert await store.create(session) is True
+    rival = Session.new(BOB, instructions="mine now", max_output_tokens=8, session_id=session.id)
+    assert await store.create(rival) is False  # taken, whoever owns it
+    loaded = await store.load(session.id, ALICE)
+    assert loaded.instructions == session.instructions
+    await expect_not_found(store, session.id, BOB)
+
+
 async def test_save_overwrites_and_stamps_updated_at(make_store) -> None:
     store = make_store()
     session = conversation()

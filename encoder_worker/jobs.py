@@ -1,0 +1,118 @@
+"""What travels between gateways and `visiongate worker` processes through Redis.
+
+Keys (namespace `vg`):
+
+    vg:encode:jobs              stream of jobs, read by the consumer group `encoders`;
+                                entry field `job` = msgpack `EncodeJob`
+    vg:encode:dead              dead-letter stream; fields `job`, `reason`, `consumer`, `attempts`
+    vg:encode:result:{job_id}   list the worker RPUSHes one msgpack `EncodeResult` onto (short TTL);
+                                the caller BLPOPs it
+    vg:image:{digest}           the image bytes (the gateway's image store), written before the job
+    vg:vision:{fingerprint}:{digest}
+                                the visual tokens (the gateway's vision cache), written by the worker
+                                before it notifies and acks
+
+A job carries no image bytes and no tensors: a digest, the fingerprint the caller expects, and
+what the worker must agree with to produce it. Results say only how the job ended; the tokens
+are read from the vision cache, in the format the gateway's `TieredVisionCache` reads.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = (
+    "DEAD_STREAM",
+    "GROUP",
+    "IMAGE_ERROR_CODES",
+    "JOBS_STREAM",
+    "EncodeDone",
+    "EncodeFailed",
+    "EncodeJob",
+    "EncodeResult",
+    "decode_job",
+    "decode_result",
+    "encode_job",
+    "encode_result",
+    "image_key",
+    "result_key",
+    "vision_key",
+)
+
+JOBS_STREAM = "vg:encode:jobs"
+DEAD_STREAM = "vg:encode:dead"
+GROUP = "encoders"
+# ImageError codes: the caller's image is bad; never retried, never dead-lettered
+IMAGE_ERROR_CODES = ("invalid_image", "image_too_large", "unsupported_image_format")
+
+
+def result_key(job_id: str) -> str:
+    return f"vg:encode:result:{job_id}"
+
+
+def image_key(digest: str) -> str:
+    """The gateway's image store key (`RedisImageStore.key`)."""
+    return f"vg:image:{digest}"
+
+
+def vision_key(fingerprint: str, digest: str) -> str:
+    """The gateway's vision cache key (`TieredVisionCache.key`)."""
+    return f"vg:vision:{fingerprint}:{digest}"
+
+
+class EncodeJob(msgspec.Struct, frozen=True, array_like=True):
+    """One image to encode. `attempt` counts earlier runs of this job that failed with an
+    unexpected error (the worker re-enqueues it with `attempt + 1`); runs lost to a dead worker
+    are counted by the stream's delivery counter instead."""
+
+    job_id: str  # uuid4 hex; names the result key
+    digest: str  # sha256 hex of the image bytes in vg:image:{digest}
+    fingerprint: str  # the encoder fingerprint the caller will read the tokens under
+    hidden_size: int  # the caller's LM hidden size ...
+    target_rms: float | None  # ... and embedding RMS: a worker built for others refuses the job
+    traceparent: (
+        str | None
+    )  # W3C traceparent of the caller's span; worker spans become its children
+    enqueued_ns: int  # time.time_ns() when the caller enqueued it
+    attempt: int = 0
+
+
+class EncodeDone(msgspec.Struct, frozen=True, array_like=True, tag="done"):
+    """The tokens are in the vision cache under (job.fingerprint, job.digest)."""
+
+    job_id: str
+    consumer: str  # the worker that encoded it
+    tokens_kept: int
+
+
+class EncodeFailed(msgspec.Struct, frozen=True, array_like=True, tag="failed"):
+    """`code` is an ImageError code (the image is bad) or `dead_letter` (the job was given up;
+    `message` says why, as in vg:encode:dead)."""
+
+    job_id: str
+    code: str
+    message: str
+
+
+EncodeResult = EncodeDone | EncodeFailed
+
+_encoder = msgspec.msgpack.Encoder()
+_job_decoder = msgspec.msgpack.Decoder(EncodeJob)
+_result_decoder = msgspec.msgpack.Decoder(EncodeResult)
+
+
+def encode_job(job: EncodeJob) -> bytes:
+    return _encoder.encode(job)
+
+
+def decode_job(data: bytes) -> EncodeJob:
+    """msgpack -> EncodeJob; msgspec.DecodeError / ValidationError on anything malformed."""
+    return _job_decoder.decode(data)
+
+
+def encode_result(result: EncodeResult) -> bytes:
+    return _encoder.encode(result)
+
+
+def decode_result(data: bytes) -> EncodeResult:
+    return _result_decoder.decode(data)

@@ -1,0 +1,214 @@
+"""`RedisEncoder`: the gateway's `Encoder` when the encoding runs in `visiongate worker` processes.
+
+No model is loaded here. `encode()` makes sure the bytes are in the image store
+(`vg:image:{digest}`), XADDs an `EncodeJob` to `vg:encode:jobs`, and waits with BLPOP on the
+job's result list `vg:encode:result:{job_id}`; on `done` it reads the tokens the worker put in
+the vision cache. A list rather than pub/sub because a notice pushed before the caller starts
+waiting (or while its connection is being re-established) is kept, not lost; the price is one
+Redis connection per image being waited for, which the gateway's single-flight per digest
+keeps to the number of distinct images in flight.
+
+Errors: a bad image raises `ImageError` with the worker's code; no answer within `timeout_s`,
+or Redis unreachable, raises `GatewayError("busy")`; a job the workers gave up on (it is in
+`vg:encode:dead`) raises `GatewayError("internal_error")` with the dead letter's reason. A job
+whose caller timed out is still encoded later, and its tokens still land in the cache.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import structlog
+
+from encoder_worker.jobs import (
+    IMAGE_ERROR_CODES,
+    JOBS_STREAM,
+    EncodeDone,
+    EncodeJob,
+    decode_result,
+    encode_job,
+    image_key,
+    result_key,
+)
+from encoder_worker.pipeline import encoder_fingerprint
+from encoder_worker.types import EncodedImage, ImageError
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+    from encoder_worker.config import EncoderConfig
+    from gateway.caching.vision import TieredVisionCache
+
+__all__ = ("RedisEncoder",)
+
+log = structlog.get_logger("encoder_worker.remote")
+
+
+class RedisEncoder:
+    """Encoder protocol implementation that queues jobs for `visiongate worker` processes.
+
+    `config`, `hidden_size` and `target_rms` must be the workers' (they make the fingerprint
+    the tokens are cached under); a worker started with others dead-letters the job and says
+    which differs. `max_stream_len` caps the job stream (approximately): a safety valve for a
+    queue no worker drains, not a tuning knob.
+    """
+
+    # the worker records the encode stage spans under the job's traceparent itself
+    # encodes in worker processes, which record their own stage spans and write the vision
+    # cache themselves
+    remote = True
+
+    def __init__(
+        self,
+        redis_url: str,
+        config: EncoderConfig,
+        hidden_size: int,
+        target_rms: float | None = None,
+        *,
+        timeout_s: float = 60.0,
+        image_ttl_s: float = 86400.0,
+        vision_ttl_s: float = 86400.0,
+        max_stream_len: int = 100_000,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.redis_url = redis_url
+        self.config = config
+        self.hidden_size = hidden_size
+        self.target_rms = target_rms
+        self.fingerprint = encoder_fingerprint(config, hidden_size, target_rms)
+        self.timeout_s = timeout_s
+        self.max_stream_len = max_stream_len
+        self._image_ttl_ms = max(1, int(image_ttl_s * 1000))
+        self._vision_ttl_s = vision_ttl_s
+        self._client: Redis | None = None
+        self._cache: TieredVisionCache | None = None
+        self.jobs = 0  # jobs enqueued by this encoder
+
+    async def start(self) -> None:
+        """Check Redis and create the job stream's consumer group; raises if Redis is down."""
+        from redis.asyncio import Redis
+
+        from encoder_worker.worker import ensure_group
+        from gateway.caching.vision import MemoryVisionCache, TieredVisionCache
+
+        if self._client is not None:
+            return
+        # no socket timeout: BLPOP blocks up to timeout_s by design
+        client = Redis.from_url(
+            self.redis_url, socket_connect_timeout=2.0, socket_timeout=None, decode_responses=False
+        )
+        try:
+            await client.ping()
+            await ensure_group(client)
+            groups = await client.xinfo_groups(JOBS_STREAM)
+        except BaseException:
+            await client.aclose()
+            raise
+        consumers = sum(int(g.get("consumers", 0)) for g in groups)
+        if consumers == 0:
+            log.warning(
+                "encoder.no_workers_yet",
+                stream=JOBS_STREAM,
+                hint="start `visiongate worker --redis-url ...` processes",
+            )
+        self._client = client
+        self._cache = TieredVisionCache(MemoryVisionCache(0), self.redis_url, self._vision_ttl_s)
+        log.info("encoder.remote_ready", fingerprint=self.fingerprint[:16], workers=consumers)
+
+    async def queue_depth(self) -> int:
+        """Jobs in the stream not yet taken and acked by a worker."""
+        if self._client is None:
+            return 0
+        try:
+            return int(await self._client.xlen(JOBS_STREAM))
+        except Exception:
+            return 0
+
+    async def encode(self, data: bytes, *, traceparent: str | None = None) -> EncodedImage:
+        """Queue the image for a worker and wait for its tokens. Raises ImageError / GatewayError."""
+        from redis.exceptions import RedisError
+
+        from gateway.caching import sha256_hex
+        from gateway.protocol.errors import GatewayError
+
+        if self._client is None or self._cache is None:
+            raise RuntimeError("RedisEncoder is not started (await start() first)")
+        if len(data) > self.config.max_image_bytes:
+            raise ImageError(
+                "image_too_large",
+                f"image is {len(data)} bytes; the limit is {self.config.max_image_bytes}",
+            )
+        digest = await sha256_hex(data)
+        job = EncodeJob(
+            uuid.uuid4().hex,
+            digest,
+            self.fingerprint,
+            self.hidden_size,
+            self.target_rms,
+            traceparent,
+            time.time_ns(),
+        )
+        client = self._client
+        try:
+            key = image_key(digest)
+            # usually the gateway's image store has just written the bytes: refresh, don't resend
+            if not await client.pexpire(key, self._image_ttl_ms):
+                await client.set(key, bytes(data), px=self._image_ttl_ms)
+            await client.xadd(
+                JOBS_STREAM, {"job": encode_job(job)}, maxlen=self.max_stream_len, approximate=True
+            )
+            self.jobs += 1
+            reply = await client.blpop([result_key(job.job_id)], timeout=self.timeout_s)
+        except (RedisError, OSError) as exc:
+            raise GatewayError("busy", f"the encoder queue is unavailable: {exc}") from None
+        if reply is None:
+            log.warning(
+                "encoder.timeout", job_id=job.job_id, digest=digest[:12], timeout_s=self.timeout_s
+            )
+            raise GatewayError(
+                "busy", f"no encoder worker finished the image within {self.timeout_s:g} s"
+            )
+        result = decode_result(reply[1])
+        if not isinstance(result, EncodeDone):
+            if result.code in IMAGE_ERROR_CODES:
+                raise ImageError(result.code, result.message)
+            log.error(
+                "encoder.job_failed", job_id=job.job_id, digest=digest[:12], reason=result.message
+            )
+            raise GatewayError(
+                "internal_error", f"the image could not be encoded: {result.message}"
+            )
+        return await self._tokens(digest, job.job_id)
+
+    async def _tokens(self, digest: str, job_id: str) -> EncodedImage:
+        from gateway.protocol.errors import GatewayError
+        from gateway.vision import unpack_encoded
+
+        assert self._cache is not None
+        hit = await self._cache.get(self.fingerprint, digest)
+        if hit is None:
+            raise GatewayError(
+                "internal_error",
+                f"encode job {job_id} finished but its tokens are "
+                "not in the vision cache (evicted, or Redis failed)",
+            )
+        try:
+            image = unpack_encoded(hit.payload)
+        except ValueError as exc:
+            raise GatewayError("internal_error", f"corrupt vision-cache entry: {exc}") from None
+        if image.fingerprint != self.fingerprint or image.digest != digest:
+            raise GatewayError(
+                "internal_error", "vision-cache entry belongs to another image or encoder"
+            )
+        return image
+
+    async def aclose(self) -> None:
+        if self._cache is not None:
+            await self._cache.aclose()
+            self._cache = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None

@@ -1,0 +1,88 @@
+"""Per-owner response rate limits: at most N responses per minute per API key.
+
+`MemoryRateLimiter` is a token bucket per owner (one replica's view); `RedisRateLimiter` counts
+in a shared fixed one-minute window (INCR + EXPIRE in one transaction), so the limit holds
+across gateway replicas. A limit of 0 disables limiting. An exhausted owner gets
+GatewayError("rate_limited"), HTTP 429, with the seconds to wait in the message.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from gateway.protocol.errors import GatewayError
+
+__all__ = ("MemoryRateLimiter", "RateLimiter", "RedisRateLimiter", "make_rate_limiter")
+
+
+class RateLimiter(Protocol):
+    async def acquire(self, owner: str) -> None:
+        """Take one response from `owner`'s allowance or raise GatewayError(rate_limited)."""
+
+    async def aclose(self) -> None: ...
+
+
+def _limited(owner: str, per_minute: int, retry_s: float) -> GatewayError:
+    return GatewayError("rate_limited", f"rate limit of {per_minute} responses per minute reached; "
+                        f"retry in {max(retry_s, 0.1):.1f} s")
+
+
+class MemoryRateLimiter:
+    __slots__ = ("per_minute", "_buckets", "_clock")
+
+    def __init__(self, per_minute: int, *, clock=time.monotonic) -> None:
+        self.per_minute = per_minute
+        self._buckets: dict[str, tuple[float, float]] = {}  # owner -> (tokens, updated_at)
+        self._clock = clock
+
+    async def acquire(self, owner: str) -> None:
+        if self.per_minute <= 0:
+            return
+        now = self._clock()
+        rate = self.per_minute / 60.0
+        tokens, updated = self._buckets.get(owner, (float(self.per_minute), now))
+        tokens = min(float(self.per_minute), tokens + (now - updated) * rate)
+        if tokens < 1.0:
+            self._buckets[owner] = (tokens, now)
+            raise _limited(owner, self.per_minute, (1.0 - tokens) / rate)
+        self._buckets[owner] = (tokens - 1.0, now)
+
+    async def aclose(self) -> None:
+        self._buckets.clear()
+
+
+class RedisRateLimiter:
+    __slots__ = ("per_minute", "namespace", "_redis")
+
+    def __init__(self, per_minute: int, redis_url: str, namespace: str = "vg") -> None:
+        import redis.asyncio as aioredis
+
+        self.per_minute = per_minute
+        self.namespace = namespace
+        self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=2.0)
+
+    async def acquire(self, owner: str) -> None:
+        if self.per_minute <= 0:
+            return
+        window = int(time.time() // 60)
+        key = f"{self.namespace}:rate:{owner}:{window}"
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                count, _ = await pipe.incr(key).expire(key, 120).execute()
+        except Exception as exc:  # Redis down: serve rather than refuse everyone
+            import structlog
+
+            structlog.get_logger("visiongate.ratelimit").warning("rate_limit_unavailable", error=str(exc))
+            return
+        if int(count) > self.per_minute:
+            raise _limited(owner, self.per_minute, 60 - time.time() % 60)
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+
+def make_rate_limiter(per_minute: int, redis_url: str | None) -> RateLimiter:
+    if redis_url and per_minute > 0:
+        return RedisRateLimiter(per_minute, redis_url)
+    return MemoryRateLimiter(per_minute)

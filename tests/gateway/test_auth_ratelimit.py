@@ -1,0 +1,119 @@
+"""API keys own sessions; responses are rate limited per key (memory and Redis limiters)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import websockets
+
+from gateway.app import create_app
+from gateway.auth import Authenticator
+from gateway.protocol.errors import GatewayError
+from gateway.ratelimit import MemoryRateLimiter, RedisRateLimiter
+from gateway.server import ServerThread
+from tests.gateway.conftest import gateway_settings
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_memory_limiter_refills_over_time() -> None:
+    clock = FakeClock()
+    limiter = MemoryRateLimiter(3, clock=clock)
+    for _ in range(3):
+        await limiter.acquire("a")
+    with pytest.raises(GatewayError) as err:
+        await limiter.acquire("a")
+    assert err.value.code == "rate_limited" and err.value.http_status == 429
+    await limiter.acquire("b")  # owners have their own allowance
+    clock.now += 20.0  # 3 per minute: one token back every 20 s
+    await limiter.acquire("a")
+    with pytest.raises(GatewayError):
+        await limiter.acquire("a")
+
+
+async def test_redis_limiter_is_shared_between_replicas(redis_url: str) -> None:
+    one, two = RedisRateLimiter(2, redis_url), RedisRateLimiter(2, redis_url)
+    await one.acquire("k")
+    await two.acquire("k")
+    with pytest.raises(GatewayError) as err:
+        await one.acquire("k")
+    assert err.value.code == "rate_limited"
+    await one.aclose()
+    await two.aclose()
+
+
+async def test_redis_limiter_lets_traffic_through_when_redis_is_down() -> None:
+    limiter = RedisRateLimiter(1, "redis://127.0.0.1:1/0")
+    await limiter.acquire("k")
+    await limiter.acquire("k")
+    await limiter.aclose()
+
+
+def test_authenticator() -> None:
+    auth = Authenticator(["secret-1", "secret-2"])
+    one = auth.owner({"authorization": "Bearer secret-1"})
+    two = auth.owner({}, {"api_key": "secret-2"})
+    assert one != two and "secret" not in one
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic secret-1"}):
+        with pytest.raises(GatewayError) as err:
+            auth.owner(headers)
+        assert err.value.code == "unauthorized"
+    assert Authenticator([]).owner({}) == "anonymous"
+
+
+@pytest.fixture(scope="module")
+def keyed_server() -> Iterator[ServerThread]:
+    settings = gateway_settings(api_keys=["key-alice", "key-bob"], rate_limit_per_minute=2)
+    with ServerThread(create_app(settings), settings) as server:
+        server.wait_ready()
+        yield server
+
+
+async def _open(url: str, key: str, session_id: str | None = None):
+    ws = await websockets.connect(url + (f"?session_id={session_id}" if session_id else ""),
+                                  additional_headers={"Authorization": f"Bearer {key}"})
+    return ws, json.loads(await ws.recv())
+
+
+@pytest.mark.slow
+async def test_keys_own_their_sessions_and_are_rate_limited(keyed_server: ServerThread) -> None:
+    url = keyed_server.ws_url
+    with pytest.raises(websockets.InvalidStatus) as refused:  # closed before the handshake completes
+        await websockets.connect(url, additional_headers={"Authorization": "Bearer wrong"})
+    assert refused.value.response.status_code == 403
+
+    alice, created = await _open(url, "key-alice")
+    session_id = created["session"]["id"]
+    statuses = []
+    for n in range(3):
+        await alice.send(json.dumps({"type": "conversation.item.create", "item": {
+            "type": "message", "role": "user", "content": [{"type": "input_text", "text": f"Hi {n}"}]}}))
+        await alice.send(json.dumps({"type": "response.create", "event_id": f"r{n}",
+                                     "response": {"max_output_tokens": 2}}))
+        while True:
+            event = json.loads(await alice.recv())
+            if event["type"] == "response.done":
+                statuses.append("done")
+                break
+            if event["type"] == "error":
+                statuses.append(event["error"]["code"])
+                assert event["error"]["event_id"] == f"r{n}"
+                break
+    assert statuses == ["done", "done", "rate_limited"]
+    await alice.close()
+
+    # bob cannot see alice's session: the same answer as for an unknown id
+    bob, event = await _open(url, "key-bob", session_id)
+    assert event["type"] == "error" and event["error"]["code"] == "session_not_found"
+    await bob.close()
+    alice, event = await _open(url, "key-alice", session_id)
+    assert event["type"] == "session.created" and event["session"]["id"] == session_id
+    await alice.close()
