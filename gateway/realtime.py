@@ -395,13 +395,8 @@ class RealtimeConnection:
                     image_tokens=min(ev.image_tokens, ev.cached_tokens),
                     text_tokens=ev.cached_tokens - min(ev.image_tokens, ev.cached_tokens))),
             output_token_details=rt.OutputTokenDetails(text_tokens=ev.output_tokens))
-        t = ev.timings
         ext = rt.ResponseExtension(
-            timings=rt.Timings(queue_ms=t.get("queue_ms", 0.0), encode_ms=t.get("encode_ms", 0.0),
-                               prefill_ms=t.get("prefill_ms", 0.0), decode_ms=t.get("decode_ms", 0.0),
-                               ttft_ms=t.get("ttft_ms", 0.0), total_ms=t.get("total_ms", 0.0)),
-            cache=rt.CacheReport(vision=ev.vision, vision_hits=ev.vision_hits,
-                                 vision_misses=ev.vision_misses, kv_tokens_reused=ev.cached_tokens),
+            timings=rt.Timings.of(ev), cache=rt.CacheReport.of(ev),
             image_tokens_total=ev.image_tokens_total, model=self.state.engine.model_id)
         await self._send(rt.ResponseDone(self._eid(), rt.ResponseState(
             id=rid, status=ev.status, conversation_id=conversation,

@@ -228,12 +228,8 @@ class ChatCompletionServing:
         return "fp_" + self.state.vision.fingerprint[:12]
 
     def _extension(self, ev: Finished, prepared: _Prepared) -> p.CompletionExtension:
-        t = ev.timings
         return p.CompletionExtension(
-            timings=p.Timings(**{k: float(t.get(k, 0.0)) for k in (
-                "queue_ms", "encode_ms", "prefill_ms", "decode_ms", "ttft_ms", "total_ms")}),
-            cache=p.CacheReport(vision=ev.vision, vision_hits=ev.vision_hits,
-                                vision_misses=ev.vision_misses, kv_tokens_reused=ev.cached_tokens),
+            timings=p.Timings.of(ev), cache=p.CacheReport.of(ev),
             image_tokens=ev.image_tokens, image_tokens_total=ev.image_tokens_total,
             session_id=prepared.session.id if prepared.stored else None)
 

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct
 
+from gateway.protocol.report import CacheReport, Timings
+
 from gateway.protocol.errors import ERROR_CODES, GatewayError
 
 __all__ = (
@@ -99,22 +101,6 @@ class ChatCompletionRequest(Struct):
 
 
 # ---------------------------------------------------------------- response
-
-
-class Timings(Struct):
-    queue_ms: float = 0.0
-    encode_ms: float = 0.0
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    ttft_ms: float = 0.0
-    total_ms: float = 0.0
-
-
-class CacheReport(Struct):
-    vision: Literal["hit", "miss", "partial", "none"] = "none"
-    vision_hits: int = 0
-    vision_misses: int = 0
-    kv_tokens_reused: int = 0
 
 
 class CompletionExtension(Struct):

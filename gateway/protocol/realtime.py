@@ -14,6 +14,8 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct
 
+from gateway.protocol.report import CacheReport, Timings
+
 from gateway.protocol.errors import GatewayError
 
 __all__ = (
@@ -209,24 +211,6 @@ class StatusDetails(Struct, omit_defaults=True):
     type: Literal["completed", "cancelled", "incomplete", "failed"] | None = None
     reason: Literal["client_cancelled", "max_output_tokens", "turn_detected", "content_filter"] | None = None
     error: StatusError | None = None
-
-
-class Timings(Struct):
-    """Where the milliseconds of one response went (visiongate extension)."""
-
-    queue_ms: float = 0.0  # waiting for the engine
-    encode_ms: float = 0.0  # waiting for image encodes after response.create (0 when pre-encoded)
-    prefill_ms: float = 0.0
-    decode_ms: float = 0.0
-    ttft_ms: float = 0.0  # response.create received -> first text delta sent
-    total_ms: float = 0.0
-
-
-class CacheReport(Struct):
-    vision: Literal["hit", "miss", "partial", "none"] = "none"
-    vision_hits: int = 0
-    vision_misses: int = 0
-    kv_tokens_reused: int = 0
 
 
 class ResponseExtension(Struct):

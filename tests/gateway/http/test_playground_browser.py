@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gateway.server import ServerThread
-from tests.conftest import photo_bytes
+from tests.conftest import unique_photo
 
 REPO = Path(__file__).resolve().parents[3]
 ARTIFACTS = REPO / "artifacts"
@@ -59,7 +59,7 @@ def browser():
 def test_playground_streams_an_answer_about_a_photo(browser, gateway_server: ServerThread,
                                                     tmp_path: Path) -> None:
     photo = tmp_path / "astronaut.jpg"
-    photo.write_bytes(photo_bytes("astronaut"))
+    photo.write_bytes(unique_photo("astronaut"))
     page = browser.new_page(viewport={"width": 1280, "height": 820})
     console_errors: list[str] = []
     page.on("console", lambda msg: console_errors.append(msg.text) if msg.type == "error" else None)

@@ -1,0 +1,39 @@
+"""visiongate's per-response report, shared by the WebSocket and HTTP wire formats: where the
+milliseconds went and what the caches saved."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from msgspec import Struct
+
+if TYPE_CHECKING:
+    from gateway.service import Finished
+
+__all__ = ("CacheReport", "Timings")
+
+
+class Timings(Struct):
+    queue_ms: float = 0.0  # waiting for the engine
+    encode_ms: float = 0.0  # waiting for image encodes after the request (0 when pre-encoded)
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    ttft_ms: float = 0.0  # request received -> first text delta sent
+    total_ms: float = 0.0
+
+    @classmethod
+    def of(cls, finished: Finished) -> Timings:
+        t = finished.timings
+        return cls(*(float(t.get(name, 0.0)) for name in cls.__struct_fields__))
+
+
+class CacheReport(Struct):
+    vision: Literal["hit", "miss", "partial", "none"] = "none"
+    vision_hits: int = 0
+    vision_misses: int = 0
+    kv_tokens_reused: int = 0
+
+    @classmethod
+    def of(cls, finished: Finished) -> CacheReport:
+        return cls(vision=finished.vision, vision_hits=finished.vision_hits,
+                   vision_misses=finished.vision_misses, kv_tokens_reused=finished.cached_tokens)
