@@ -465,13 +465,15 @@ class LocalEngine:
         answer: str,
         image_keys: dict[int, str],
     ) -> None:
-        """Store this turn's KV aligned to how the next turn's history will render it.
+        """Store this turn's KV for the positions the next turn's prompt will share with it.
 
         The next turn's prompt holds `answer` re-rendered by the chat template and re-tokenized
         (plus the end-of-turn tokens), which need not be the ids that were sampled. So the KV
-        is cropped to where the two agree and the rest of the rendered history is prefilled
-        now, after the result went out: the next turn then reuses all of it, and its tokens
-        are exactly those an uncached run would see.
+        is cropped to where the two agree, and no forward pass runs here: the few positions
+        after that (usually the end-of-turn tokens) are prefilled with the next turn's new
+        words, where one more token costs next to nothing. Keeping this step free of model work
+        keeps it off the next request's critical path, and the next turn's tokens are still
+        exactly those an uncached run would see.
         """
         w = self._weights
         assert w is not None and self.kv_store is not None
@@ -487,23 +489,24 @@ class LocalEngine:
             position_keys(target.tokens, target.images),
             1,
         )
-        layers = [(layer.keys[:, :, :keep], layer.values[:, :, :keep]) for layer in cache.layers]
-        if keep < target.length:
-            cache = make_cache(w.model, layers)
-            embeds = embed_positions(
-                w.model.get_input_embeddings(), target, keep, w.dtype, w.device
-            )
-            prefill(w.model, cache, embeds, cache_arg=self._cache_arg)
-            layers = [(layer.keys, layer.values) for layer in cache.layers]
-        layers = [(k.contiguous(), v.contiguous()) for k, v in layers]
-        hashes = block_hashes(target.tokens, target.images, self._kv_block_size, self._seed)
-        entry = KVEntry(target.tokens, target.images, self._kv_block_size, hashes, layers)
+        # an image is kept whole or not at all
+        for span in target.images:
+            if span.start < keep < span.start + span.length:
+                keep = span.start
+        if keep <= 0:
+            return
+        tokens = target.tokens[:keep]
+        images = [span for span in target.images if span.start + span.length <= keep]
+        layers = [(layer.keys[:, :, :keep].contiguous(), layer.values[:, :, :keep].contiguous())
+                  for layer in cache.layers]
+        hashes = block_hashes(tokens, images, self._kv_block_size, self._seed)
+        entry = KVEntry(tokens, images, self._kv_block_size, hashes, layers)
         self.kv_store.put(req.kv_key, entry)  # type: ignore[arg-type]
         log.debug(
             "kv.kept",
             kv_key=req.kv_key,
             positions=entry.length,
-            realigned=target.length - keep,
+            left_to_prefill=target.length - keep,
             nbytes=entry.nbytes,
             ms=_ms(time.perf_counter() - started),
         )

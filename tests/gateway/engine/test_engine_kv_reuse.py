@@ -32,6 +32,14 @@ def history_length(engine, messages: list[Message]) -> int:
     return render(engine.tokenizer, messages, add_generation_prompt=False).length
 
 
+def reused_after(engine, history: list[Message], turn1) -> int:
+    """What the next turn reuses of `history` (ending in turn 1's answer): every position that
+    went through the model. The last sampled token and the end-of-turn tokens after the answer
+    (`<|im_end|>` and a newline) are prefilled with the next turn's words."""
+    tail = 2 if turn1.finish_reason == "stop" else 3
+    return history_length(engine, history) - tail
+
+
 async def two_turns(engine, collect, kv_key: str, first: list[Message], follow_up: str):
     _, turn1 = await collect(engine, request(first, kv_key))
     second = [*first, Message("assistant", [turn1.text]), Message("user", [follow_up])]
@@ -43,9 +51,10 @@ async def test_turn_two_reuses_all_of_turn_one(engine, collect) -> None:
     first = [SYSTEM, Message("user", ["What is the capital of France?"])]
     turn1, turn2, second = await two_turns(engine, collect, "s-full", first, "And of Italy?")
     assert turn1.cached_tokens == 0
-    covered = history_length(engine, [*first, Message("assistant", [turn1.text])])
-    assert covered >= turn1.input_tokens + turn1.output_tokens
-    assert turn2.cached_tokens == covered  # prompt, answer, <|im_end|> and the newline after it
+    covered = reused_after(engine, [*first, Message("assistant", [turn1.text])], turn1)
+    # turn 1's prompt and every answer token that went through the model
+    assert covered == turn1.input_tokens + turn1.output_tokens - 1
+    assert turn2.cached_tokens == covered
     assert turn2.cached_tokens < turn2.input_tokens
     _, uncached = await collect(engine, request(second, None))
     assert uncached.cached_tokens == 0
@@ -59,7 +68,7 @@ async def test_length_and_stop_answers_are_reused_too(engine, collect) -> None:
     assert turn1.finish_reason == "length"
     second = [*first, Message("assistant", [turn1.text]), Message("user", ["Go on."])]
     _, turn2 = await collect(engine, request(second, "s-length", max_tokens=8))
-    assert turn2.cached_tokens == history_length(engine, second[:3])
+    assert turn2.cached_tokens == reused_after(engine, second[:3], turn1)
     _, uncached = await collect(engine, request(second, None, max_tokens=8))
     assert turn2.text == uncached.text
 
@@ -79,8 +88,8 @@ async def test_changed_image_invalidates_from_its_block(engine, collect) -> None
     photo_a = image(engine, 1, "a" * 64)
     photo_b = image(engine, 2, "b" * 64)
     first = [SYSTEM, Message("user", ["Here is a photo.", photo_a, "What do you see?"])]
-    _turn1, turn2, second = await two_turns(engine, collect, "s-img", first, "Is it outdoors?")
-    assert turn2.cached_tokens == history_length(engine, second[:3])  # same image: all reused
+    turn1, turn2, second = await two_turns(engine, collect, "s-img", first, "Is it outdoors?")
+    assert turn2.cached_tokens == reused_after(engine, second[:3], turn1)  # same image: all reused
     assert turn2.image_tokens == 12
 
     swapped = [
@@ -124,7 +133,7 @@ async def test_redis_spill_continues_on_another_replica(engine, collect, redis_u
         assert await replica_a.flush_kv()
         second = [*first, Message("assistant", [turn1.text]), Message("user", ["And of Austria?"])]
         _, turn2 = await collect(replica_b, request(second, "s-redis"))  # nothing in b's memory
-        assert turn2.cached_tokens == history_length(engine, second[:3])
+        assert turn2.cached_tokens == reused_after(engine, second[:3], turn1)
         _, uncached = await collect(engine, request(second, None))
         assert turn2.text == uncached.text
     finally:
@@ -142,6 +151,6 @@ async def test_evicted_session_reloads_from_redis(engine, collect, redis_url: st
         assert len(tiny.kv_store.memory) == 0
         second = [*first, Message("assistant", [turn1.text]), Message("user", ["And of China?"])]
         _, turn2 = await collect(tiny, request(second, "s-evict"))
-        assert turn2.cached_tokens == history_length(engine, second[:3])
+        assert turn2.cached_tokens == reused_after(engine, second[:3], turn1)
     finally:
         await tiny.aclose()
