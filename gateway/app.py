@@ -16,6 +16,7 @@ import structlog
 from litestar import Litestar, Request, Response, WebSocket, get, websocket
 from litestar.datastructures import State
 
+from gateway import __version__ as VERSION
 from gateway.auth import Authenticator
 from gateway.engine.base import Engine
 from gateway.protocol.errors import GatewayError
@@ -24,7 +25,6 @@ from gateway.settings import Settings
 __all__ = ("GatewayState", "create_app")
 
 log = structlog.get_logger("visiongate.app")
-VERSION = "0.1.0"
 
 
 @dataclass
