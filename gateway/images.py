@@ -14,9 +14,12 @@ import io
 import re
 import warnings
 
+from collections.abc import Iterable, Mapping
+
 from gateway.protocol.errors import GatewayError
 
-__all__ = ("ImageRef", "ImageBytes", "parse_image_url", "sniff_image", "digest_of", "REF_PREFIX")
+__all__ = ("REF_PREFIX", "ImageBytes", "ImageRef", "digest_of", "fetch_remote_images", "parse_image_url",
+           "sniff_image")
 
 REF_PREFIX = "visiongate:sha256:"
 ALLOWED_FORMATS = frozenset(("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF"))
@@ -37,10 +40,12 @@ def digest_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def parse_image_url(url: str, *, max_bytes: int, param: str = "image_url") -> ImageBytes | ImageRef:
+def parse_image_url(url: str, *, max_bytes: int, param: str = "image_url",
+                    fetched: Mapping[str, bytes] | None = None) -> ImageBytes | ImageRef:
     """A data URL -> its bytes; a `visiongate:sha256:<hex>` reference -> the digest.
 
-    Remote (http/https) URLs are refused: the gateway does not fetch from the network.
+    Remote (http/https) URLs are refused unless `fetched` holds their bytes (see
+    `fetch_remote_images`, which fetches only what the configured allow-list admits).
     """
     if url.startswith(REF_PREFIX):
         digest = url[len(REF_PREFIX):].lower()
@@ -49,6 +54,8 @@ def parse_image_url(url: str, *, max_bytes: int, param: str = "image_url") -> Im
                                param=param)
         return ImageRef(digest)
     if url.startswith(("http://", "https://")):
+        if fetched is not None and url in fetched:
+            return ImageBytes(fetched[url])
         raise GatewayError("invalid_image", "remote image URLs are not fetched; send the image as "
                            "a data URL (data:image/jpeg;base64,...) or upload it first", param=param)
     match = _DATA_URL.match(url)
@@ -107,3 +114,47 @@ def sniff_image(data: bytes, *, max_bytes: int, max_pixels: int, param: str = "i
     if width < 1 or height < 1:
         raise GatewayError("invalid_image", "image has no pixels", param=param)
     return fmt, width, height
+
+
+def _allowed(url: str, allowlist: Iterable[str]) -> bool:
+    return any(url.startswith(prefix) for prefix in allowlist)
+
+
+async def fetch_remote_images(urls: Iterable[str], *, allowlist: Iterable[str], max_bytes: int,
+                              timeout_s: float = 10.0) -> dict[str, bytes]:
+    """Bytes of the http(s) image URLs that start with an allow-listed prefix.
+
+    URLs off the list are skipped (parse_image_url then refuses them). Redirects are not
+    followed (they could leave the allow-list), bodies stop at `max_bytes`, and any failure is
+    GatewayError(image_fetch_failed) naming the URL. With an empty allow-list nothing is fetched.
+    """
+    allowlist = tuple(allowlist)
+    wanted = list(dict.fromkeys(u for u in urls if u.startswith(("http://", "https://"))
+                                and _allowed(u, allowlist)))
+    if not wanted:
+        return {}
+    import httpx
+
+    out: dict[str, bytes] = {}
+    async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=False) as client:
+        for url in wanted:
+            try:
+                async with client.stream("GET", url) as response:
+                    if response.status_code != 200:
+                        raise GatewayError("image_fetch_failed",
+                                           f"{url} answered HTTP {response.status_code}", param="image_url")
+                    kind = response.headers.get("content-type", "").split(";")[0].strip().lower()
+                    if kind and not kind.startswith("image/"):
+                        raise GatewayError("unsupported_image_format",
+                                           f"{url} is {kind}, not an image", param="image_url")
+                    body = bytearray()
+                    async for chunk in response.aiter_bytes():
+                        body += chunk
+                        if len(body) > max_bytes:
+                            raise GatewayError("image_too_large", f"{url} is over the {max_bytes}-byte "
+                                               "image limit", param="image_url")
+            except httpx.HTTPError as exc:
+                raise GatewayError("image_fetch_failed", f"fetching {url} failed: {type(exc).__name__}",
+                                   param="image_url") from None
+            out[url] = bytes(body)
+    return out

@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from encoder_worker.types import ENCODE_STAGES
-from gateway.images import REF_PREFIX, ImageRef, digest_of, parse_image_url, sniff_image
+from gateway.images import (
+    REF_PREFIX,
+    ImageRef,
+    digest_of,
+    fetch_remote_images,
+    parse_image_url,
+    sniff_image,
+)
 from gateway.protocol import realtime as rt
 from gateway.protocol.errors import GatewayError
 from gateway.service import Finished, ResponseOptions, Started, TextChunk
@@ -208,6 +215,9 @@ class RealtimeConnection:
         item_id = item.id or new_id("item")
         if any(i.id == item_id for i in self.session.items):
             raise GatewayError("invalid_event", f"item id {item_id!r} already exists", param="item.id")
+        fetched = await fetch_remote_images(
+            (p.image_url for p in item.content if p.type == "input_image" and p.image_url),
+            allowlist=settings.image_url_allowlist, max_bytes=settings.max_image_bytes)
         parts: list[StoredPart] = []
         new_images: list[tuple[int, str, bytes | None]] = []  # (content index, digest, bytes)
         for index, part in enumerate(item.content):
@@ -219,7 +229,7 @@ class RealtimeConnection:
                     raise GatewayError("invalid_event", "input_image needs image_url",
                                        param=f"{param}.image_url")
                 ref = parse_image_url(part.image_url, max_bytes=settings.max_image_bytes,
-                                      param=f"{param}.image_url")
+                                      param=f"{param}.image_url", fetched=fetched)
                 if isinstance(ref, ImageRef):
                     if not await self.state.vision.known(ref):
                         raise GatewayError("image_not_found", f"no image with digest {ref}",

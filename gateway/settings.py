@@ -43,6 +43,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_image_bytes: int = 20 * MiB
     max_pixels: int = 40_000_000
     max_images_per_session: int = 16
+    # URL prefixes (e.g. https://images.example.com/) whose images the gateway may fetch; empty:
+    # remote image URLs are refused and images come as data URLs or uploads
+    image_url_allowlist: list[str] = []
     # sessions and caches
     session_ttl_s: int = 3600
     redis_url: str | None = None  # absent: everything in process
@@ -69,6 +72,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
              f"must be none, random, topk, dynamic or dynamic+merge, got {self.pruning!r}")
         need(1024 <= self.max_image_bytes <= 512 * MiB, "max_image_bytes", "must be 1 KiB..512 MiB")
         need(self.max_pixels >= 64 * 64, "max_pixels", "must be >= 4096")
+        need(all(p.startswith(("http://", "https://")) and p.count("/") >= 3
+                 for p in self.image_url_allowlist), "image_url_allowlist",
+             "entries must be URL prefixes with a host and a path, e.g. https://img.example.com/")
         need(self.max_images_per_session >= 1, "max_images_per_session", "must be >= 1")
         need(self.session_ttl_s >= 1, "session_ttl_s", "must be >= 1 second")
         need(self.vision_cache_bytes >= 0, "vision_cache_bytes", "must be >= 0")

@@ -20,7 +20,8 @@ import msgspec
 import structlog
 
 from gateway.http import protocol as p
-from gateway.http.messages import Conversation, parse_messages, reconcile
+from gateway.http.messages import Conversation, image_urls, parse_messages, reconcile
+from gateway.images import fetch_remote_images
 from gateway.protocol.errors import GatewayError
 from gateway.service import Finished, ResponseOptions, TextChunk
 from gateway.sessions.base import Session
@@ -105,9 +106,12 @@ class ChatCompletionServing:
             raise GatewayError("model_not_found", f"the model {request.model!r} does not exist; "
                                f"this gateway serves {model!r}", param="model")
         options = _options(request, settings.max_output_tokens_limit)
+        fetched = await fetch_remote_images(image_urls(request.messages),
+                                            allowlist=settings.image_url_allowlist,
+                                            max_bytes=settings.max_image_bytes)
         conv = parse_messages(request.messages, max_image_bytes=settings.max_image_bytes,
                               max_pixels=settings.max_pixels,
-                              max_images=settings.max_images_per_session)
+                              max_images=settings.max_images_per_session, fetched=fetched)
         for digest, param in conv.refs.items():
             if not await state.vision.known(digest):
                 raise GatewayError("image_not_found", f"no image with digest {digest}", param=param)

@@ -9,6 +9,8 @@ the reuse (and the per-session bookkeeping) likely.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dataclasses import dataclass, field
 
 from gateway.http.protocol import ImageUrlPart, InputMessage, RefusalPart, TextPart
@@ -29,9 +31,16 @@ class Conversation:
     refs: dict[str, str] = field(default_factory=dict)  # digest -> param, for images sent by digest
 
 
+def image_urls(messages: list[InputMessage]) -> list[str]:
+    """Every image URL the messages hold, in order."""
+    return [part.image_url.url for m in messages if isinstance(m.content, list)
+            for part in m.content if isinstance(part, ImageUrlPart)]
+
+
 def parse_messages(messages: list[InputMessage], *, max_image_bytes: int, max_pixels: int,
-                   max_images: int) -> Conversation:
-    """Validate and convert. Images are checked from their header only (format, size)."""
+                   max_images: int, fetched: Mapping[str, bytes] | None = None) -> Conversation:
+    """Validate and convert. Images are checked from their header only (format, size); remote
+    URLs resolve only through `fetched` (the allow-listed ones already downloaded)."""
     if not messages:
         raise GatewayError("invalid_request", "messages must hold at least one message",
                            param="messages")
@@ -40,7 +49,8 @@ def parse_messages(messages: list[InputMessage], *, max_image_bytes: int, max_pi
     for index, message in enumerate(messages):
         param = f"messages[{index}]"
         role = "system" if message.role == "developer" else message.role
-        parts = _parts(message, param, conv, max_image_bytes=max_image_bytes, max_pixels=max_pixels)
+        parts = _parts(message, param, conv, max_image_bytes=max_image_bytes, max_pixels=max_pixels,
+                       fetched=fetched)
         if role == "system" and not conv.items:
             # system messages before the conversation are its instructions
             leading.append("\n".join(p.text or "" for p in parts))
@@ -58,7 +68,7 @@ def parse_messages(messages: list[InputMessage], *, max_image_bytes: int, max_pi
 
 
 def _parts(message: InputMessage, param: str, conv: Conversation, *, max_image_bytes: int,
-           max_pixels: int) -> list[StoredPart]:
+           max_pixels: int, fetched: Mapping[str, bytes] | None) -> list[StoredPart]:
     content = message.content
     if content is None:
         if message.role != "assistant":
@@ -85,12 +95,13 @@ def _parts(message: InputMessage, param: str, conv: Conversation, *, max_image_b
                 raise GatewayError("invalid_request", "only user messages may hold images",
                                    param=f"{where}.type")
             parts.append(StoredPart("image", digest=_image(part.image_url.url, f"{where}.image_url.url",
-                                                           conv, max_image_bytes, max_pixels)))
+                                                           conv, max_image_bytes, max_pixels, fetched)))
     return parts
 
 
-def _image(url: str, param: str, conv: Conversation, max_image_bytes: int, max_pixels: int) -> str:
-    ref = parse_image_url(url, max_bytes=max_image_bytes, param=param)
+def _image(url: str, param: str, conv: Conversation, max_image_bytes: int, max_pixels: int,
+           fetched: Mapping[str, bytes] | None) -> str:
+    ref = parse_image_url(url, max_bytes=max_image_bytes, param=param, fetched=fetched)
     if isinstance(ref, ImageRef):
         conv.refs.setdefault(str(ref), param)
         return str(ref)
