@@ -50,7 +50,7 @@ def build_engine(settings: Settings) -> Engine:
     return LocalEngine(model_path=settings.model_path, cache_dir=settings.cache_dir,
                        max_queue=settings.engine_max_queue, kv_budget_bytes=settings.kv_budget_bytes,
                        kv_spill_redis_url=settings.redis_url, kv_ttl_s=settings.kv_ttl_s,
-                       device=settings.device)
+                       device=settings.device, dtype=settings.lm_dtype)
 
 
 def build_encoder(settings: Settings, engine: Engine) -> Any:

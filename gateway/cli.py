@@ -20,6 +20,7 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vision-tower", help="vit-b16-224 | vit-l14-336 | local CLIP/SigLIP checkpoint dir")
     g.add_argument("--pruning", help="none | random | topk | dynamic | dynamic+merge")
     g.add_argument("--device", help="auto | cpu | cuda")
+    g.add_argument("--lm-dtype", help="auto | float32 | bfloat16 | float16 | int8 (CPU, fastest)")
     g.add_argument("--encoder", help="inproc (default) | redis: encode in `visiongate worker` processes")
     g.add_argument("--log-level", help="debug | info | warning | error")
     g.add_argument("--session-ttl-s", type=int, help="idle seconds before a session is dropped")
@@ -30,7 +31,7 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    keys = ("host", "port", "redis_url", "encoder", "model_path", "cache_dir", "vision_tower", "pruning",
+    keys = ("host", "port", "redis_url", "encoder", "lm_dtype", "model_path", "cache_dir", "vision_tower", "pruning",
             "device", "log_level", "session_ttl_s", "vision_cache_bytes", "vision_cache_ttl_s",
             "kv_budget_bytes", "kv_ttl_s")
     return {k: getattr(args, k, None) for k in keys}

@@ -89,6 +89,7 @@ class LocalEngine:
         kv_ttl_s: int = 3600,
         device: str = "auto",
         torch_threads: int | None = None,
+        dtype: str = "auto",
     ) -> None:
         if kv_block_size < 1:
             raise ValueError("kv_block_size must be >= 1")
@@ -102,6 +103,7 @@ class LocalEngine:
         self._device = device
         # intra-op threads are process-wide in torch; None leaves the process setting alone
         self._torch_threads = torch_threads
+        self._dtype = dtype
         self.model_id = (
             "SmolLM2-135M-Instruct"
             if model_path is None
@@ -143,6 +145,7 @@ class LocalEngine:
             "kv_ttl_s": self._kv_ttl_s,
             "device": self._device,
             "torch_threads": self._torch_threads,
+            "dtype": self._dtype,
         }
         args.update(overrides)
         twin = LocalEngine(**args)
@@ -158,7 +161,7 @@ class LocalEngine:
             torch.set_num_threads(self._torch_threads)
         if self._weights is None:
             self._weights = await asyncio.to_thread(
-                load_weights, self._model_path, self._cache_dir, self._device
+                load_weights, self._model_path, self._cache_dir, self._device, self._dtype
             )
         w = self._weights
         self.model_id = w.model_id
@@ -170,7 +173,7 @@ class LocalEngine:
         self._max_positions = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 30)
         # the worker thread uses the tokenizer; a Rust tokenizer is not safe to share across threads
         self._count_tokenizer = copy.deepcopy(w.tokenizer)
-        dtype_name = str(w.dtype).removeprefix("torch.")
+        dtype_name = w.weights  # KV made with other weights never matches
         self._seed = chain_seed(w.model_id, dtype_name, self._kv_block_size)
         self._cache_arg = cache_kwarg(w.model)
         self.kv_store = self._make_store()

@@ -63,8 +63,9 @@ class LoadedModel:
     model_id: str
     path: Path
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the activations (and the KV cache)
     hidden_size: int
+    weights: str = "float32"  # float32 | bfloat16 | float16 | int8 (dynamic, CPU)
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -166,10 +167,32 @@ def _pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+
+
+def _pick_weights(requested: str, dev: torch.device) -> str:
+    """`auto` is float32 on CPU, where prefilling a prompt in pieces (KV reuse) and whole gives
+    the same logits to within float rounding, so cached and uncached answers agree; on CUDA,
+    bfloat16 where supported. bfloat16 and int8 (dynamic quantization of the linear layers) are
+    faster on CPU, at the price of small differences between cached and uncached answers."""
+    import torch
+
+    if requested not in WEIGHT_DTYPES:
+        raise ValueError(f"lm dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {requested!r}")
+    if requested != "auto":
+        if requested == "int8" and dev.type != "cpu":
+            raise ValueError("int8 (dynamic quantization) runs on the CPU only")
+        return requested
+    if dev.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "float32"
+
+
 def load_weights(
     model_path: str | os.PathLike[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     device: str = "auto",
+    dtype: str = "auto",
 ) -> LoadedModel:
     """Load a local HF checkpoint directory, or the embedded default (converting it once)."""
     import torch
@@ -185,18 +208,23 @@ def load_weights(
             raise FileNotFoundError(f"model_path {path} is not a directory")
         model_id = path.name
     dev = _pick_device(device)
-    dtype = torch.float32
+    weights = _pick_weights(dtype, dev)
+    act_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(weights, torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = CHATML_TEMPLATE
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=act_dtype)
     model.to(dev).eval()
+    if weights == "int8":
+        # int8 weights, activations quantized per call: ~3x faster decode on CPU (memory bound)
+        model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
     hidden = int(model.config.get_text_config().hidden_size)
     log.info(
         "model.loaded",
         model_id=model_id,
         path=str(path),
         device=str(dev),
+        weights=weights,
         seconds=round(time.perf_counter() - started, 2),
     )
-    return LoadedModel(model, tokenizer, model_id, path, dev, dtype, hidden)
+    return LoadedModel(model, tokenizer, model_id, path, dev, act_dtype, hidden, weights)
