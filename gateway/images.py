@@ -7,6 +7,7 @@ which applies the same limits again.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -133,9 +134,20 @@ async def fetch_remote_images(urls: Iterable[str], *, allowlist: Iterable[str], 
                                 and _allowed(u, allowlist)))
     if not wanted:
         return {}
+    out: dict[str, bytes] = {}
+    try:
+        # one deadline for the lot: a host that drips bytes cannot hold the caller
+        async with asyncio.timeout(timeout_s * 2):
+            await _fetch_all(wanted, out, max_bytes, timeout_s)
+    except TimeoutError:
+        raise GatewayError("image_fetch_failed", f"fetching {len(wanted)} image(s) took over "
+                           f"{timeout_s * 2:.0f} s", param="image_url") from None
+    return out
+
+
+async def _fetch_all(wanted: list[str], out: dict[str, bytes], max_bytes: int, timeout_s: float) -> None:
     import httpx
 
-    out: dict[str, bytes] = {}
     async with httpx.AsyncClient(timeout=timeout_s, follow_redirects=False) as client:
         for url in wanted:
             try:
@@ -157,4 +169,3 @@ async def fetch_remote_images(urls: Iterable[str], *, allowlist: Iterable[str], 
                 raise GatewayError("image_fetch_failed", f"fetching {url} failed: {type(exc).__name__}",
                                    param="image_url") from None
             out[url] = bytes(body)
-    return out

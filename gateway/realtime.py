@@ -187,22 +187,30 @@ class RealtimeConnection:
             raise GatewayError("invalid_event", "temperature must be in [0, 2]", param="session.temperature")
         if cfg.top_p is not None and not 0.0 < cfg.top_p <= 1.0:
             raise GatewayError("invalid_event", "top_p must be in (0, 1]", param="session.top_p")
+        if cfg.seed is not None and not 0 <= cfg.seed < 2**63:
+            raise GatewayError("invalid_event", "seed must be in [0, 2^63)", param="session.seed")
         if cfg.output_modalities is not None and "audio" in cfg.output_modalities:
             raise GatewayError("invalid_event", "only text output is supported",
                                param="session.output_modalities")
         max_tokens = _max_tokens(cfg.max_output_tokens, settings.max_output_tokens_limit,
                                  "session.max_output_tokens")
-        if cfg.instructions is not None:
-            self.session.instructions = cfg.instructions
-        if max_tokens is not None:
-            self.session.max_output_tokens = max_tokens
-        if cfg.temperature is not None:
-            self.session.temperature = cfg.temperature
-        if cfg.top_p is not None:
-            self.session.top_p = cfg.top_p
-        if cfg.seed is not None:
-            self.session.seed = cfg.seed
-        await self.state.sessions.save(self.session)
+        if cfg.instructions is not None and len(cfg.instructions) > settings.max_text_chars:
+            raise GatewayError("input_too_large", f"instructions are over {settings.max_text_chars} "
+                               "characters", param="session.instructions")
+
+        def apply(session: Session) -> None:
+            if cfg.instructions is not None:
+                session.instructions = cfg.instructions
+            if max_tokens is not None:
+                session.max_output_tokens = max_tokens
+            if cfg.temperature is not None:
+                session.temperature = cfg.temperature
+            if cfg.top_p is not None:
+                session.top_p = cfg.top_p
+            if cfg.seed is not None:
+                session.seed = cfg.seed
+
+        self.session, _ = await self.state.sessions.update(self.session.id, self.owner, apply)
         await self._send(rt.SessionUpdated(self._eid(), session_state(
             self.session, self.state.engine.model_id)))
 
@@ -213,11 +221,15 @@ class RealtimeConnection:
             raise GatewayError("invalid_event", "a message needs at least one content part",
                                param="item.content")
         item_id = item.id or new_id("item")
-        if any(i.id == item_id for i in self.session.items):
-            raise GatewayError("invalid_event", f"item id {item_id!r} already exists", param="item.id")
-        fetched = await fetch_remote_images(
-            (p.image_url for p in item.content if p.type == "input_image" and p.image_url),
-            allowlist=settings.image_url_allowlist, max_bytes=settings.max_image_bytes)
+        if len(item.content) > settings.max_images_per_session + 16:
+            raise GatewayError("input_too_large", f"a message holds at most "
+                               f"{settings.max_images_per_session + 16} parts", param="item.content")
+        image_urls = [p.image_url for p in item.content if p.type == "input_image" and p.image_url]
+        if len(set(image_urls)) > settings.max_images_per_session:  # before fetching anything
+            raise GatewayError("too_many_images",
+                               f"a session holds at most {settings.max_images_per_session} images")
+        fetched = await fetch_remote_images(image_urls, allowlist=settings.image_url_allowlist,
+                                            max_bytes=settings.max_image_bytes)
         parts: list[StoredPart] = []
         new_images: list[tuple[int, str, bytes | None]] = []  # (content index, digest, bytes)
         for index, part in enumerate(item.content):
@@ -244,58 +256,60 @@ class RealtimeConnection:
             else:
                 if part.text is None:
                     raise GatewayError("invalid_event", f"{part.type} needs text", param=f"{param}.text")
+                if len(part.text) > settings.max_text_chars:
+                    raise GatewayError("input_too_large", f"text parts hold at most "
+                                       f"{settings.max_text_chars} characters", param=f"{param}.text")
                 parts.append(StoredPart("text", text=part.text))
-        known = set(self.session.image_digests)
-        if len(known | {d for _, d, _ in new_images}) > settings.max_images_per_session:
-            raise GatewayError("too_many_images",
-                               f"a session holds at most {settings.max_images_per_session} images")
         for _, digest, data in new_images:
             if data is not None:
                 await self.state.vision.add(digest, data)
 
         stored = StoredItem(id=item_id, role=item.role, parts=parts)
-        previous = self._insert(stored, event.previous_item_id)
-        await self.state.sessions.save(self.session)
+        new_digests = {d for _, d, _ in new_images}
+
+        def insert(session: Session) -> str | None:
+            if any(i.id == item_id for i in session.items):
+                raise GatewayError("invalid_event", f"item id {item_id!r} already exists", param="item.id")
+            if len(session.items) >= settings.max_items_per_session:
+                raise GatewayError("input_too_large", f"a session holds at most "
+                                   f"{settings.max_items_per_session} items")
+            if len(set(session.image_digests) | new_digests) > settings.max_images_per_session:
+                raise GatewayError("too_many_images",
+                                   f"a session holds at most {settings.max_images_per_session} images")
+            return _insert(session.items, stored, event.previous_item_id)
+
+        self.session, previous = await self.state.sessions.update(self.session.id, self.owner, insert)
         await self._send(rt.ConversationItemAdded(self._eid(), wire_item(stored), previous))
         if not new_images:
             await self._send(rt.ConversationItemDone(self._eid(), wire_item(stored), previous))
             return
         # pre-encode now, before the question arrives; a response joins these tasks
-        for _, digest, _ in new_images:
-            if digest not in self.pending:
-                self.pending[digest] = self.state.vision.start(digest)
-        watcher = asyncio.create_task(self._watch_encodes(stored, previous, new_images, event.event_id))
+        tasks: list[tuple[int, str, asyncio.Task[Resolved]]] = []
+        for index, digest, _ in new_images:
+            task = self.pending.get(digest)
+            if task is None:
+                task = self.pending[digest] = self.state.vision.start(digest)
+            tasks.append((index, digest, task))
+        watcher = asyncio.create_task(self._watch_encodes(stored, previous, tasks, event.event_id))
         self.watchers.add(watcher)
         watcher.add_done_callback(self.watchers.discard)
 
-    def _insert(self, stored: StoredItem, previous_item_id: str | None) -> str | None:
-        assert self.session is not None
-        items = self.session.items
-        if previous_item_id is None:
-            previous = items[-1].id if items else None
-            items.append(stored)
-            return previous
-        if previous_item_id == "root":
-            items.insert(0, stored)
-            return None
-        for index, existing in enumerate(items):
-            if existing.id == previous_item_id:
-                items.insert(index + 1, stored)
-                return previous_item_id
-        raise GatewayError("invalid_event", f"previous_item_id {previous_item_id!r} not found",
-                           param="previous_item_id")
-
     async def _watch_encodes(self, stored: StoredItem, previous: str | None,
-                             images: list[tuple[int, str, bytes | None]], event_id: str | None) -> None:
+                             tasks: list[tuple[int, str, asyncio.Task[Resolved]]],
+                             event_id: str | None) -> None:
         assert self.session is not None
         failed: GatewayError | None = None
-        for index, digest, _ in images:
-            task = self.pending.get(digest) or self.state.vision.start(digest)
+        for index, digest, task in tasks:
             try:
                 resolved = await asyncio.shield(task)
             except GatewayError as exc:
                 failed = exc
-                self.pending.pop(digest, None)
+            except Exception as exc:  # an encoder fault: reported, never a silent stall
+                log.exception("pre_encode_failed", digest=digest[:12])
+                failed = GatewayError("internal_error", f"encoding failed: {type(exc).__name__}")
+            if failed is not None:
+                if self.pending.get(digest) is task:
+                    self.pending.pop(digest, None)
                 break
             encoded = resolved.source in ("encoded", "joined")
             await self._send(rt.ImageEncoded(
@@ -307,8 +321,13 @@ class RealtimeConnection:
                 cache="miss" if encoded else "hit"))
         if failed is not None:
             # the item never becomes part of the conversation
-            self.session.items[:] = [i for i in self.session.items if i.id != stored.id]
-            await self.state.sessions.save(self.session)
+            def remove(session: Session) -> None:
+                session.items[:] = [i for i in session.items if i.id != stored.id]
+
+            try:
+                self.session, _ = await self.state.sessions.update(self.session.id, self.owner, remove)
+            except GatewayError:
+                log.warning("failed_item_not_removed", item_id=stored.id)
             failed.message = f"item {stored.id}: {failed.message}"
             await self._send_error(failed, event_id)
             return
@@ -330,6 +349,7 @@ class RealtimeConnection:
         if params.output_modalities is not None and "audio" in params.output_modalities:
             raise GatewayError("invalid_event", "only text output is supported",
                                param="response.output_modalities")
+        settings = self.state.settings
         options = ResponseOptions(
             instructions=params.instructions,
             max_output_tokens=_max_tokens(params.max_output_tokens,
@@ -341,6 +361,13 @@ class RealtimeConnection:
         if options.temperature is not None and not 0.0 <= options.temperature <= 2.0:
             raise GatewayError("invalid_event", "temperature must be in [0, 2]",
                                param="response.temperature")
+        if options.top_p is not None and not 0.0 < options.top_p <= 1.0:
+            raise GatewayError("invalid_event", "top_p must be in (0, 1]", param="response.top_p")
+        if options.seed is not None and not 0 <= options.seed < 2**63:
+            raise GatewayError("invalid_event", "seed must be in [0, 2^63)", param="response.seed")
+        if params.instructions is not None and len(params.instructions) > settings.max_text_chars:
+            raise GatewayError("input_too_large", f"instructions are over {settings.max_text_chars} "
+                               "characters", param="response.instructions")
         self.response_options = options
         self.response_task = asyncio.create_task(
             self._run_response(options, params, event.event_id, received),
@@ -359,22 +386,36 @@ class RealtimeConnection:
         assert self.session is not None
         rid, iid = options.response_id, options.item_id
         conversation = None if not options.store else self.session.id
-        text: list[str] = []
-        async for ev in self.state.service.respond(self.session, options, pending=self.pending,
-                                                   received_at=received):
-            if isinstance(ev, Started):
-                await self._send(rt.ResponseCreated(self._eid(), rt.ResponseState(
-                    id=rid, status="in_progress", conversation_id=conversation,
-                    max_output_tokens=options.max_output_tokens, metadata=params.metadata)))
-                item = rt.Item(role="assistant", content=[], id=iid, object="realtime.item",
-                               status="in_progress")
-                await self._send(rt.OutputItemAdded(self._eid(), rid, 0, item))
-                await self._send(rt.ContentPartAdded(self._eid(), rid, iid, 0, 0, rt.Part()))
-            elif isinstance(ev, TextChunk):
-                text.append(ev.text)
-                await self._send(rt.OutputTextDelta(self._eid(), rid, iid, 0, 0, ev.text))
-            elif isinstance(ev, Finished):
-                await self._finish(ev, params, conversation, event_id)
+        finished = False
+        try:
+            async for ev in self.state.service.respond(self.session, options, pending=self.pending,
+                                                       received_at=received):
+                finished |= isinstance(ev, Finished)
+                await self._on_service_event(ev, options, params, conversation, event_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never leave a client waiting for a response.done
+            log.exception("response_failed", response_id=rid)
+            if not finished:
+                error = GatewayError("internal_error", f"the response failed: {type(exc).__name__}")
+                await self._finish(Finished(rid, iid, "failed", "", error=error), params,
+                                   conversation, event_id)
+
+    async def _on_service_event(self, ev: object, options: ResponseOptions, params: rt.ResponseParams,
+                                conversation: str | None, event_id: str | None) -> None:
+        rid, iid = options.response_id, options.item_id
+        if isinstance(ev, Started):
+            await self._send(rt.ResponseCreated(self._eid(), rt.ResponseState(
+                id=rid, status="in_progress", conversation_id=conversation,
+                max_output_tokens=options.max_output_tokens, metadata=params.metadata)))
+            item = rt.Item(role="assistant", content=[], id=iid, object="realtime.item",
+                           status="in_progress")
+            await self._send(rt.OutputItemAdded(self._eid(), rid, 0, item))
+            await self._send(rt.ContentPartAdded(self._eid(), rid, iid, 0, 0, rt.Part()))
+        elif isinstance(ev, TextChunk):
+            await self._send(rt.OutputTextDelta(self._eid(), rid, iid, 0, 0, ev.text))
+        elif isinstance(ev, Finished):
+            await self._finish(ev, params, conversation, event_id)
 
     async def _finish(self, ev: Finished, params: rt.ResponseParams, conversation: str | None,
                       event_id: str | None) -> None:
@@ -402,8 +443,8 @@ class RealtimeConnection:
                 text_tokens=ev.text_tokens, image_tokens=ev.image_tokens,
                 cached_tokens=ev.cached_tokens,
                 cached_tokens_details=rt.CachedTokensDetails(
-                    image_tokens=min(ev.image_tokens, ev.cached_tokens),
-                    text_tokens=ev.cached_tokens - min(ev.image_tokens, ev.cached_tokens))),
+                    image_tokens=ev.cached_image_tokens,
+                    text_tokens=ev.cached_tokens - ev.cached_image_tokens)),
             output_token_details=rt.OutputTokenDetails(text_tokens=ev.output_tokens))
         ext = rt.ResponseExtension(
             timings=rt.Timings.of(ev), cache=rt.CacheReport.of(ev),
@@ -439,6 +480,24 @@ class RealtimeConnection:
         log.info("client_error", code=exc.code, message=exc.message, event_id=event_id)
         await self._send(rt.ErrorEvent(self._eid(), rt.ErrorBody(
             type=exc.type, code=exc.code, message=exc.message, param=exc.param, event_id=event_id)))
+
+
+def _insert(items: list[StoredItem], stored: StoredItem, previous_item_id: str | None) -> str | None:
+    """Place `stored` after `previous_item_id` ("root": first; None: last); returns the id of
+    the item now before it."""
+    if previous_item_id is None:
+        previous = items[-1].id if items else None
+        items.append(stored)
+        return previous
+    if previous_item_id == "root":
+        items.insert(0, stored)
+        return None
+    for index, existing in enumerate(items):
+        if existing.id == previous_item_id:
+            items.insert(index + 1, stored)
+            return previous_item_id
+    raise GatewayError("invalid_event", f"previous_item_id {previous_item_id!r} not found",
+                       param="previous_item_id")
 
 
 def _max_tokens(value: int | str | None, limit: int, param: str) -> int | None:

@@ -10,6 +10,7 @@ into their own wire events; neither talks to the engine directly.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -81,6 +82,7 @@ class Finished:
     text_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
+    cached_image_tokens: int = 0
     vision_hits: int = 0
     vision_misses: int = 0
     timings: dict[str, float] = field(default_factory=dict)
@@ -135,6 +137,13 @@ class ChatService:
         try:
             async for event in self._respond(session, options, pending or {}, t0, trace, finish):
                 yield event
+        except Exception as exc:  # any fault ends the response as failed, never silently
+            log.exception("response_failed", response_id=options.response_id)
+            if not finished:
+                error = GatewayError("internal_error", f"the response failed: {type(exc).__name__}")
+                await self._drop_placeholder(session, options)
+                yield finish(Finished(options.response_id, options.item_id, "failed", "", error=error,
+                                      timings={"total_ms": _ms(t0)}))
         finally:
             if not finished:  # the consumer went away before the end
                 trace.root.set_attribute("visiongate.abandoned", True)
@@ -143,13 +152,23 @@ class ChatService:
     async def _respond(self, session: Session, options: ResponseOptions,
                        pending: dict[str, asyncio.Task[Resolved]], t0: float, trace: ResponseTrace,
                        finish) -> AsyncIterator[ServiceEvent]:
+        # The answer's place in the conversation is taken now, as the Realtime API does at
+        # response.output_item.added: items the client adds while it streams come after it.
+        if options.store:
+            def place(stored: Session) -> None:
+                stored.items.append(StoredItem(
+                    id=options.item_id, role="assistant", parts=[StoredPart("text", text="")],
+                    status="in_progress", response_id=options.response_id))
+
+            await self.sessions.update(session.id, session.owner, place)
         yield Started(options.response_id, options.item_id)
 
         # 1. visual tokens for every image the conversation references
         t_enc = time.perf_counter()
         try:
-            images, waited = await self._resolve_images(session, pending, trace)
+            images, waited = await self._resolve_images(session, pending, trace, options.cancel)
         except GatewayError as exc:
+            await self._drop_placeholder(session, options)
             yield finish(Finished(options.response_id, options.item_id, "failed", "", error=exc,
                                   timings={"total_ms": _ms(t0)}))
             return
@@ -160,6 +179,7 @@ class ChatService:
         encode_wait_ms = _ms(t_enc) if waited else 0.0
 
         if options.cancel.is_set():  # cancelled while waiting for images
+            await self._drop_placeholder(session, options)
             yield finish(Finished(options.response_id, options.item_id, "cancelled", "",
                                   reason="client_cancelled", timings={"total_ms": _ms(t0)}))
             return
@@ -174,8 +194,11 @@ class ChatService:
             seed=session.seed if options.seed is None else options.seed,
             stop=options.stop,
         )
+        # KV is kept per (owner, session): a session id reused by another key never meets it;
+        # an answer kept out of the conversation leaves nothing worth keeping
+        kv_key = kv_key_for(session.owner, session.id) if options.store else None
         request = GenerationRequest(request_id=options.response_id, messages=messages,
-                                    sampling=sampling, kv_key=session.id, cancel=options.cancel)
+                                    sampling=sampling, kv_key=kv_key, cancel=options.cancel)
 
         # 3. generate
         text_parts: list[str] = []
@@ -212,6 +235,7 @@ class ChatService:
                    "decode_ms": 0.0, "ttft_ms": ttft_ms, "total_ms": _ms(t0)}
         if error is not None or result is None:
             error = error or GatewayError("engine_error", "the engine ended without a result")
+            await self._drop_placeholder(session, options)
             yield finish(Finished(options.response_id, options.item_id, "failed", text, error=error,
                                   vision_hits=hits, vision_misses=misses,
                                   image_tokens_total=image_tokens_total, timings=timings), first_ns)
@@ -222,13 +246,9 @@ class ChatService:
         reason = {"length": "max_output_tokens", "cancelled": "client_cancelled"}.get(result.finish_reason)
         timings.update(queue_ms=result.queue_ms, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms)
 
-        # 4. the turn joins the conversation (a cancelled answer too, marked incomplete)
-        if options.store:
-            session.items.append(StoredItem(
-                id=options.item_id, role="assistant", parts=[StoredPart("text", text=result.text)],
-                status="completed" if status == "completed" else "incomplete",
-                response_id=options.response_id))
-            await self.sessions.save(session)
+        # 4. the answer fills its place in the conversation (a cancelled one too, as incomplete)
+        await self._finish_placeholder(session, options, result.text,
+                                       "completed" if status == "completed" else "incomplete")
 
         yield finish(Finished(
             options.response_id, options.item_id, status, result.text, reason=reason,
@@ -236,11 +256,41 @@ class ChatService:
             image_tokens_total=image_tokens_total,
             text_tokens=result.input_tokens - result.image_tokens,
             output_tokens=result.output_tokens, cached_tokens=result.cached_tokens,
+            cached_image_tokens=result.cached_image_tokens,
             vision_hits=hits, vision_misses=misses, timings=timings,
         ), first_ns)
 
+    async def _finish_placeholder(self, session: Session, options: ResponseOptions, text: str,
+                                  status: Literal["completed", "incomplete"]) -> None:
+        if not options.store:
+            return
+
+        def fill(stored: Session) -> None:
+            for item in stored.items:
+                if item.id == options.item_id:
+                    item.parts = [StoredPart("text", text=text)]
+                    item.status = status
+
+        try:
+            await self.sessions.update(session.id, session.owner, fill)
+        except GatewayError as exc:  # the answer went out; only its record is lost
+            log.error("answer_not_stored", response_id=options.response_id, code=exc.code)
+
+    async def _drop_placeholder(self, session: Session, options: ResponseOptions) -> None:
+        if not options.store:
+            return
+
+        def drop(stored: Session) -> None:
+            stored.items[:] = [i for i in stored.items if i.id != options.item_id]
+
+        try:
+            await self.sessions.update(session.id, session.owner, drop)
+        except GatewayError as exc:
+            log.error("placeholder_not_removed", response_id=options.response_id, code=exc.code)
+
     async def _resolve_images(self, session: Session, pending: dict[str, asyncio.Task[Resolved]],
-                              trace: ResponseTrace) -> tuple[dict[str, Resolved], bool]:
+                              trace: ResponseTrace, cancel: threading.Event
+                              ) -> tuple[dict[str, Resolved], bool]:
         """Resolved tokens by digest, and whether any of them had to be waited for."""
         digests = session.image_digests
         if not digests:
@@ -266,8 +316,15 @@ class ChatService:
             trace.image(span, resolved)
             return resolved
 
-        results = await asyncio.gather(*(one(d) for d in digests))
-        return dict(zip(digests, results, strict=True)), waited
+        gathered = asyncio.ensure_future(asyncio.gather(*(one(d) for d in digests)))
+        # a cancel must not wait for encodes; they go on (shielded) and fill the cache
+        while not gathered.done():
+            await asyncio.wait({gathered}, timeout=0.05)
+            if cancel.is_set() and not gathered.done():
+                gathered.cancel()
+                await asyncio.gather(gathered, return_exceptions=True)
+                return {}, True
+        return dict(zip(digests, gathered.result(), strict=True)), waited
 
     def _messages(self, session: Session, options: ResponseOptions,
                   images: dict[str, Resolved]) -> list[Message]:
@@ -279,6 +336,8 @@ class ChatService:
         fingerprint = self.vision.fingerprint[:16]
         embeds_by_digest: dict[str, ImageInput] = {}
         for item in session.items:
+            if item.status == "in_progress":  # another response's answer, still being written
+                continue
             content: list[str | ImageInput] = []
             for part in item.parts:
                 if part.kind == "text":
@@ -294,6 +353,11 @@ class ChatService:
             if content:
                 messages.append(Message(item.role, content))
         return messages
+
+
+def kv_key_for(owner: str, session_id: str) -> str:
+    """The engine's KV namespace for a session: owner and id together, hashed."""
+    return hashlib.sha256(f"{owner}\0{session_id}".encode()).hexdigest()[:32]
 
 
 def _ms(t0: float) -> float:

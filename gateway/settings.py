@@ -46,6 +46,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_image_bytes: int = 20 * MiB
     max_pixels: int = 40_000_000
     max_images_per_session: int = 16
+    max_text_chars: int = 65536  # per text part or instructions
+    max_items_per_session: int = 512
     # URL prefixes (e.g. https://images.example.com/) whose images the gateway may fetch; empty:
     # remote image URLs are refused and images come as data URLs or uploads
     image_url_allowlist: list[str] = []
@@ -80,6 +82,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         need(all(p.startswith(("http://", "https://")) and p.count("/") >= 3
                  for p in self.image_url_allowlist), "image_url_allowlist",
              "entries must be URL prefixes with a host and a path, e.g. https://img.example.com/")
+        need(self.max_text_chars >= 1, "max_text_chars", "must be >= 1")
+        need(self.max_items_per_session >= 2, "max_items_per_session", "must be >= 2")
         need(self.max_images_per_session >= 1, "max_images_per_session", "must be >= 1")
         need(self.session_ttl_s >= 1, "session_ttl_s", "must be >= 1 second")
         need(self.vision_cache_bytes >= 0, "vision_cache_bytes", "must be >= 0")

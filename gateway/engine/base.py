@@ -85,6 +85,7 @@ class GenerationResult:
     image_tokens: int  # visual tokens in the prompt
     output_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV was reused instead of prefilled
+    cached_image_tokens: int = 0  # of those, visual tokens
     queue_ms: float = 0.0  # waiting for the engine
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
@@ -130,5 +131,8 @@ class Engine(Protocol):
         """
 
     def count_tokens(self, text: str) -> int: ...
+
+    def forget(self, kv_key: str) -> None:
+        """Drop any KV state kept under `kv_key`."""
 
     async def aclose(self) -> None: ...

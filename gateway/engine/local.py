@@ -411,6 +411,8 @@ class LocalEngine:
             image_tokens=prompt.image_tokens,
             output_tokens=len(generated),
             cached_tokens=cached,
+            cached_image_tokens=sum(max(0, min(span.start + span.length, cached) - span.start)
+                                    for span in prompt.images),
             queue_ms=queue_ms,
             prefill_ms=_ms(prefill_done - started),
             decode_ms=_ms(done - prefill_done),
@@ -442,6 +444,11 @@ class LocalEngine:
                     self._keep_done.notify_all()
 
     # -- KV reuse ----------------------------------------------------------------------------
+
+    def forget(self, kv_key: str) -> None:
+        """Drop the KV kept under `kv_key` (memory and Redis), e.g. when its session is deleted."""
+        if self.kv_store is not None:
+            self.kv_store.delete(kv_key)
 
     def _lookup(
         self, kv_key: str | None, prompt: Prompt

@@ -106,12 +106,20 @@ class ChatCompletionServing:
             raise GatewayError("model_not_found", f"the model {request.model!r} does not exist; "
                                f"this gateway serves {model!r}", param="model")
         options = _options(request, settings.max_output_tokens_limit)
-        fetched = await fetch_remote_images(image_urls(request.messages),
+        if len(request.messages) > settings.max_items_per_session:
+            raise GatewayError("input_too_large", f"a conversation holds at most "
+                               f"{settings.max_items_per_session} messages", param="messages")
+        urls = image_urls(request.messages)
+        if len(set(urls)) > settings.max_images_per_session:  # counted before fetching anything
+            raise GatewayError("too_many_images", "a conversation holds at most "
+                               f"{settings.max_images_per_session} images", param="messages")
+        fetched = await fetch_remote_images(urls,
                                             allowlist=settings.image_url_allowlist,
                                             max_bytes=settings.max_image_bytes)
         conv = parse_messages(request.messages, max_image_bytes=settings.max_image_bytes,
                               max_pixels=settings.max_pixels,
-                              max_images=settings.max_images_per_session, fetched=fetched)
+                              max_images=settings.max_images_per_session, fetched=fetched,
+                              max_text_chars=settings.max_text_chars)
         for digest, param in conv.refs.items():
             if not await state.vision.known(digest):
                 raise GatewayError("image_not_found", f"no image with digest {digest}", param=param)
@@ -131,13 +139,18 @@ class ChatCompletionServing:
                 raise GatewayError("invalid_request", "session_id must be 1..128 characters",
                                    param="session_id")
             load_start = time.time_ns()
-            session = await self._session(session_id, owner)
+            await self._session(session_id, owner)  # load, or create under this id
+
+            def bring_in_line(stored: Session) -> int:
+                kept = reconcile(stored, conv, settings.default_instructions)
+                if len(stored.image_digests) > settings.max_images_per_session:
+                    raise GatewayError("too_many_images", "a session holds at most "
+                                       f"{settings.max_images_per_session} images", param="messages")
+                return kept
+
+            # compare-and-set: a concurrent request on the same session is never overwritten
+            session, kept = await state.sessions.update(session_id, owner, bring_in_line)
             options.session_load_ns = (load_start, time.time_ns())
-            kept = reconcile(session, conv, settings.default_instructions)
-            if len(session.image_digests) > settings.max_images_per_session:
-                raise GatewayError("too_many_images", "a session holds at most "
-                                   f"{settings.max_images_per_session} images", param="messages")
-            await state.sessions.save(session)
             log.info("http_session_turn", session_id=session.id, kept_items=kept,
                      items=len(session.items))
         return _Prepared(session=session, stored=stored, options=options, conversation=conv,

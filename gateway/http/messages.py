@@ -38,7 +38,8 @@ def image_urls(messages: list[InputMessage]) -> list[str]:
 
 
 def parse_messages(messages: list[InputMessage], *, max_image_bytes: int, max_pixels: int,
-                   max_images: int, fetched: Mapping[str, bytes] | None = None) -> Conversation:
+                   max_images: int, fetched: Mapping[str, bytes] | None = None,
+                   max_text_chars: int = 65536) -> Conversation:
     """Validate and convert. Images are checked from their header only (format, size); remote
     URLs resolve only through `fetched` (the allow-listed ones already downloaded)."""
     if not messages:
@@ -51,6 +52,10 @@ def parse_messages(messages: list[InputMessage], *, max_image_bytes: int, max_pi
         role = "system" if message.role == "developer" else message.role
         parts = _parts(message, param, conv, max_image_bytes=max_image_bytes, max_pixels=max_pixels,
                        fetched=fetched)
+        for part in parts:
+            if part.text is not None and len(part.text) > max_text_chars:
+                raise GatewayError("input_too_large", f"text parts hold at most {max_text_chars} "
+                                   "characters", param=f"{param}.content")
         if role == "system" and not conv.items:
             # system messages before the conversation are its instructions
             leading.append("\n".join(p.text or "" for p in parts))

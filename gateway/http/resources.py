@@ -18,6 +18,7 @@ from encoder_worker.types import ENCODE_STAGES
 from gateway.http import protocol as p
 from gateway.images import REF_PREFIX, digest_of, sniff_image
 from gateway.protocol.errors import GatewayError
+from gateway.service import kv_key_for
 from gateway.sessions.base import StoredItem
 
 if TYPE_CHECKING:
@@ -151,5 +152,7 @@ class SessionServing:
         if not await self.state.sessions.delete(session_id, owner):
             return p.error_response(GatewayError(
                 "session_not_found", f"no session {session_id!r} for this API key", param="session_id"))
+        # its KV goes too: nothing of a deleted conversation is left to be matched
+        self.state.engine.forget(kv_key_for(owner, session_id))
         log.info("session_deleted", session_id=session_id, api="http")
         return p.SessionDeleted(id=session_id)

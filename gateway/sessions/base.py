@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Literal, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Literal, Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
 from gateway.protocol.errors import GatewayError
 
 __all__ = ("Session", "SessionStore", "StoredItem", "StoredPart", "new_id", "not_found")
+
+T = TypeVar("T")
+UPDATE_ATTEMPTS = 16  # compare-and-set retries before an update gives up as busy
 
 
 def new_id(prefix: str) -> str:
@@ -33,7 +37,7 @@ class StoredItem(msgspec.Struct, omit_defaults=True):
     id: str
     role: Literal["user", "system", "assistant"]
     parts: list[StoredPart]
-    status: Literal["completed", "incomplete"] = "completed"
+    status: Literal["completed", "incomplete", "in_progress"] = "completed"
     response_id: str | None = None
 
 
@@ -79,6 +83,13 @@ class SessionStore(Protocol):
 
     async def save(self, session: Session) -> None:
         """Store the whole session (refreshing its idle TTL). Last write wins."""
+
+    async def update(self, session_id: str, owner: str, mutate: Callable[[Session], T]
+                     ) -> tuple[Session, T]:
+        """Read-modify-write without lost updates: load the stored session, apply `mutate` (a
+        plain function; it may run more than once when writers race), store it only if nobody
+        wrote in between, else retry. Returns the stored session and mutate's result. Raises
+        like `load`, or GatewayError(busy) after too many conflicts."""
 
     async def create(self, session: Session) -> bool:
         """Store a session under a new id; False (nothing written) if the id is taken by anyone."""

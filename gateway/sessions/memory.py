@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import msgspec
 
-from gateway.sessions.base import Session, not_found
+from gateway.sessions.base import Session, T, not_found
 
 __all__ = ("MemorySessionStore",)
 
@@ -36,6 +37,14 @@ class MemorySessionStore:
         session.updated_at = time.time()
         self._sessions[session.id] = (self._clock() + self.ttl_s, msgspec.msgpack.encode(session))
         self._expire()
+
+    async def update(self, session_id: str, owner: str, mutate: Callable[[Session], T]
+                     ) -> tuple[Session, T]:
+        # no await between read and write: atomic on the event loop
+        session = await self.load(session_id, owner)
+        result = mutate(session)
+        await self.save(session)
+        return session, result
 
     async def create(self, session: Session) -> bool:
         self._expire()

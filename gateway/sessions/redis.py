@@ -23,7 +23,7 @@ be correct across replicas.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -34,7 +34,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from gateway.protocol.errors import GatewayError
-from gateway.sessions.base import Session, not_found
+from gateway.sessions.base import UPDATE_ATTEMPTS, T, Session, not_found
 
 if TYPE_CHECKING:
     from redis.commands.core import AsyncScript
@@ -85,6 +85,17 @@ redis.call('ZREM', KEYS[2], ARGV[2])
 return 1
 """
 
+# KEYS: session key, index. ARGV: value read, new value, ttl ms, session id. Replaces the value
+# only if it is still the one read (compare-and-set), so concurrent writers never lose updates.
+_REPLACE = _NOW_MS + """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4])
+return 1
+"""
+
 # KEYS: index.
 _COUNT = _NOW_MS + """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -103,6 +114,7 @@ class RedisSessionStore:
         "_count",
         "_delete",
         "_index",
+        "_replace",
         "_save",
         "_touch",
         "_ttl_ms",
@@ -122,6 +134,7 @@ class RedisSessionStore:
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2))
         self._save: AsyncScript = self._client.register_script(_SAVE)
         self._create: AsyncScript = self._client.register_script(_CREATE)
+        self._replace: AsyncScript = self._client.register_script(_REPLACE)
         self._touch: AsyncScript = self._client.register_script(_TOUCH)
         self._delete: AsyncScript = self._client.register_script(_DELETE)
         self._count: AsyncScript = self._client.register_script(_COUNT)
@@ -141,6 +154,19 @@ class RedisSessionStore:
         await self._call("save", self._save(keys=[self.key(session.id), self._index],
                                             args=[_encoder.encode(session), self._ttl_ms,
                                                   session.id]))
+
+    async def update(self, session_id: str, owner: str, mutate: Callable[[Session], T]
+                     ) -> tuple[Session, T]:
+        key = self.key(session_id)
+        for _ in range(UPDATE_ATTEMPTS):
+            session, raw = await self._read(key, session_id, owner)
+            result = mutate(session)
+            session.updated_at = time.time()
+            done = await self._call("update", self._replace(
+                keys=[key, self._index], args=[raw, _encoder.encode(session), self._ttl_ms, session_id]))
+            if done:
+                return session, result
+        raise GatewayError("busy", f"session {session_id!r} is being changed by too many writers at once")
 
     async def create(self, session: Session) -> bool:
         session.updated_at = time.time()

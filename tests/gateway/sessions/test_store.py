@@ -97,6 +97,35 @@ async def test_create_only_takes_a_free_id(make_store) -> None:
     await expect_not_found(store, session.id, BOB)
 
 
+async def test_concurrent_updates_lose_nothing(make_store) -> None:
+    """Writers appending to one session at once (two replicas, for Redis): every append survives."""
+    first = make_store()
+    second = first if isinstance(first, MemorySessionStore) else make_store()
+    session = conversation()
+    await first.save(session)
+    base = len(session.items)
+
+    def append(n: int):
+        def mutate(s: Session) -> int:
+            s.items.append(StoredItem(id=f"item_{n}", role="user", parts=[StoredPart("text", text=str(n))]))
+            return len(s.items)
+        return mutate
+
+    await asyncio.gather(*(store.update(session.id, ALICE, append(n))
+                           for n, store in enumerate([first, second] * 8)))
+    stored = await first.load(session.id, ALICE)
+    assert sorted(i.id for i in stored.items[base:]) == sorted(f"item_{n}" for n in range(16))
+    updated, count = await second.update(session.id, ALICE, append(99))
+    assert count == base + 17 and updated.items[-1].id == "item_99"
+    await expect_not_found_update(first, session.id, BOB)
+
+
+async def expect_not_found_update(store, session_id: str, owner: str) -> None:
+    with pytest.raises(GatewayError) as err:
+        await store.update(session_id, owner, lambda s: None)
+    assert err.value.code == "session_not_found"
+
+
 async def test_save_overwrites_and_stamps_updated_at(make_store) -> None:
     store = make_store()
     session = conversation()
