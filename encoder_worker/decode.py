@@ -96,6 +96,9 @@ def check_image(data: bytes, max_image_bytes: int, max_pixels: int) -> Image.Ima
     return img
 
 
+_REDUCIBLE = frozenset(("L", "LA", "RGB", "RGBA", "RGBX", "CMYK", "I", "F"))
+
+
 def _to_rgb(img: Image.Image) -> Image.Image:
     if img.mode == "RGB":
         return img
@@ -129,6 +132,9 @@ def decode_image(
                 ratio = want / min(w, h)
                 img.draft("RGB", (max(1, int(w * ratio)), max(1, int(h * ratio))))
             img.load()
+            if img.mode not in _REDUCIBLE:
+                # Image.reduce refuses palette, 1-bit and 16-bit modes: orient and convert first
+                img = _to_rgb(ImageOps.exif_transpose(img))
             factor = min(img.size) // want
             if factor >= 2:
                 img = img.reduce(factor)
@@ -216,12 +222,13 @@ def decode_jpeg_cuda(
             decoded = decode_jpeg([b[1] for b in batch], mode=ImageReadMode.RGB, device=device)
         except Exception:  # noqa: BLE001 - one bad stream fails the batched call: fall back one by one
             decoded = []
-            for i, _, _ in batch:
+            for n, (i, raw, _) in enumerate(batch):
                 try:
                     arr = decode_image(datas[i], max_image_bytes, max_pixels)
                     decoded.append(torch.from_numpy(arr).to(device).permute(2, 0, 1))
                 except ImageError as exc:
                     decoded.append(exc)
+                batch[n] = (i, raw, 1)  # decode_image already applied the EXIF orientation
         for (i, _, orientation), chw in zip(batch, decoded):
             if isinstance(chw, ImageError):
                 results[i] = chw

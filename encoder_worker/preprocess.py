@@ -53,6 +53,23 @@ def resize_plan(h: int, w: int, spec: PreprocessSpec) -> tuple[int, int, int, in
     return rh, rw, (rh - s) // 2, (rw - s) // 2
 
 
+MAX_ASPECT = 4  # beyond this, the long side is cut to the centre before resizing
+
+
+def center_window(img: torch.Tensor, spec: PreprocessSpec) -> torch.Tensor:
+    """For a very elongated image, the centred part of the long side that the final square crop
+    can see (plus the resampling filter's reach). Resizing all of a 1 x 100000 strip to a
+    224-pixel short side would need gigabytes; this window keeps it to about a square."""
+    h, w = int(img.shape[0]), int(img.shape[1])
+    short, long = min(h, w), max(h, w)
+    if spec.resize != "shortest_edge_crop" or long <= MAX_ASPECT * short:
+        return img
+    margin = 2 * max(1, -(-short // spec.image_size)) + 2  # filter support in source pixels
+    keep = min(long, short + 2 * margin)
+    start = (long - keep) // 2
+    return img[:, start:start + keep] if w >= h else img[start:start + keep]
+
+
 def preprocess_batch(
     images: list[torch.Tensor],  # each [H, W, 3] uint8 (CPU or on `device`)
     spec: PreprocessSpec,
@@ -63,6 +80,7 @@ def preprocess_batch(
     s, p = spec.image_size, spec.patch_size
     out = torch.empty(len(images), spec.num_patches, 3 * p * p, dtype=dtype, device=device)
     for i, img in enumerate(images):
+        img = center_window(img, spec)
         h, w, _ = img.shape
         geom = ResizeCrop(*resize_plan(h, w, spec), s, s, spec.resample)  # type: ignore[arg-type]
         img = img.to(device, non_blocking=True)

@@ -51,7 +51,7 @@ class RedisEncoder:
 
     `config`, `hidden_size` and `target_rms` must be the workers' (they make the fingerprint
     the tokens are cached under); a worker started with others dead-letters the job and says
-    which differs. `max_stream_len` caps the job stream (approximately): a safety valve for a
+    which differs. `max_stream_len` caps the job stream (past it, encode answers busy): a safety valve for a
     queue no worker drains, not a tuning knob.
     """
 
@@ -157,9 +157,11 @@ class RedisEncoder:
             # usually the gateway's image store has just written the bytes: refresh, don't resend
             if not await client.pexpire(key, self._image_ttl_ms):
                 await client.set(key, bytes(data), px=self._image_ttl_ms)
-            await client.xadd(
-                JOBS_STREAM, {"job": encode_job(job)}, maxlen=self.max_stream_len, approximate=True
-            )
+            # a full queue answers busy; trimming the stream would silently drop waiting jobs
+            if await client.xlen(JOBS_STREAM) >= self.max_stream_len:
+                raise GatewayError("busy", f"the encoder queue holds {self.max_stream_len} jobs; "
+                                   "retry shortly")
+            await client.xadd(JOBS_STREAM, {"job": encode_job(job)})
             self.jobs += 1
             reply = await client.blpop([result_key(job.job_id)], timeout=self.timeout_s)
         except (RedisError, OSError) as exc:

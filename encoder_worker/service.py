@@ -76,17 +76,23 @@ class LocalEncoder:
         loop = asyncio.get_running_loop()
         batch = [await self._queue.get()]
         deadline = loop.time() + self.config.max_wait_ms / 1e3
-        while len(batch) < self.config.max_batch:
-            if not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-                continue
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            try:
-                batch.append(await asyncio.wait_for(self._queue.get(), remaining))
-            except TimeoutError:
-                break
+        try:
+            while len(batch) < self.config.max_batch:
+                if not self._queue.empty():
+                    batch.append(self._queue.get_nowait())
+                    continue
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+                except TimeoutError:
+                    break
+        except asyncio.CancelledError:  # closing: the jobs taken off the queue fail, never hang
+            for _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(RuntimeError("encoder closed"))
+            raise
         return [job for job in batch if not job[1].done()]  # callers that gave up
 
     async def _batch_loop(self) -> None:

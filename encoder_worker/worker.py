@@ -134,7 +134,8 @@ class _Commit:
 
     def requeue(self, entry: _Entry) -> None:
         assert entry.job is not None
-        job = msgspec.structs.replace(entry.job, attempt=entry.job.attempt + 1)
+        # every delivery of this entry was a run (those lost with dead workers included)
+        job = msgspec.structs.replace(entry.job, attempt=entry.job.attempt + entry.deliveries)
         self._pipe.xadd(JOBS_STREAM, {"job": encode_job(job)})
         self.ack(entry)
 
@@ -333,7 +334,8 @@ class EncoderWorker:
             self._next_claim = now + min(self.claim_idle_ms / 2000, 5.0)
         entries = []
         for entry_id, fields in messages:
-            if fields is None:
+            if fields is None:  # the entry itself is gone: nothing to run, stop tracking it
+                await self.client.xack(JOBS_STREAM, GROUP, entry_id)
                 continue
             pending = await self.client.xpending_range(JOBS_STREAM, GROUP, entry_id, entry_id, 1)
             deliveries = int(pending[0]["times_delivered"]) if pending else 2
@@ -347,6 +349,17 @@ class EncoderWorker:
                 entry_ids=[e.entry_id.decode() for e in entries],
             )
         return entries
+
+    async def _keep_claimed(self, entry_ids: list[bytes]) -> None:
+        """While a long batch encodes, keep resetting its jobs' idle time (XCLAIM JUSTID does
+        not count a delivery), so other workers do not take them over as stalled."""
+        assert self.client is not None
+        while True:
+            await asyncio.sleep(max(self.claim_idle_ms / 3000, 0.05))
+            try:
+                await self.client.xclaim(JOBS_STREAM, GROUP, self.consumer, 0, entry_ids, justid=True)
+            except Exception as exc:  # a missed heartbeat costs at most a duplicate encode
+                log.warning("worker.heartbeat_failed", error=str(exc))
 
     @staticmethod
     def _entry(entry_id: bytes, fields: dict[bytes, bytes], deliveries: int) -> _Entry:
@@ -388,7 +401,11 @@ class EncoderWorker:
         outcomes: list[_Outcome] = []
         if runnable:
             loop = asyncio.get_running_loop()
-            outcomes = await loop.run_in_executor(self._executor, self._encode, runnable)
+            heartbeat = asyncio.create_task(self._keep_claimed([e.entry_id for e in runnable]))
+            try:
+                outcomes = await loop.run_in_executor(self._executor, self._encode, runnable)
+            finally:
+                heartbeat.cancel()
         encoded: list[tuple[_Entry, EncodedImage]] = []
         for entry, outcome in zip(runnable, outcomes):
             job = entry.job

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
-from litestar import Litestar, Request, Response, WebSocket, get, websocket
+from litestar import Litestar, Response, WebSocket, get, websocket
 from litestar.datastructures import State
 
 from gateway import __version__ as VERSION
@@ -218,7 +218,3 @@ def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any
 
 def gateway_state(app: Litestar) -> GatewayState:
     return app.state["gateway"]
-
-
-def request_owner(request: Request) -> str:
-    return gateway_state(request.app).auth.owner(request.headers, request.query_params)

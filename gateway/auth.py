@@ -23,7 +23,9 @@ class Authenticator:
         return bool(self._owners)
 
     def owner(self, headers: Mapping[str, str], query: Mapping[str, str] | None = None) -> str:
-        """The caller's owner id from `Authorization: Bearer <key>` (or `?api_key=` for browsers)."""
+        """The caller's owner id from `Authorization: Bearer <key>`, or `?api_key=` where a query
+        is passed: only for the WebSocket, which browsers cannot give headers and which is kept
+        out of traced URLs (a key in an HTTP query string would be recorded in request spans)."""
         if not self._owners:
             return "anonymous"
         auth = headers.get("authorization", "")

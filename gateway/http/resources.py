@@ -112,11 +112,15 @@ class ImageServing:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         self._encodes[digest] = task
         self._encodes.move_to_end(digest)
-        while len(self._encodes) > self.MAX_TRACKED:
-            oldest, old = next(iter(self._encodes.items()))
-            if not old.done():
-                break
-            del self._encodes[oldest]
+        if len(self._encodes) > self.MAX_TRACKED:
+            # finished entries go first, oldest first; still-running ones only past twice the
+            # cap (their encodes go on regardless; only their "encoding" status is forgotten)
+            for key in [k for k, t in self._encodes.items() if t.done()]:
+                if len(self._encodes) <= self.MAX_TRACKED:
+                    break
+                del self._encodes[key]
+            while len(self._encodes) > 2 * self.MAX_TRACKED:
+                self._encodes.popitem(last=False)
 
 
 def session_view(session) -> p.SessionView:

@@ -55,7 +55,7 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
                           * settings.max_images_per_session + 4 * MiB)
 
     def owner(request: Request) -> str:
-        return state.auth.owner(request.headers, request.query_params)  # GatewayError -> 401
+        return state.auth.owner(request.headers)  # GatewayError -> 401
 
     def reply(value: Any, **headers: str) -> Response[Any]:
         if isinstance(value, p.ErrorResponse):

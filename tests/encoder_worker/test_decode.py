@@ -112,3 +112,26 @@ def test_big_images_are_reduced_but_keep_twice_the_needed_side():
         out = _decode(encode_image(arr, fmt), min_side=224)
         assert 448 <= min(out.shape[:2]) < 1200
         assert abs(out.shape[1] / out.shape[0] - 4 / 3) < 0.02
+
+
+@pytest.mark.parametrize("mode", ["P", "1", "I;16"])
+def test_large_palette_bilevel_and_16bit_images_decode_reduced(mode: str) -> None:
+    img = Image.new("RGB", (1000, 1000), (10, 200, 30)).convert("P") if mode == "P" \
+        else Image.new(mode, (1000, 1000))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    arr = decode_image(buf.getvalue(), 10**7, 10**8, min_side=224)
+    assert arr.shape[2] == 3 and min(arr.shape[:2]) >= 448
+
+
+def test_elongated_images_are_windowed_before_resizing() -> None:
+    from encoder_worker.preprocess import PreprocessSpec, center_window, preprocess_batch
+
+    spec = PreprocessSpec(image_size=224, patch_size=16)
+    strip = torch.zeros(1, 100_000, 3, dtype=torch.uint8)  # resized whole: 224 x 22.4M pixels
+    window = center_window(strip, spec)
+    assert window.shape[0] == 1 and window.shape[1] < 16
+    normal = torch.zeros(300, 400, 3, dtype=torch.uint8)
+    assert center_window(normal, spec) is normal  # ordinary aspect ratios are untouched
+    out = preprocess_batch([strip], spec, torch.device("cpu"), torch.float32)
+    assert out.shape == (1, 196, 768)

@@ -117,3 +117,14 @@ async def test_keys_own_their_sessions_and_are_rate_limited(keyed_server: Server
     alice, event = await _open(url, "key-alice", session_id)
     assert event["type"] == "session.created" and event["session"]["id"] == session_id
     await alice.close()
+
+
+@pytest.mark.slow
+def test_http_takes_keys_from_the_header_only(keyed_server: ServerThread) -> None:
+    import httpx
+
+    url = f"{keyed_server.http_url}/v1/models"
+    assert httpx.get(url, headers={"Authorization": "Bearer key-bob"}).status_code == 200
+    # a key in a query string would be recorded in request spans and access logs
+    refused = httpx.get(url, params={"api_key": "key-bob"})
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
