@@ -83,7 +83,8 @@ class RealtimeConnection:
         self.response_task: asyncio.Task[None] | None = None
         self.response_options: ResponseOptions | None = None
         self.pending: dict[str, asyncio.Task[Resolved]] = {}  # digest -> pre-encode
-        self.watchers: set[asyncio.Task[None]] = set()
+        # item watchers -> the encodes they wait for
+        self.watchers: dict[asyncio.Task[None], list[asyncio.Task[Resolved]]] = {}
         self._send_lock = asyncio.Lock()
         self._event_seq = 0
 
@@ -291,8 +292,8 @@ class RealtimeConnection:
                 task = self.pending[digest] = self.state.vision.start(digest)
             tasks.append((index, digest, task))
         watcher = asyncio.create_task(self._watch_encodes(stored, previous, tasks, event.event_id))
-        self.watchers.add(watcher)
-        watcher.add_done_callback(self.watchers.discard)
+        self.watchers[watcher] = [task for _, _, task in tasks]
+        watcher.add_done_callback(lambda w: self.watchers.pop(w, None))
 
     async def _watch_encodes(self, stored: StoredItem, previous: str | None,
                              tasks: list[tuple[int, str, asyncio.Task[Resolved]]],
@@ -341,6 +342,11 @@ class RealtimeConnection:
                                f"response {self.response_options.response_id} is still in progress; "
                                "cancel it or wait for response.done")
         await self.state.rate_limiter.acquire(self.owner)
+        # watchers whose encodes are over are about to report (and drop a failed image's item):
+        # let them, so this response sees the conversation the client was told about
+        settled = [w for w, encodes in self.watchers.items() if all(t.done() for t in encodes)]
+        if settled:
+            await asyncio.gather(*settled, return_exceptions=True)
         # the stored session is the truth (another connection may have added to it)
         load_start = time.time_ns()
         self.session = await self.state.sessions.load(self.session.id, self.owner)
