@@ -65,6 +65,16 @@ def redis_url(redis_server: str) -> Iterator[str]:
     client.close()
 
 
+@pytest.fixture
+def raw_redis(redis_url: str):
+    """A plain client on the test session's redis-server, to look at or damage stored values."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
 def photo_bytes(name: str = "astronaut", fmt: str = "JPEG", size: int | None = None) -> bytes:
     """A real photo from scikit-image's sample data, encoded as `fmt`."""
     from PIL import Image

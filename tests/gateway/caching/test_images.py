@@ -138,13 +138,6 @@ async def redis_store(redis_url: str):
         await store.aclose()
 
 
-@pytest.fixture
-def raw_redis(redis_url: str):
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
-
-
 async def test_redis_key_layout_and_ttl(redis_store, raw_redis) -> None:
     digest, data = blob()
     await redis_store(ttl_s=30).put(digest, data)

@@ -161,13 +161,6 @@ async def tiered(redis_url: str):
         await cache.aclose()
 
 
-@pytest.fixture
-def raw_redis(redis_url: str):
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
-
-
 async def test_redis_key_layout_and_ttl(tiered, raw_redis) -> None:
     await tiered(ttl_s=30).put(FP, D1, b"tokens")
     key = f"vg:vision:{FP}:{D1}"

@@ -206,13 +206,6 @@ async def redis_store(redis_url: str):
         await store.aclose()
 
 
-@pytest.fixture
-def raw_redis(redis_url: str):
-    client = redis.Redis.from_url(redis_url)
-    yield client
-    client.close()
-
-
 async def test_survives_restart(redis_store) -> None:
     before = redis_store()
     session = conversation()
