@@ -352,6 +352,11 @@ class RealtimeConnection:
         self.session = await self.state.sessions.load(self.session.id, self.owner)
         load_ns = (load_start, time.time_ns())
         params = event.response or rt.ResponseParams()
+        if params.input is not None:
+            raise GatewayError("invalid_event", "response.input (a custom context) is not supported; "
+                               "responses read the session's conversation", param="response.input")
+        if params.tools:
+            raise GatewayError("invalid_event", "tools are not supported", param="response.tools")
         if params.output_modalities is not None and "audio" in params.output_modalities:
             raise GatewayError("invalid_event", "only text output is supported",
                                param="response.output_modalities")

@@ -68,6 +68,9 @@ class SessionConfig(Struct, omit_defaults=True):
 
 class ResponseParams(Struct, omit_defaults=True):
     instructions: str | None = None
+    # accepted so they can be refused clearly rather than ignored: not supported here
+    input: list[Any] | None = None
+    tools: list[Any] | None = None
     max_output_tokens: int | Literal["inf"] | None = None
     output_modalities: list[Literal["text", "audio"]] | None = None
     conversation: str | None = None  # "auto" (default) or "none"
