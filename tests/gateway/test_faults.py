@@ -27,6 +27,7 @@ def faulty_encoder(gateway_server):
     async def encode(data: bytes, **kwargs):
         fault = faults.get(data)
         if fault == "crash":
+            await asyncio.sleep(1.0)  # fails while a response is waiting for it
             raise RuntimeError("device lost")
         if fault == "stall":
             await asyncio.sleep(5.0)
