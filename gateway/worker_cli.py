@@ -103,8 +103,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--claim-idle-ms",
         type=int,
         default=30_000,
-        help="reclaim jobs pending this long at another (dead) worker; keep it above the "
-        "longest batch (default 30000)",
+        help="reclaim jobs pending this long at another (dead) worker; a live worker keeps its "
+        "batch claimed while it encodes (default 30000)",
     )
     q.add_argument(
         "--max-attempts",
