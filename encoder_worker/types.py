@@ -11,10 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+import msgspec
+
 if TYPE_CHECKING:
     import torch
 
-__all__ = ("ENCODE_STAGES", "EncodedImage", "Encoder", "ImageError")
+__all__ = ("ENCODE_STAGES", "EncodedImage", "Encoder", "ImageError", "ImageLayout")
 
 # Stages of one encode in the order they run; EncodedImage.timings_ms holds each in ms.
 ENCODE_STAGES = ("decode", "preprocess", "vision", "prune", "project", "quantize")
@@ -33,6 +35,32 @@ class ImageError(Exception):
         self.message = message
 
 
+class ImageLayout(msgspec.Struct, frozen=True, array_like=True):
+    """Where an image's visual tokens go in a real VLM's prompt (absent for the embedded default).
+
+    The model's chat template renders `placeholder` once per image (e.g. "<image>" for LLaVA and
+    Idefics3, "<|image_pad|>" for Qwen2.5-VL). `pieces` replace that placeholder in order, the
+    way the model's own processor expands it: a str is text the tokenizer turns into ids (tile
+    markers such as "<fake_token_around_image><row_1_col_1>"), an int is that many rows of the
+    image's embeddings, taken in order (after patch dropping: the rows kept in that run). The
+    ints sum to the number of embedding rows.
+
+    `mrope` (Qwen2.5-VL only): for each embedding row, its (t, h, w) rotary position relative to
+    the image's first position, flattened as [t0, h0, w0, t1, h1, w1, ...]; a dropped patch's row
+    is absent and the kept ones keep their original positions. `mrope_advance`: how far the text
+    position moves past the image (the unpruned grid's max(t, h, w) + 1). Empty for 1-D RoPE.
+    """
+
+    placeholder: str
+    pieces: tuple[str | int, ...]
+    mrope: tuple[int, ...] = ()
+    mrope_advance: int = 0
+
+    @property
+    def rows(self) -> int:
+        return sum(p for p in self.pieces if isinstance(p, int))
+
+
 @dataclass(slots=True)
 class EncodedImage:
     digest: str  # sha256 hex of the image bytes
@@ -42,6 +70,7 @@ class EncodedImage:
     hidden_size: int
     payload: object  # the stored form (e.g. INT4-packed tokens); see encoder_worker.payload
     timings_ms: dict[str, float] = field(default_factory=dict)  # ENCODE_STAGES, batch_size
+    layout: ImageLayout | None = None  # real VLM checkpoints: where the rows go in the prompt
 
     def embeds(self, device: str | torch.device = "cpu") -> torch.Tensor:
         """[tokens_kept, hidden_size] float32 visual tokens on `device`."""

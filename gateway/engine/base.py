@@ -17,10 +17,13 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
+    from encoder_worker.types import ImageLayout
+
 __all__ = (
     "Delta",
     "Engine",
     "EngineBusy",
+    "EngineStats",
     "EngineError",
     "GenerationRequest",
     "GenerationResult",
@@ -40,6 +43,9 @@ class ImageInput:
 
     digest: str  # sha256 hex of the original image bytes: identifies the image in KV block hashes
     embeds: torch.Tensor  # [N, hidden] visual tokens in the LM's embedding space (any float dtype)
+    # Where the rows go for a real VLM checkpoint (its processor's expansion of the image
+    # placeholder, M-RoPE positions); None: the embedded default's `<image>...</image>` layout.
+    layout: ImageLayout | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +76,9 @@ class GenerationRequest:
     kv_key: str | None = None
     # Set by the caller to stop generation; the engine checks it before every decode step.
     cancel: threading.Event = field(default_factory=threading.Event)
+    # Namespace of automatic prefix caching (the API key's id): KV blocks are shared only
+    # between requests with the same salt. None: the anonymous namespace.
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -90,6 +99,23 @@ class GenerationResult:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
     ttft_ms: float = 0.0  # from the engine picking the request up to the first text delta
+    itl_ms: tuple[float, ...] = ()  # gaps between consecutive text deltas (inter-token latency)
+    prefill_chunks: int = 0  # scheduler steps the prompt's prefill was split over
+    preemptions: int = 0  # times this request was preempted (its KV freed, later recomputed)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    """A snapshot of the engine's scheduler, for gauges."""
+
+    running: int = 0  # requests in the batch (prefilling or decoding)
+    waiting: int = 0  # requests queued for a slot
+    batch_size: int = 0  # sequences in the last step
+    step_tokens: int = 0  # tokens (prefill chunks + decodes) in the last step
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_cached: int = 0  # free but holding reusable (prefix-cached) KV
+    preemptions_total: int = 0
 
 
 Delta = TextDelta | GenerationResult
@@ -108,6 +134,10 @@ class EngineError(Exception):
 
 class EngineBusy(EngineError):
     code = "busy"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # a hint for HTTP Retry-After
 
 
 @runtime_checkable
@@ -134,5 +164,8 @@ class Engine(Protocol):
 
     def forget(self, kv_key: str) -> None:
         """Drop any KV state kept under `kv_key`."""
+
+    def stats(self) -> EngineStats:
+        """Scheduler gauges (running, waiting, KV blocks, preemptions)."""
 
     async def aclose(self) -> None: ...

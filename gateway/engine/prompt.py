@@ -47,6 +47,16 @@ class Prompt:
     segments: list[list[int] | ImageInput]
     tokens: list[int] = field(default_factory=list)  # per position: id, or -1 for an image token
     images: list[ImageSpan] = field(default_factory=list)
+    # M-RoPE (Qwen2.5-VL): per position its (t, h, w) rotary position, [3, length] int64;
+    # None: 1-D RoPE, where a position's rotary index is its index in the sequence
+    mrope: torch.Tensor | None = None
+
+    @property
+    def rope_delta(self) -> int:
+        """Generated token i (0-based, after the prompt) sits at rotary index length + i + delta."""
+        if self.mrope is None or self.mrope.shape[1] == 0:
+            return 0
+        return int(self.mrope.max()) + 1 - self.length
 
     @property
     def length(self) -> int:
@@ -116,19 +126,28 @@ def render(
 
 
 def embed_positions(
-    embedding: torch.nn.Module, prompt: Prompt, start: int, dtype: torch.dtype, device: torch.device
+    embedding: torch.nn.Module,
+    prompt: Prompt,
+    start: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    end: int | None = None,
 ) -> torch.Tensor:
-    """Input embeddings [1, length - start, H] of the prompt's positions from `start` on."""
+    """Input embeddings [1, end - start, H] of the prompt's positions [start, end)."""
+    end = prompt.length if end is None else end
     chunks: list[torch.Tensor] = []
     offset = 0
     for seg in prompt.segments:
         n = seg.num_tokens if isinstance(seg, ImageInput) else len(seg)
         lo = max(start - offset, 0)
-        if lo < n:
+        hi = min(end - offset, n)
+        if lo < hi:
             if isinstance(seg, ImageInput):
-                chunks.append(seg.embeds[lo:].to(device=device, dtype=dtype))  # [n - lo, H]
+                chunks.append(seg.embeds[lo:hi].to(device=device, dtype=dtype))  # [hi - lo, H]
             else:
-                ids = torch.tensor(seg[lo:], dtype=torch.long, device=device)
-                chunks.append(embedding(ids).to(dtype))  # [n - lo, H]
+                ids = torch.tensor(seg[lo:hi], dtype=torch.long, device=device)
+                chunks.append(embedding(ids).to(dtype))  # [hi - lo, H]
         offset += n
+        if offset >= end:
+            break
     return torch.cat(chunks, dim=0).unsqueeze(0)  # [1, S, H]

@@ -66,6 +66,23 @@ class LoadedModel:
     dtype: torch.dtype  # of the activations (and the KV cache)
     hidden_size: int
     weights: str = "float32"  # float32 | bfloat16 | float16 | int8 (dynamic, CPU)
+    # What the scheduler runs, set from `model` when not given: `decoder` is the text
+    # transformer called as decoder(inputs_embeds=[1, T, H], position_ids=..., cache=...) ->
+    # .last_hidden_state; `lm_head` maps hidden states to logits; `embed` maps token ids to rows.
+    decoder: Any = None
+    lm_head: Any = None
+    embed: Any = None
+    # 3-D multimodal RoPE (Qwen2.5-VL): position_ids are [3, 1, T] (t, h, w) instead of [1, T]
+    mrope: bool = False
+    family: str = "causal-lm"  # causal-lm | llava | idefics3 | qwen2_5_vl
+
+    def __post_init__(self) -> None:
+        if self.decoder is None:
+            self.decoder = self.model.get_decoder()
+        if self.lm_head is None:
+            self.lm_head = self.model.get_output_embeddings()
+        if self.embed is None:
+            self.embed = self.model.get_input_embeddings()
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
