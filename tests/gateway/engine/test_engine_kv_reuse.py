@@ -1,6 +1,12 @@
-"""Session KV reuse on the real model: full reuse of turn 1, content checks, Redis spill."""
+"""KV reuse on the real model: sessions, automatic prefix caching, content checks, Redis spill.
+
+Each request's prefix-cache namespace (`cache_salt`) is its session id here, and a fresh one
+for the "uncached" reference runs, so reuse is only what a test sets up.
+"""
 
 from __future__ import annotations
+
+import uuid
 
 import pytest
 import torch
@@ -14,9 +20,12 @@ pytestmark = pytest.mark.slow
 SYSTEM = Message("system", ["You are a concise geography tutor."])
 
 
-def request(messages: list[Message], kv_key: str | None, max_tokens: int = 16) -> GenerationRequest:
+def request(
+    messages: list[Message], kv_key: str | None, max_tokens: int = 16, salt: str | None = None
+) -> GenerationRequest:
     return GenerationRequest(
-        "kv", messages, SamplingParams(max_output_tokens=max_tokens), kv_key=kv_key
+        "kv", messages, SamplingParams(max_output_tokens=max_tokens), kv_key=kv_key,
+        cache_salt=salt or kv_key or uuid.uuid4().hex,
     )
 
 
@@ -114,11 +123,29 @@ async def test_changed_image_invalidates_from_its_block(engine, collect) -> None
     assert turn4.cached_tokens <= image_start
 
 
-async def test_sessions_do_not_share_kv(engine, collect) -> None:
+async def test_namespaces_do_not_share_kv(engine, collect) -> None:
     first = [SYSTEM, Message("user", ["Name a large desert."])]
-    await collect(engine, request(first, "s-owner"))
-    _, other = await collect(engine, request(first, "s-other"))
+    await collect(engine, request(first, "s-owner", salt="key-a"))
+    _, other = await collect(engine, request(first, "s-other", salt="key-b"))
     assert other.cached_tokens == 0
+    _, same_key = await collect(engine, request(first, "s-third", salt="key-a"))
+    assert same_key.cached_tokens == same_key.input_tokens - 1  # one key's sessions share blocks
+
+
+async def test_stateless_history_resent_reuses_previous_turns(engine, collect) -> None:
+    """The OpenAI SDK pattern: no session, the whole history sent again every turn."""
+    salt = uuid.uuid4().hex
+    messages = [SYSTEM, Message("user", ["What is the capital of Peru?"])]
+    _, turn1 = await collect(engine, request(messages, None, salt=salt))
+    assert turn1.cached_tokens == 0
+    for follow_up in ("And of Chile?", "And of Bolivia?"):
+        previous = turn1
+        messages = [*messages, Message("assistant", [previous.text]), Message("user", [follow_up])]
+        _, turn = await collect(engine, request(messages, None, salt=salt))
+        assert turn.cached_tokens == reused_after(engine, messages[:-1], previous)
+        _, uncached = await collect(engine, request(messages, None))
+        assert turn.text == uncached.text
+        turn1 = turn
 
 
 async def test_redis_spill_continues_on_another_replica(engine, collect, redis_url: str) -> None:

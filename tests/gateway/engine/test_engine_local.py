@@ -127,7 +127,7 @@ async def test_task_cancellation_frees_engine(engine, collect) -> None:
 
 
 async def test_queue_full_is_busy_and_cancelled_waiter_never_runs(engine, collect) -> None:
-    small = engine.replica(max_queue=1)
+    small = engine.replica(max_queue=1, max_batch=1)  # one running, one waiting
     await small.start()
     try:
         running = ask(STORY, 24)

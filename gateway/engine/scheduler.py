@@ -1,0 +1,627 @@
+"""Iteration-level (continuous) batching over one model, on one thread.
+
+Requests wait in a bounded queue; between steps the scheduler admits as many as the batch size
+and the KV budget allow, and each step runs one packed forward (`gateway.engine.batch`) over:
+one token for every decoding sequence, then prefill chunks of admitted prompts under the
+per-step token budget (`prefill_chunk_tokens`), oldest first. A long new prompt (an image and a
+long history) is therefore spread over several steps while the others keep streaming, and a
+request joins or leaves the batch at any step boundary. Cancelling a request takes it out at the
+next boundary (its KV freed); the others' tokens are untouched.
+
+Every sequence keeps its own sampling state (temperature, top-p, seeded generator), stop
+strings, token limit and streaming detokenizer. A sequence is one list of positions: the
+prompt's, then its generated tokens; `fed` of them have KV in its buffer. A step feeds
+positions [fed, known) up to the budget and samples a token when it reaches the end, so
+prefill, decode and the recompute after a preemption are the same operation.
+
+KV memory: running sequences' buffers and the prefix cache's blocks share one byte budget.
+Admission needs room for the new prompt (cached blocks are evicted, least recently used first,
+then sessions' pins). When decoding sequences outgrow the budget, the most recently admitted
+one is preempted: its computed blocks go to the prefix cache, its buffer is freed, and it goes
+back to the front of the queue with its generated tokens; on readmission it recomputes what the
+cache no longer holds and continues, token-identical for greedy decoding (and for seeded
+sampling, whose generator state it keeps). One sequence alone may exceed the budget rather than
+never run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+import torch
+
+from gateway.engine.base import (
+    EngineError,
+    EngineStats,
+    GenerationRequest,
+    GenerationResult,
+    ImageInput,
+    TextDelta,
+)
+from gateway.engine.batch import SeqKV, Slice, run_step
+from gateway.engine.generation import StreamDecoder, sample_next
+from gateway.engine.kvblocks import KVEntry, block_hashes, chain_seed, position_keys
+from gateway.engine.prefix_cache import PrefixCache
+from gateway.engine.prompt import Prompt, embed_positions, render
+
+if TYPE_CHECKING:
+    from gateway.engine.kvstore import KVStore
+    from gateway.engine.weights import LoadedModel
+
+__all__ = ("Job", "Scheduler", "SchedulerConfig")
+
+log = structlog.get_logger(__name__)
+
+_GROW = 64  # positions a sequence's buffer grows by
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+@dataclass(slots=True)
+class Job:
+    """A request and the way back to its caller's event loop."""
+
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue[Any]
+    enqueued: float
+
+    def post(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        except RuntimeError:  # the caller's loop is gone: nobody is listening
+            self.request.cancel.set()
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_batch: int = 16
+    max_queue: int = 256
+    prefill_chunk_tokens: int = 256
+    kv_budget_bytes: int = 256 << 20
+    block_size: int = 16
+    prefix_caching: bool = True
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    job: Job
+    order: int = 0
+    prompt: Prompt | None = None
+    image_keys: dict[int, str] = field(default_factory=dict)
+    seed: bytes = b""  # prefix-cache chain seed (model, dtype, block size, namespace)
+    generated: list[int] = field(default_factory=list)
+    kv: SeqKV | None = None
+    fed: int = 0
+    max_new: int = 0
+    cached: int = 0  # prompt positions reused at first admission
+    decoder: StreamDecoder | None = None
+    generator: torch.Generator | None = None
+    admitted: float = 0.0
+    first_token: float | None = None
+    first_delta: float | None = None
+    last_delta: float | None = None
+    itl: list[float] = field(default_factory=list)
+    prefill_chunks: int = 0
+    preemptions: int = 0
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.job.request
+
+    @property
+    def known(self) -> int:
+        assert self.prompt is not None
+        return self.prompt.length + len(self.generated)
+
+
+class Scheduler:
+    """The engine thread: admission, step building, sampling, finishing. See the module doc."""
+
+    def __init__(
+        self,
+        weights: LoadedModel,
+        config: SchedulerConfig,
+        *,
+        eos_ids: frozenset[int],
+        max_positions: int,
+        kv_store: KVStore | None,
+        cache_arg: str,
+        name: str = "engine",
+    ) -> None:
+        self.w = weights
+        self.cfg = config
+        self.eos_ids = eos_ids
+        self.max_positions = max_positions
+        self.kv_store = kv_store  # Redis spill of sessions' KV (None: memory only)
+        self.cache_arg = cache_arg
+        text = weights.model.config.get_text_config()
+        self.num_layers = int(text.num_hidden_layers)
+        self.kv_heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+        self.head_dim = int(
+            getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        )
+        self.pos_bytes = SeqKV.bytes_per_position(
+            self.num_layers, self.kv_heads, self.head_dim, weights.dtype
+        )
+        self.base_seed = chain_seed(weights.model_id, weights.weights, config.block_size)
+        self.cache = PrefixCache(config.block_size, enabled=config.prefix_caching)
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._cond = threading.Condition()
+        self._barriers: list[threading.Event] = []
+        self._stop = False
+        self._order = 0
+        self._preemptions = 0
+        self._last_batch = 0
+        self._last_tokens = 0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    # -- called from other threads -------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> bool:
+        """Queue a job; False when the queue is full."""
+        with self._cond:
+            if self._stop:
+                raise EngineError("engine closed", code="closed")
+            if len(self._waiting) >= self.cfg.max_queue:
+                return False
+            self._waiting.append(_Seq(job))
+            self._cond.notify()
+        return True
+
+    def barrier(self, timeout: float) -> bool:
+        """Wait until every finished request's KV is in the cache (one full loop iteration)."""
+        event = threading.Event()
+        with self._cond:
+            if self._stop:
+                return True
+            self._barriers.append(event)
+            self._cond.notify()
+        return event.wait(timeout)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def forget(self, kv_key: str) -> None:
+        self.call_between_steps(lambda: self.cache.forget(kv_key))
+
+    def call_between_steps(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the loop's thread before its next step (the cache is the loop's)."""
+        with self._cond:
+            self._barriers.append(_Call(fn))
+            self._cond.notify()
+
+    def stats(self) -> EngineStats:
+        cap = max(self.cfg.kv_budget_bytes // max(self.pos_bytes * self.cfg.block_size, 1), 1)
+        running = list(self._running)
+        used_pos = sum(s.kv.capacity for s in running if s.kv is not None)
+        blocks_running = -(-used_pos // self.cfg.block_size)
+        blocks_cached = -(-self.cache.nbytes // max(self.pos_bytes * self.cfg.block_size, 1))
+        return EngineStats(
+            running=len(running),
+            waiting=len(self._waiting),
+            batch_size=self._last_batch,
+            step_tokens=self._last_tokens,
+            kv_blocks_used=blocks_running + blocks_cached,
+            kv_blocks_total=max(cap, blocks_running + blocks_cached),
+            kv_blocks_cached=blocks_cached,
+            preemptions_total=self._preemptions,
+        )
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cond:
+                while not (self._waiting or self._running or self._barriers or self._stop):
+                    self._cond.wait()
+                if self._stop:
+                    break
+                barriers, self._barriers = self._barriers, []
+            for b in barriers:
+                b.set()
+            try:
+                with torch.inference_mode():
+                    self._admit()
+                    self._step()
+            except Exception as exc:  # the thread must outlive any one step
+                log.exception("engine.step_failed")
+                for seq in list(self._running):
+                    self._fail(seq, EngineError(f"generation failed: {exc}"))
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+            barriers, self._barriers = self._barriers, []
+        for seq in [*waiting, *self._running]:
+            seq.job.post(EngineError("engine closed", code="closed"))
+        self._running.clear()
+        for b in barriers:
+            b.set()
+        self.cache.clear()
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def _running_bytes(self) -> int:
+        return sum(s.kv.nbytes for s in self._running if s.kv is not None)
+
+    def _admit(self) -> None:
+        while len(self._running) < self.cfg.max_batch:
+            with self._cond:
+                if not self._waiting:
+                    return
+                seq = self._waiting[0]
+            req = seq.request
+            if req.cancel.is_set():
+                self._pop_waiting(seq)
+                seq.job.post(self._result(seq, "cancelled", time.perf_counter()))
+                continue
+            try:
+                if seq.prompt is None:
+                    self._prepare(seq)
+            except EngineError as exc:
+                self._pop_waiting(seq)
+                seq.job.post(exc)
+                continue
+            except Exception as exc:
+                log.exception("engine.prepare_failed", request_id=req.request_id)
+                self._pop_waiting(seq)
+                seq.job.post(EngineError(f"generation failed: {exc}"))
+                continue
+            need = self.pos_bytes * (seq.known + _GROW)
+            budget = self.cfg.kv_budget_bytes
+            if self._running:
+                room = budget - self._running_bytes()
+                if room < need:
+                    return  # wait for running sequences to finish
+                if self.cache.nbytes > room - need:
+                    self.cache.shrink(max(room - need, 0), unpin=True)
+            self._pop_waiting(seq)
+            self._start(seq)
+
+    def _pop_waiting(self, seq: _Seq) -> None:
+        with self._cond:
+            if self._waiting and self._waiting[0] is seq:
+                self._waiting.popleft()
+            else:
+                try:
+                    self._waiting.remove(seq)
+                except ValueError:
+                    pass
+
+    def _prepare(self, seq: _Seq) -> None:
+        """Render the prompt and set up sampling; raise EngineError on a bad request."""
+        w, req = self.w, seq.request
+        hidden = w.hidden_size
+        for message in req.messages:
+            for part in message.content:
+                if isinstance(part, ImageInput) and (
+                    part.embeds.ndim != 2 or part.embeds.shape[1] != hidden
+                ):
+                    raise EngineError(
+                        f"image embeds must be [N, {hidden}], got {tuple(part.embeds.shape)}",
+                        code="invalid_image",
+                    )
+        try:
+            prompt = render(
+                w.tokenizer, req.messages, add_generation_prompt=True, image_keys=seq.image_keys
+            )
+        except ValueError as exc:
+            raise EngineError(str(exc), code="invalid_request") from None
+        if prompt.length == 0:
+            raise EngineError("empty prompt", code="invalid_request")
+        if prompt.length >= self.max_positions:
+            raise EngineError(
+                f"prompt is {prompt.length} tokens; the model takes {self.max_positions}",
+                code="context_length_exceeded",
+            )
+        sp = req.sampling
+        seq.prompt = prompt
+        seq.max_new = min(sp.max_output_tokens, self.max_positions - prompt.length)
+        salt = req.cache_salt or ""
+        seq.seed = chain_seed(w.model_id, f"{w.weights}|{salt}", self.cfg.block_size)
+        if sp.temperature > 0.0:
+            seq.generator = torch.Generator(device="cpu")
+            if sp.seed is not None:
+                seq.generator.manual_seed(sp.seed)
+            else:
+                seq.generator.seed()
+        tok = w.tokenizer
+        seq.decoder = StreamDecoder(
+            lambda ids: tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False),
+            sp.stop,
+        )
+
+    def _start(self, seq: _Seq) -> None:
+        """Admit: reuse the longest cached prefix, allocate the buffer, join the batch."""
+        assert seq.prompt is not None
+        first = seq.preemptions == 0
+        tokens = [*seq.prompt.tokens, *seq.generated]
+        keys = position_keys(tokens, seq.prompt.images)
+        hashes = block_hashes(tokens, seq.prompt.images, self.cfg.block_size, seq.seed)
+        limit = seq.known - 1  # at least one position is fed: its logits give the next token
+        found = self.cache.match(seq.seed, keys, hashes, limit)
+        kv = SeqKV(self.num_layers, self.kv_heads, self.head_dim, seq.known + _GROW,
+                   self.w.dtype, self.w.device)
+        at = 0
+        for block, n in found.blocks:
+            kv.load(block.kv.unbind(0), at, n)
+            at += n
+        reused = found.length
+        kv_key = seq.request.kv_key
+        if kv_key is not None:
+            self.cache.touch_session(kv_key)
+            if self.kv_store is not None and reused < limit:
+                reused = max(reused, self._load_spilled(seq, kv, tokens, limit))
+        seq.kv, seq.fed = kv, reused
+        if first:
+            seq.cached = reused
+            seq.admitted = time.perf_counter()
+        self._order += 1
+        seq.order = self._order
+        self._running.append(seq)
+
+    def _load_spilled(self, seq: _Seq, kv: SeqKV, tokens: list[int], limit: int) -> int:
+        """A session's KV from the spill store (another replica, or evicted here)."""
+        assert seq.prompt is not None and self.kv_store is not None
+        images = seq.prompt.images
+        hashes = block_hashes(tokens, images, self.cfg.block_size, self.base_seed)
+        try:
+            entry = self.kv_store.get(seq.request.kv_key, hashes)  # type: ignore[arg-type]
+        except Exception:  # a cache tier failing costs speed only
+            log.exception("kv.spill_get_failed")
+            return 0
+        if entry is None:
+            return 0
+        n = min(entry.reusable(tokens, images, hashes), limit)
+        if n <= kv.length:
+            return kv.length
+        kv.load([torch.stack((k[0], v[0])) for k, v in entry.layers], 0, n)
+        kv.length = n
+        return n
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _plan(self) -> list[tuple[_Seq, int, int]]:
+        """(sequence, start, length) for this step: decodes first, then prefill chunks."""
+        budget = self.cfg.prefill_chunk_tokens
+        plan: list[tuple[_Seq, int, int]] = []
+        decoding = [s for s in self._running if s.known - s.fed == 1]
+        prefilling = [s for s in self._running if s.known - s.fed > 1]
+        for s in decoding:
+            plan.append((s, s.fed, 1))
+        budget = max(budget - len(decoding), 0)
+        for s in sorted(prefilling, key=lambda s: s.order):
+            if budget <= 0:
+                break
+            n = min(s.known - s.fed, budget)
+            plan.append((s, s.fed, n))
+            budget -= n
+        return plan
+
+    def _fit(self, plan: list[tuple[_Seq, int, int]]) -> list[tuple[_Seq, int, int]]:
+        """Grow buffers for the plan; preempt the newest sequences while over the budget."""
+        for s, start, n in plan:
+            if s.kv is not None and start + n > s.kv.capacity:
+                s.kv.reserve(start + n + _GROW)
+        budget = self.cfg.kv_budget_bytes
+        while True:
+            running = self._running_bytes()
+            if running + self.cache.nbytes <= budget:
+                return plan
+            self.cache.shrink(max(budget - running, 0), unpin=True)
+            if running + self.cache.nbytes <= budget or len(self._running) <= 1:
+                return plan
+            victim = max(self._running, key=lambda s: s.order)
+            self._preempt(victim)
+            plan = [p for p in plan if p[0] is not victim]
+
+    def _preempt(self, seq: _Seq) -> None:
+        self._running.remove(seq)
+        self._publish(seq)
+        seq.kv, seq.fed = None, 0
+        seq.preemptions += 1
+        self._preemptions += 1
+        with self._cond:
+            self._waiting.appendleft(seq)
+        log.info("engine.preempted", request_id=seq.request.request_id,
+                 positions=seq.known, generated=len(seq.generated))
+
+    def _inputs(self, seq: _Seq, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input embeddings [n, H] and rotary positions ([n] or [3, n]) of positions [start, +n)."""
+        w, prompt = self.w, seq.prompt
+        assert prompt is not None
+        end = start + n
+        parts = []
+        if start < prompt.length:
+            parts.append(embed_positions(w.embed, prompt, start, w.dtype, w.device,
+                                         end=min(end, prompt.length))[0])
+        if end > prompt.length:
+            lo = max(start, prompt.length) - prompt.length
+            ids = torch.tensor(seq.generated[lo : end - prompt.length], device=w.device)
+            parts.append(w.embed(ids).to(w.dtype))
+        embeds = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if not w.mrope:
+            return embeds, torch.arange(start, end, device=w.device)
+        mrope = prompt.mrope
+        delta = prompt.rope_delta
+        cols = []
+        if start < prompt.length and mrope is not None:
+            cols.append(mrope[:, start : min(end, prompt.length)].to(w.device))
+        elif start < prompt.length:
+            r = torch.arange(start, min(end, prompt.length), device=w.device)
+            cols.append(r.expand(3, -1))
+        if end > prompt.length:
+            r = torch.arange(max(start, prompt.length), end, device=w.device) + delta
+            cols.append(r.expand(3, -1))
+        return embeds, torch.cat(cols, dim=1)
+
+    def _step(self) -> None:
+        now = time.perf_counter()
+        for seq in [s for s in self._running if s.request.cancel.is_set()]:
+            self._finish(seq, "cancelled", now)
+        if not self._running:
+            return
+        plan = self._fit(self._plan())
+        if not plan:
+            return
+        slices = []
+        for s, start, n in plan:
+            embeds, positions = self._inputs(s, start, n)
+            slices.append(Slice(s.kv, start, n, embeds, positions, start + n == s.known))  # type: ignore[arg-type]
+        logits = run_step(self.w.decoder, self.w.lm_head, slices, mrope=self.w.mrope,
+                          cache_arg=self.cache_arg)
+        self._last_batch, self._last_tokens = len(plan), sum(n for _, _, n in plan)
+        now = time.perf_counter()
+        row = 0
+        for (s, start, n), sl in zip(plan, slices):
+            s.fed = start + n
+            if start < s.prompt.length:  # type: ignore[union-attr]
+                s.prefill_chunks += 1
+            if sl.want_logits:
+                self._advance(s, logits[row], now)
+                row += 1
+
+    def _advance(self, seq: _Seq, logits: torch.Tensor, now: float) -> None:
+        """Sample the next token of `seq` and stream what it adds."""
+        sp = seq.request.sampling
+        token = sample_next(logits, sp.temperature, sp.top_p, seq.generator)
+        seq.generated.append(token)
+        if seq.first_token is None:
+            seq.first_token = now
+        if token in self.eos_ids:
+            self._finish(seq, "stop", now)
+            return
+        assert seq.decoder is not None
+        delta = seq.decoder.push(token)
+        if delta:
+            self._emit(seq, delta, now)
+        if seq.decoder.stopped:
+            self._finish(seq, "stop", now)
+        elif len(seq.generated) >= seq.max_new:
+            self._finish(seq, "length", now)
+
+    def _emit(self, seq: _Seq, text: str, now: float) -> None:
+        seq.job.post(TextDelta(text))
+        if seq.first_delta is None:
+            seq.first_delta = now
+        else:
+            seq.itl.append(_ms(now - (seq.last_delta or now)))
+        seq.last_delta = now
+
+    # -- finishing -----------------------------------------------------------------------------
+
+    def _result(self, seq: _Seq, finish: str, now: float) -> GenerationResult:
+        prompt = seq.prompt
+        queue_ms = _ms((seq.admitted or now) - seq.job.enqueued)
+        if prompt is None:
+            return GenerationResult("", finish, 0, 0, 0, queue_ms=queue_ms)  # type: ignore[arg-type]
+        started = seq.admitted or now
+        first = seq.first_token or now
+        return GenerationResult(
+            text=seq.decoder.text if seq.decoder is not None else "",
+            finish_reason=finish,  # type: ignore[arg-type]
+            input_tokens=prompt.length,
+            image_tokens=prompt.image_tokens,
+            output_tokens=len(seq.generated),
+            cached_tokens=seq.cached,
+            cached_image_tokens=sum(max(0, min(sp.start + sp.length, seq.cached) - sp.start)
+                                    for sp in prompt.images),
+            queue_ms=queue_ms,
+            prefill_ms=_ms(first - started),
+            decode_ms=_ms(now - first),
+            ttft_ms=_ms((seq.first_delta or now) - started),
+            itl_ms=tuple(seq.itl),
+            prefill_chunks=seq.prefill_chunks,
+            preemptions=seq.preemptions,
+        )
+
+    def _finish(self, seq: _Seq, finish: str, now: float) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+        if seq.decoder is not None and finish != "cancelled":
+            tail = seq.decoder.finish()
+            if tail:
+                self._emit(seq, tail, now)
+        result = self._result(seq, finish, now)
+        seq.job.post(result)
+        log.info("engine.generated", request_id=seq.request.request_id, finish_reason=finish,
+                 input_tokens=result.input_tokens, cached_tokens=result.cached_tokens,
+                 output_tokens=result.output_tokens, prefill_ms=result.prefill_ms,
+                 decode_ms=result.decode_ms, preemptions=seq.preemptions)
+        try:
+            self._publish(seq, keep_session=True)
+        except Exception:  # losing a cache entry costs speed only
+            log.exception("kv.keep_failed", request_id=seq.request.request_id)
+        seq.kv = None
+
+    def _fail(self, seq: _Seq, exc: EngineError) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+        seq.kv = None
+        seq.job.post(exc)
+
+    def _publish(self, seq: _Seq, *, keep_session: bool = False) -> None:
+        """Give the sequence's computed positions to the prefix cache (and its session)."""
+        if seq.kv is None or seq.prompt is None or seq.fed <= 0:
+            return
+        n = seq.fed
+        tokens = [*seq.prompt.tokens, *seq.generated][:n]
+        images = [sp for sp in seq.prompt.images if sp.start < n]
+        kv_key = seq.request.kv_key
+        layers = seq.kv.layers
+        if self.cache.enabled:
+            keys = position_keys(tokens, images)
+            hashes = block_hashes(tokens, images, self.cfg.block_size, seq.seed)
+            kept = self.cache.insert(seq.seed, keys, hashes, layers, n)
+            if keep_session and kv_key is not None:
+                self.cache.pin(kv_key, kept)
+        if keep_session and kv_key is not None and self.kv_store is not None:
+            whole = [sp for sp in images if sp.start + sp.length <= n]
+            if len(whole) != len(images):  # an image is kept whole or not at all
+                n = min(sp.start for sp in images if sp.start + sp.length > n)
+                tokens = tokens[:n]
+            if n > 0:
+                entry = KVEntry(
+                    tokens, whole, self.cfg.block_size,
+                    block_hashes(tokens, whole, self.cfg.block_size, self.base_seed),
+                    [(t[0, :, :n].unsqueeze(0).clone(), t[1, :, :n].unsqueeze(0).clone())
+                     for t in layers],
+                )
+                self.kv_store.put(kv_key, entry)
+        budget = self.cfg.kv_budget_bytes
+        over = self._running_bytes() + self.cache.nbytes - budget
+        if over > 0:
+            self.cache.shrink(max(budget - self._running_bytes(), 0), unpin=True)
+
+
+class _Call:
+    """A barrier that runs a function when the loop reaches it."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+
+    def set(self) -> None:
+        self._fn()
+
