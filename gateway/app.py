@@ -50,25 +50,45 @@ def build_engine(settings: Settings) -> Engine:
     return LocalEngine(model_path=settings.model_path, cache_dir=settings.cache_dir,
                        max_queue=settings.engine_max_queue, kv_budget_bytes=settings.kv_budget_bytes,
                        kv_spill_redis_url=settings.redis_url, kv_ttl_s=settings.kv_ttl_s,
-                       device=settings.device, dtype=settings.lm_dtype)
+                       device=settings.device, dtype=settings.lm_dtype,
+                       max_batch=settings.engine_max_batch,
+                       prefill_chunk_tokens=settings.prefill_chunk_tokens,
+                       prefix_caching=settings.prefix_caching)
+
+
+def encoder_config(settings: Settings) -> Any:
+    """The EncoderConfig a gateway (or a worker with the same settings) encodes with.
+
+    When `model_path` is a VLM checkpoint (LLaVA, SmolVLM / Idefics3, Qwen2.5-VL) its own vision
+    tower and projector encode the images and `vision_tower` is ignored; a VLM of another
+    family raises `UnsupportedCheckpoint` naming the supported ones."""
+    from encoder_worker.config import EncoderConfig, tower_family
+
+    tower = settings.vision_tower
+    family = tower_family(settings.model_path) if settings.model_path else None
+    if family is not None:
+        log.info("encoder.vlm_checkpoint", family=family, model_path=settings.model_path,
+                 vision_tower_ignored=tower)
+        tower = settings.model_path
+    return EncoderConfig(tower=tower, pruning=settings.pruning, visual_tokens=settings.visual_tokens,
+                         max_image_bytes=settings.max_image_bytes, max_pixels=settings.max_pixels,
+                         device=settings.device)
 
 
 def build_encoder(settings: Settings, engine: Engine) -> Any:
-    from encoder_worker.config import EncoderConfig
     from encoder_worker.service import LocalEncoder
 
-    config = EncoderConfig(tower=settings.vision_tower, pruning=settings.pruning,
-                           max_image_bytes=settings.max_image_bytes, max_pixels=settings.max_pixels,
-                           device=settings.device)
+    config = encoder_config(settings)
+    # a real checkpoint's projector is real: no embedding-RMS rescaling handshake
+    target_rms = None if config.family is not None else getattr(engine, "embedding_rms", None)
     if settings.encoder == "redis":
         from encoder_worker.remote import RedisEncoder
 
         return RedisEncoder(settings.redis_url, config, hidden_size=engine.hidden_size,
-                            target_rms=getattr(engine, "embedding_rms", None),
+                            target_rms=target_rms,
                             image_ttl_s=settings.vision_cache_ttl_s,
                             vision_ttl_s=settings.vision_cache_ttl_s)
-    return LocalEncoder(config, hidden_size=engine.hidden_size,
-                        target_rms=getattr(engine, "embedding_rms", None))
+    return LocalEncoder(config, hidden_size=engine.hidden_size, target_rms=target_rms)
 
 
 def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any = None) -> Litestar:
@@ -132,7 +152,8 @@ def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any
     if metrics is not None:
         metrics.observe_gauges(active_sessions=lambda: gauges["sessions"],
                                queue_depth=lambda: gauges["queue"],
-                               cache_bytes=lambda: {"vision": gauges["vision_cache"]})
+                               cache_bytes=lambda: {"vision": gauges["vision_cache"]},
+                               engine_stats=getattr(engine, "stats", None))
 
     async def on_startup() -> None:
         loader.append(asyncio.create_task(load_models(), name="load models"))

@@ -21,6 +21,7 @@ import structlog
 
 from gateway.engine.base import (
     Engine,
+    EngineBusy,
     EngineError,
     GenerationRequest,
     GenerationResult,
@@ -197,8 +198,10 @@ class ChatService:
         # KV is kept per (owner, session): a session id reused by another key never meets it;
         # an answer kept out of the conversation leaves nothing worth keeping
         kv_key = kv_key_for(session.owner, session.id) if options.store else None
+        # prefix caching is shared within an API key (its sessions and stateless requests alike)
         request = GenerationRequest(request_id=options.response_id, messages=messages,
-                                    sampling=sampling, kv_key=kv_key, cancel=options.cancel)
+                                    sampling=sampling, kv_key=kv_key, cancel=options.cancel,
+                                    cache_salt=session.owner)
 
         # 3. generate
         text_parts: list[str] = []
@@ -218,9 +221,11 @@ class ChatService:
                     yield TextChunk(delta.text)
                 else:
                     result = delta
+        except EngineBusy as exc:  # the engine's queue is full
+            error = GatewayError("busy", str(exc), retry_after_s=exc.retry_after_s)
         except EngineError as exc:
-            error = GatewayError(exc.code if exc.code in ("busy", "engine_error") else "engine_error",
-                                 str(exc))
+            code = exc.code if exc.code in ("busy", "engine_error", "invalid_request") else "engine_error"
+            error = GatewayError(code, str(exc))
         except (asyncio.CancelledError, GeneratorExit):
             request.cancel.set()
             raise
@@ -346,8 +351,9 @@ class ChatService:
                     image = embeds_by_digest.get(part.digest)
                     if image is None:
                         # the id names the tokens, not just the bytes: a new encoder config is new content
-                        image = ImageInput(f"{fingerprint}:{part.digest}",
-                                           images[part.digest].image.embeds(device))
+                        encoded = images[part.digest].image
+                        image = ImageInput(f"{fingerprint}:{part.digest}", encoded.embeds(device),
+                                           layout=encoded.layout)
                         embeds_by_digest[part.digest] = image
                     content.append(image)
             if content:

@@ -38,11 +38,19 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lm_dtype: str = "auto"
     max_output_tokens: int = 256  # default per response; clients may ask for less
     max_output_tokens_limit: int = 2048
-    engine_max_queue: int = 8
+    # continuous batching: sequences per step, requests waiting for a slot (past that: busy /
+    # HTTP 429), tokens per step (prefill chunks beside the decodes), KV reuse by content
+    engine_max_batch: int = 16
+    engine_max_queue: int = 256
+    prefill_chunk_tokens: int = 256
+    prefix_caching: bool = True
     # vision encoder
     encoder: str = "inproc"  # inproc: in this process | redis: `visiongate worker` processes via redis_url
     vision_tower: str = "vit-b16-224"  # or vit-l14-336, or a local CLIP/SigLIP checkpoint dir
     pruning: str = "dynamic"  # none | random | topk | dynamic | dynamic+merge
+    # stored form of visual tokens: int4 (group-wise) | bf16 | fp32; with pruning none and a VLM
+    # checkpoint, fp32 is exact mode (the checkpoint's own image features, unchanged)
+    visual_tokens: str = "int4"
     max_image_bytes: int = 20 * MiB
     max_pixels: int = 40_000_000
     max_images_per_session: int = 16
@@ -75,8 +83,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         need(self.lm_dtype in ("auto", "float32", "bfloat16", "float16", "int8"), "lm_dtype",
              f"must be auto, float32, bfloat16, float16 or int8, got {self.lm_dtype!r}")
         need(self.engine_max_queue >= 1, "engine_max_queue", "must be >= 1")
+        need(1 <= self.engine_max_batch <= 1024, "engine_max_batch", "must be 1..1024")
+        need(self.prefill_chunk_tokens >= self.engine_max_batch, "prefill_chunk_tokens",
+             f"must be >= engine_max_batch ({self.engine_max_batch}): each decode takes a token")
         need(self.pruning in ("none", "random", "topk", "dynamic", "dynamic+merge"), "pruning",
              f"must be none, random, topk, dynamic or dynamic+merge, got {self.pruning!r}")
+        need(self.visual_tokens in ("int4", "bf16", "fp32"), "visual_tokens",
+             f"must be int4, bf16 or fp32, got {self.visual_tokens!r}")
         need(1024 <= self.max_image_bytes <= 512 * MiB, "max_image_bytes", "must be 1 KiB..512 MiB")
         need(self.max_pixels >= 64 * 64, "max_pixels", "must be >= 4096")
         need(all(p.startswith(("http://", "https://")) and p.count("/") >= 3

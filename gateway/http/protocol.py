@@ -188,6 +188,9 @@ class ModelCard(Struct):
     created: int
     object: Literal["model"] = "model"
     owned_by: str = "visiongate"
+    # visiongate extension: what encodes the images, e.g. "synthetic seeded tower, answers not
+    # grounded" (the embedded default) or "llava checkpoint: its own vision tower and projector"
+    vision: str | None = None
 
 
 class ModelList(Struct):
@@ -249,15 +252,23 @@ class ErrorBody(Struct):
     code: str | None
 
 
-class ErrorResponse(Struct):
-    """`{"error": {"message", "type", "param", "code"}}` as OpenAI sends it, plus the status."""
+class ErrorResponse(Struct, omit_defaults=True):
+    """`{"error": {"message", "type", "param", "code"}}` as OpenAI sends it, plus the status.
+
+    `retry_after` (seconds) is set when the engine's queue is full: the answer is then 429 with
+    a `Retry-After` header rather than the 503 of a model still loading."""
 
     error: ErrorBody
+    retry_after: int | None = None
 
     @property
     def status_code(self) -> int:
+        if self.retry_after is not None and self.error.code == "busy":
+            return 429
         return ERROR_CODES.get(self.error.code or "", ("", 500))[1]
 
 
 def error_response(exc: GatewayError) -> ErrorResponse:
-    return ErrorResponse(ErrorBody(message=exc.message, type=exc.type, param=exc.param, code=exc.code))
+    retry = None if exc.retry_after_s is None else max(1, round(exc.retry_after_s))
+    return ErrorResponse(ErrorBody(message=exc.message, type=exc.type, param=exc.param,
+                                   code=exc.code), retry_after=retry)

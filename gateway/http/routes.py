@@ -175,4 +175,5 @@ def error_reply(error: p.ErrorResponse, state: GatewayState, *,
         state.metrics.record_error(code=error.error.code, api="http")
     log.info("client_error", api="http", code=error.error.code, message=error.error.message,
              param=error.error.param)
-    return Response(error, status_code=status or error.status_code)
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+    return Response(error, status_code=status or error.status_code, headers=headers)

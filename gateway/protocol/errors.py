@@ -33,13 +33,17 @@ ERROR_CODES: dict[str, tuple[str, int]] = {
 class GatewayError(Exception):
     """A request the gateway refuses, with a stable `code` (a key of ERROR_CODES)."""
 
-    def __init__(self, code: str, message: str, *, param: str | None = None) -> None:
+    def __init__(self, code: str, message: str, *, param: str | None = None,
+                 retry_after_s: float | None = None) -> None:
         if code not in ERROR_CODES:
             raise ValueError(f"unknown error code {code!r}")
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
+        # set when the engine's queue is full: HTTP answers 429 with Retry-After (a model
+        # still loading stays 503)
+        self.retry_after_s = retry_after_s
 
     @property
     def type(self) -> str:
@@ -47,4 +51,6 @@ class GatewayError(Exception):
 
     @property
     def http_status(self) -> int:
+        if self.retry_after_s is not None and self.code == "busy":
+            return 429
         return ERROR_CODES[self.code][1]
