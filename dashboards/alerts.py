@@ -1,16 +1,23 @@
 """Grafana-managed alert rules for the latency SLOs, as provisioning-API payloads.
 
 The same objectives as deploy/prometheus/rules (threshold on the 5-minute P95, and the fast
-multi-window burn-rate page), written against raw gateway series so they need no recording
-rules. Each rule is three queries: A the PromQL, B reduce to the last value, C the threshold.
+multi-window burn-rate page; for inter-token latency the threshold only), written against raw
+gateway series so they need no recording rules. Each rule is three queries: A the PromQL, B reduce to the last value, C the threshold.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dashboards.boards import DURATION, TTFT, overview_dashboard
-from dashboards.slo import BURN_RATE_PAGE, ERROR_BUDGET, RESPONSE_TIME_OBJECTIVE_S, TTFT_OBJECTIVE_S
+from dashboards.boards import DURATION, ITL, ITL_PANEL, TTFT, overview_dashboard
+from dashboards.slo import (
+    BURN_RATE_PAGE,
+    ERROR_BUDGET,
+    ITL_ALERT_FOR,
+    ITL_OBJECTIVE_S,
+    RESPONSE_TIME_OBJECTIVE_S,
+    TTFT_OBJECTIVE_S,
+)
 
 __all__ = ("RULE_GROUP", "alert_rules")
 
@@ -129,5 +136,12 @@ def alert_rules(
               pending="2m", labels={"severity": "page", "slo": "response_time"},
               panel_id=_overview_panel(SLI_PANEL),
               summary="Response-time error budget burning at 14.4x (1h/5m) or 6x (6h/30m)",
+              **common),
+        _rule(uid="visiongate-itl-p95", title="visiongate P95 inter-token latency above objective",
+              expr=_p95(ITL, ""), threshold=ITL_OBJECTIVE_S, pending=ITL_ALERT_FOR,
+              labels={"severity": "warning", "slo": "itl"},
+              panel_id=_overview_panel(ITL_PANEL),
+              summary=f"P95 inter-token latency above {ITL_OBJECTIVE_S * 1000:g} ms for "
+                      f"{ITL_ALERT_FOR.removesuffix('m')} minutes",
               **common),
     ]

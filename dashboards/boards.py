@@ -9,10 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 from dashboards._panels import Layout, dashboard, heatmap, query_variable, row, stat, timeseries
-from dashboards.slo import RESPONSE_TIME_OBJECTIVE_S, TTFT_OBJECTIVE_S
+from dashboards.slo import ITL_OBJECTIVE_S, RESPONSE_TIME_OBJECTIVE_S, TTFT_OBJECTIVE_S
 from gateway.telemetry import PROMETHEUS_NAMES as N
 
-__all__ = ("DASHBOARD_UIDS", "cache_dashboard", "encoder_dashboard", "overview_dashboard")
+__all__ = (
+    "DASHBOARD_UIDS",
+    "ITL_PANEL",
+    "cache_dashboard",
+    "encoder_dashboard",
+    "overview_dashboard",
+)
 
 DASHBOARD_UIDS = ("visiongate-overview", "visiongate-encoder", "visiongate-cache")
 
@@ -33,6 +39,13 @@ CACHE_BYTES = N["visiongate.cache.bytes"]
 WS = N["visiongate.websocket.connections"]
 SESSIONS = N["visiongate.sessions.active"]
 QUEUE_DEPTH = N["visiongate.encode.queue.depth"]
+ITL = N["visiongate.llm.inter_token_latency"]
+SCHED_REQUESTS = N["visiongate.scheduler.requests"]
+SCHED_BATCH = N["visiongate.scheduler.batch.size"]
+SCHED_STEP_TOKENS = N["visiongate.scheduler.step.tokens"]
+KV_BLOCKS = N["visiongate.kv.blocks"]
+PREEMPTIONS = N["visiongate.scheduler.preemptions"]
+ITL_PANEL = "Inter-token latency vs objective"
 
 M = 'gen_ai_request_model=~"$model"'
 R = "$__rate_interval"
@@ -49,7 +62,8 @@ def _quantiles(metric: str, selector: str, by: str = "") -> list[tuple[str, str]
 
 
 def overview_dashboard() -> dict[str, Any]:
-    """Traffic, P50/P95/P99 TTFT and response time against the SLO, TTFT heatmap, errors."""
+    """Traffic, P50/P95/P99 TTFT and response time against the SLO, TTFT heatmap, errors, and
+    the scheduler (running/waiting, batch, KV blocks, preemptions, ITL and TPOT)."""
     completed = f'{M}, status="completed"'
     lay = Layout()
     lay.add(row("Now"))
@@ -107,9 +121,55 @@ def overview_dashboard() -> dict[str, Any]:
                        unit="reqps", stack=True))
     lay.add(timeseries("Tokens / s by type",
                        [(f"sum by (type) (rate({TOKENS}{{{M}}}[{R}]))", "{{type}}")]))
+    _scheduler_row(lay)
     variables = [query_variable("model", "Model", f"{TTFT}_count", "gen_ai_request_model")]
     return dashboard(DASHBOARD_UIDS[0], "visiongate / Overview",
-                     "Traffic, latency SLOs and errors of all gateways", lay, variables)
+                     "Traffic, latency SLOs, errors and the engine scheduler of all gateways",
+                     lay, variables)
+
+
+def _scheduler_row(lay: Layout) -> None:
+    """The local engine's continuous-batching scheduler: occupancy, KV blocks, preemptions and
+    the streaming latency they cause. Gauges are summed over replicas (no model label)."""
+    lay.add(row("Scheduler"))
+    lay.add(timeseries("Requests running / waiting",
+                       [(f'sum({SCHED_REQUESTS}{{state="running"}})', "running"),
+                        (f'sum({SCHED_REQUESTS}{{state="waiting"}})', "waiting")],
+                       description="Running: in the batch (prefilling or decoding). Waiting: "
+                                   "queued for a slot"), w=8)
+    lay.add(timeseries("Batch size and tokens per step",
+                       [(f"avg({SCHED_BATCH})", "sequences (mean of replicas)"),
+                        (f"max({SCHED_BATCH})", "sequences (largest replica)"),
+                        (f"avg({SCHED_STEP_TOKENS})", "tokens (mean of replicas)")],
+                       description="Of the last scheduler step: sequences, and tokens (prefill "
+                                   "chunks and decodes) it computed"), w=8)
+    lay.add(timeseries("KV blocks",
+                       [(f'sum({KV_BLOCKS}{{state="used"}})', "used"),
+                        (f'sum({KV_BLOCKS}{{state="cached"}})', "cached"),
+                        (f'sum({KV_BLOCKS}{{state="free"}})', "free")],
+                       stack=True,
+                       description="Stacked to the pool size. Used: held by running requests; "
+                                   "cached: reusable prefix KV, evicted on demand; free: empty"),
+            w=8)
+    lay.add(timeseries("Preemptions / s",
+                       [(f"sum(rate({PREEMPTIONS}[{R}]))", "preemptions")], unit="ops",
+                       description="Requests whose KV was freed to make room, to be recomputed; "
+                                   "steady preemption means the KV budget is too small"), w=8)
+    lay.add(timeseries(
+        ITL_PANEL,
+        [(f"histogram_quantile(0.5, sum by (le) (rate({ITL}_bucket{{{M}}}[{R}])))", "ITL p50"),
+         (f"histogram_quantile(0.95, sum by (le) (rate({ITL}_bucket{{{M}}}[{R}])))", "ITL p95"),
+         (f"histogram_quantile(0.95, sum by (le) (rate({TPOT}_bucket{{{M}}}[{R}])))",
+          "TPOT p95")],
+        unit="s", objective=ITL_OBJECTIVE_S,
+        description=f"Gaps between streamed text deltas (ITL) and mean time per output token "
+                    f"per response (TPOT); red line: ITL objective, P95 <= {ITL_OBJECTIVE_S:g} s"),
+        w=8)
+    lay.add(stat("P95 ITL (5m)",
+                 f"histogram_quantile(0.95, sum by (le) (rate({ITL}_bucket{{{M}}}[5m])))",
+                 unit="s", steps=[(None, "green"), (ITL_OBJECTIVE_S * 0.8, "orange"),
+                                  (ITL_OBJECTIVE_S, "red")],
+                 description=f"Objective: P95 <= {ITL_OBJECTIVE_S:g} s"), w=8)
 
 
 def encoder_dashboard() -> dict[str, Any]:

@@ -4,10 +4,15 @@ The service's work is an async generator and its encoder and engine run on worke
 spans are not made current across awaits: the root span `chat <model>` is started explicitly,
 and each stage becomes a child span with explicit start and end times once its duration is
 known. Works with telemetry absent (a no-op tracer, no metrics).
+
+`llm.prefill` carries how the scheduler ran the prompt (`visiongate.prefill.chunks`,
+`visiongate.preemptions`); the root span carries the response's P95 inter-token latency, and
+each gap between its text deltas is one observation of the inter-token latency histogram.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -30,9 +35,25 @@ def _ns(ms: float) -> int:
     return max(int(ms * 1_000_000), 0)
 
 
+def _p95(values: tuple[float, ...]) -> float:
+    """Nearest-rank P95 (an observed value, no interpolation) of a non-empty sample."""
+    ordered = sorted(values)
+    return ordered[max(math.ceil(0.95 * len(ordered)) - 1, 0)]
+
+
 class ResponseTrace:
-    __slots__ = ("telemetry", "tracer", "root", "context", "api", "model", "session_id", "response_id",
-                 "started_ns")
+    __slots__ = (
+        "api",
+        "context",
+        "itl_ms",
+        "model",
+        "response_id",
+        "root",
+        "session_id",
+        "started_ns",
+        "telemetry",
+        "tracer",
+    )
 
     def __init__(self, telemetry: Any, *, model: str, api: str, response_id: str,
                  session_id: str | None, started_ns: int | None = None) -> None:
@@ -42,6 +63,7 @@ class ResponseTrace:
         self.tracer = telemetry.tracer if telemetry is not None else trace.NoOpTracer()
         self.api, self.model, self.session_id, self.response_id = api, model, session_id, response_id
         self.started_ns = started_ns or time.time_ns()
+        self.itl_ms: tuple[float, ...] = ()  # the engine's gaps between text deltas, once known
         attributes = {ATTR.OPERATION: "chat", ATTR.PROVIDER: "visiongate", ATTR.REQUEST_MODEL: model,
                       ATTR.RESPONSE_ID: response_id, ATTR.API: api}
         if session_id:
@@ -98,9 +120,13 @@ class ResponseTrace:
         prefill_end = prefill_start + _ns(result.prefill_ms)
         self.span(SPAN.LLM_PREFILL, prefill_start, prefill_end, {
             ATTR.PREFILL_TOKENS: result.input_tokens - result.cached_tokens,
-            ATTR.REUSED_KV_TOKENS: result.cached_tokens})
+            ATTR.REUSED_KV_TOKENS: result.cached_tokens,
+            ATTR.PREFILL_CHUNKS: result.prefill_chunks, ATTR.PREEMPTIONS: result.preemptions})
         self.span(SPAN.LLM_DECODE, prefill_end, prefill_end + _ns(result.decode_ms), {
             ATTR.DECODE_TOKENS: result.output_tokens})
+        self.itl_ms = tuple(result.itl_ms)
+        if self.itl_ms:
+            self.root.set_attribute(ATTR.ITL_P95_MS, round(_p95(self.itl_ms), 3))
 
     def first_token(self, ttft_ms: float) -> None:
         from gateway.telemetry import ATTR, SPAN
@@ -138,9 +164,9 @@ class ResponseTrace:
                 duration_s=done.timings.get("total_ms", 0.0) / 1e3, output_tokens=done.output_tokens,
                 input_tokens=done.input_tokens, image_tokens=done.image_tokens,
                 cached_tokens=done.cached_tokens,
-                time_per_output_token_s=decode_s / (done.output_tokens - 1)
-                if done.output_tokens > 1 and decode_s > 0 else None,
-                api=self.api)
+                time_per_output_token_s=decode_s / max(done.output_tokens - 1, 1)
+                if done.output_tokens > 0 and decode_s > 0 else None,
+                api=self.api, inter_token_latencies_s=[ms / 1e3 for ms in self.itl_ms])
             if done.input_tokens:
                 metrics.record_kv_reuse(reused_tokens=done.cached_tokens,
                                         prefill_tokens=done.input_tokens - done.cached_tokens)

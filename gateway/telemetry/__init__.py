@@ -2,9 +2,10 @@
 
 `setup_telemetry` builds a `Telemetry` (tracer and meter providers configured from ``OTEL_*``,
 a private Prometheus registry for ``/metrics``) and configures structlog. Serving code records
-metrics through `Telemetry.metrics` (`GatewayMetrics`), opens one ``chat <model>`` span per
-response, and passes encode jobs a W3C ``traceparent`` (`traceparent`,
-`context_from_traceparent`) so worker spans join the response's trace.
+metrics through `Telemetry.metrics` (`GatewayMetrics`; its scheduler gauges read an engine's
+`SchedulerStats` snapshot), opens one ``chat <model>`` span per response, and passes encode
+jobs a W3C ``traceparent`` (`traceparent`, `context_from_traceparent`) so worker spans join the
+response's trace.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ from __future__ import annotations
 from gateway.telemetry._config import OTLPTarget, TelemetryConfig, config_from_env
 from gateway.telemetry._litestar import EXCLUDED_PATHS, litestar_plugin
 from gateway.telemetry._logging import add_trace_ids, configure_logging, log_response
-from gateway.telemetry._metrics import METRICS, PROMETHEUS_NAMES, GatewayMetrics, metric_views
+from gateway.telemetry._metrics import (
+    METRICS,
+    PROMETHEUS_NAMES,
+    GatewayMetrics,
+    SchedulerStats,
+    metric_views,
+)
 from gateway.telemetry._telemetry import Telemetry, setup_telemetry
 from gateway.telemetry._tracing import (
     ATTR,
@@ -31,6 +38,7 @@ __all__ = (
     "SPAN",
     "GatewayMetrics",
     "OTLPTarget",
+    "SchedulerStats",
     "Telemetry",
     "TelemetryConfig",
     "add_trace_ids",

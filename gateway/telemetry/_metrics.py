@@ -8,14 +8,20 @@ unit (dots become underscores, ``s`` adds ``_seconds``, counters get ``_total``,
 units add nothing). Recording rules, alerts and dashboards use `PROMETHEUS_NAMES` values only.
 Attribute keys become label names the same way (``gen_ai.request.model`` ->
 ``gen_ai_request_model``). Histogram ``le`` labels are written from float bounds (``"2.0"``).
+
+Scheduler gauges read an engine's `SchedulerStats` snapshot at each collection; an engine
+without one (no ``stats()``) exports no scheduler series. KV blocks are split into three states
+that add up to the pool: ``used`` (held by running requests), ``cached`` (unreferenced but
+holding reusable prefix KV, so allocatable at the cost of the reuse) and ``free`` (empty).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+import structlog
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 
@@ -26,13 +32,17 @@ __all__ = (
     "BATCH_SIZE_BUCKETS",
     "DURATION_BUCKETS_S",
     "ENCODE_BUCKETS_S",
+    "ITL_BUCKETS_S",
     "METRICS",
     "PROMETHEUS_NAMES",
     "TPOT_BUCKETS_S",
     "TTFT_BUCKETS_S",
     "GatewayMetrics",
+    "SchedulerStats",
     "metric_views",
 )
+
+log = structlog.get_logger(__name__)
 
 # Multimodal TTFT spans a text-only follow-up (tens of ms) to a cold multi-image encode (seconds).
 TTFT_BUCKETS_S: tuple[float, ...] = (
@@ -52,6 +62,12 @@ ENCODE_BUCKETS_S: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
     1.0, 2.0, 5.0,
 )
+# Gaps between streamed text deltas: a few ms (small model, light batch) to seconds (a step
+# stalled behind long prefill chunks or preemption). 0.25 s is the ITL objective's bound.
+ITL_BUCKETS_S: tuple[float, ...] = (
+    0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25,
+    0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0,
+)
 BATCH_SIZE_BUCKETS: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0)
 
 # OTel instrument name -> (kind, unit, description)
@@ -61,6 +77,8 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "gen_ai.server.time_per_output_token": (
         "histogram", "s", "Mean time per output token after the first"),
     "gen_ai.server.request.duration": ("histogram", "s", "Whole response duration"),
+    "visiongate.llm.inter_token_latency": (
+        "histogram", "s", "Gap between consecutive streamed text deltas of one response"),
     "visiongate.encode.stage.duration": ("histogram", "s", "Duration of one image encode stage"),
     "visiongate.encode.queue.duration": ("histogram", "s", "Wait in the encode queue"),
     "visiongate.encode.batch.size": ("histogram", "{image}", "Images per encoder batch"),
@@ -75,6 +93,14 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "visiongate.sessions.active": ("gauge", "{session}", "Sessions held by this replica"),
     "visiongate.encode.queue.depth": ("gauge", "{job}", "Encode jobs waiting"),
     "visiongate.cache.bytes": ("gauge", "By", "Bytes held by each cache"),
+    "visiongate.scheduler.requests": (
+        "gauge", "{request}", "Requests in the engine's batch (running) or queued (waiting)"),
+    "visiongate.scheduler.batch.size": ("gauge", "{sequence}", "Sequences in the last step"),
+    "visiongate.scheduler.step.tokens": (
+        "gauge", "{token}", "Tokens (prefill chunks and decodes) in the last step"),
+    "visiongate.kv.blocks": ("gauge", "{block}", "KV cache blocks by state (used/cached/free)"),
+    "visiongate.scheduler.preemptions": (
+        "observable_counter", "{preemption}", "Requests preempted (KV freed, later recomputed)"),
 }
 
 # OTel instrument name -> the series name Prometheus stores (histograms: add _bucket/_sum/_count).
@@ -82,6 +108,7 @@ PROMETHEUS_NAMES: dict[str, str] = {
     "gen_ai.server.time_to_first_token": "gen_ai_server_time_to_first_token_seconds",
     "gen_ai.server.time_per_output_token": "gen_ai_server_time_per_output_token_seconds",
     "gen_ai.server.request.duration": "gen_ai_server_request_duration_seconds",
+    "visiongate.llm.inter_token_latency": "visiongate_llm_inter_token_latency_seconds",
     "visiongate.encode.stage.duration": "visiongate_encode_stage_duration_seconds",
     "visiongate.encode.queue.duration": "visiongate_encode_queue_duration_seconds",
     "visiongate.encode.batch.size": "visiongate_encode_batch_size",
@@ -96,12 +123,18 @@ PROMETHEUS_NAMES: dict[str, str] = {
     "visiongate.sessions.active": "visiongate_sessions_active",
     "visiongate.encode.queue.depth": "visiongate_encode_queue_depth",
     "visiongate.cache.bytes": "visiongate_cache_bytes",
+    "visiongate.scheduler.requests": "visiongate_scheduler_requests",
+    "visiongate.scheduler.batch.size": "visiongate_scheduler_batch_size",
+    "visiongate.scheduler.step.tokens": "visiongate_scheduler_step_tokens",
+    "visiongate.kv.blocks": "visiongate_kv_blocks",
+    "visiongate.scheduler.preemptions": "visiongate_scheduler_preemptions_total",
 }
 
 _BUCKETS: dict[str, tuple[float, ...]] = {
     "gen_ai.server.time_to_first_token": TTFT_BUCKETS_S,
     "gen_ai.server.time_per_output_token": TPOT_BUCKETS_S,
     "gen_ai.server.request.duration": DURATION_BUCKETS_S,
+    "visiongate.llm.inter_token_latency": ITL_BUCKETS_S,
     "visiongate.encode.stage.duration": ENCODE_BUCKETS_S,
     "visiongate.encode.queue.duration": ENCODE_BUCKETS_S,
     "visiongate.encode.batch.size": BATCH_SIZE_BUCKETS,
@@ -114,6 +147,34 @@ def metric_views() -> list[View]:
         View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(list(bounds)))
         for name, bounds in _BUCKETS.items()
     ]
+
+
+class SchedulerStats(Protocol):
+    """What the scheduler gauges read (`gateway.engine.base.EngineStats` has these fields)."""
+
+    @property
+    def running(self) -> int: ...
+    @property
+    def waiting(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def step_tokens(self) -> int: ...
+    @property
+    def kv_blocks_used(self) -> int: ...
+    @property
+    def kv_blocks_total(self) -> int: ...
+    @property
+    def kv_blocks_cached(self) -> int: ...
+    @property
+    def preemptions_total(self) -> int: ...
+
+
+def _kv_block_states(stats: SchedulerStats) -> dict[str, int]:
+    """used + cached + free == total; ``free`` never goes negative on a torn snapshot."""
+    used, cached = int(stats.kv_blocks_used), int(stats.kv_blocks_cached)
+    return {"used": used, "cached": cached,
+            "free": max(int(stats.kv_blocks_total) - used - cached, 0)}
 
 
 class GatewayMetrics:
@@ -155,9 +216,12 @@ class GatewayMetrics:
         cached_tokens: int,
         time_per_output_token_s: float | None,
         api: str,
+        inter_token_latencies_s: Iterable[float] = (),
     ) -> None:
         """One finished response. ``status``: completed | cancelled | failed | incomplete;
-        ``api``: realtime | chat_completions. ``ttft_s`` is ``None`` when no token came out."""
+        ``api``: realtime | chat_completions. ``ttft_s`` is ``None`` when no token came out.
+        ``inter_token_latencies_s``: the gaps between its consecutive text deltas, one
+        histogram observation each."""
         base = {"gen_ai.operation.name": "chat", "gen_ai.request.model": model, "api": api}
         self._add("visiongate.responses", 1, {**base, "status": status})
         self._record("gen_ai.server.request.duration", duration_s, {**base, "status": status})
@@ -165,6 +229,8 @@ class GatewayMetrics:
             self._record("gen_ai.server.time_to_first_token", ttft_s, base)
         if time_per_output_token_s is not None:
             self._record("gen_ai.server.time_per_output_token", time_per_output_token_s, base)
+        for gap_s in inter_token_latencies_s:
+            self._record("visiongate.llm.inter_token_latency", max(float(gap_s), 0.0), base)
         for kind, count in (
             ("input", input_tokens),
             ("output", output_tokens),
@@ -218,9 +284,15 @@ class GatewayMetrics:
         active_sessions: Callable[[], int],
         queue_depth: Callable[[], int],
         cache_bytes: Callable[[], Mapping[str, int]],
+        engine_stats: Callable[[], SchedulerStats | None] | None = None,
     ) -> None:
         """Register the observable gauges; the callables run at each collection. Once only:
-        a second call raises, since OTel cannot unregister a callback."""
+        a second call raises, since OTel cannot unregister a callback.
+
+        ``engine_stats`` (the engine's ``stats`` method, or ``None`` for an engine without a
+        scheduler) feeds the scheduler gauges and the preemption counter. It runs on the
+        collecting thread, so it must be a cheap snapshot; when it raises or returns ``None``,
+        that collection has no scheduler series."""
         with self._gauge_lock:
             if self._gauges_registered:
                 raise RuntimeError("observe_gauges() was already called on these metrics")
@@ -235,12 +307,56 @@ class GatewayMetrics:
         def nbytes(_: CallbackOptions) -> Iterable[Observation]:
             return [Observation(int(v), {"cache": k}) for k, v in cache_bytes().items()]
 
-        for name, callback in (
+        callbacks: list[tuple[str, Callable[[CallbackOptions], Iterable[Observation]]]] = [
             ("visiongate.sessions.active", sessions),
             ("visiongate.encode.queue.depth", depth),
             ("visiongate.cache.bytes", nbytes),
-        ):
-            _, unit, description = METRICS[name]
-            self._meter.create_observable_gauge(
-                name, callbacks=[callback], unit=unit, description=description
-            )
+        ]
+        if engine_stats is not None:
+            callbacks += _scheduler_callbacks(engine_stats)
+        for name, callback in callbacks:
+            kind, unit, description = METRICS[name]
+            create = (self._meter.create_observable_counter if kind == "observable_counter"
+                      else self._meter.create_observable_gauge)
+            create(name, callbacks=[callback], unit=unit, description=description)
+
+
+def _scheduler_callbacks(
+    engine_stats: Callable[[], SchedulerStats | None],
+) -> list[tuple[str, Callable[[CallbackOptions], Iterable[Observation]]]]:
+    """One callback per scheduler instrument, each reading a fresh snapshot. A failing
+    ``engine_stats`` is logged once per run of failures, not once per instrument and scrape."""
+    failing = False
+
+    def snapshot() -> SchedulerStats | None:
+        nonlocal failing
+        try:
+            stats = engine_stats()
+        except Exception:  # a gauge must never break a scrape
+            if not failing:
+                log.warning("engine_stats_failed", exc_info=True)
+            failing = True
+            return None
+        failing = False
+        return stats
+
+    def observe(
+        read: Callable[[SchedulerStats], Iterable[Observation]],
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def callback(_: CallbackOptions) -> Iterable[Observation]:
+            stats = snapshot()
+            return [] if stats is None else list(read(stats))
+
+        return callback
+
+    return [
+        ("visiongate.scheduler.requests", observe(lambda s: [
+            Observation(int(s.running), {"state": "running"}),
+            Observation(int(s.waiting), {"state": "waiting"})])),
+        ("visiongate.scheduler.batch.size", observe(lambda s: [Observation(int(s.batch_size))])),
+        ("visiongate.scheduler.step.tokens", observe(lambda s: [Observation(int(s.step_tokens))])),
+        ("visiongate.kv.blocks", observe(lambda s: [
+            Observation(n, {"state": state}) for state, n in _kv_block_states(s).items()])),
+        ("visiongate.scheduler.preemptions",
+         observe(lambda s: [Observation(int(s.preemptions_total))])),
+    ]

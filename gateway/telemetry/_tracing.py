@@ -64,6 +64,9 @@ class ATTR:
     PREFILL_TOKENS = "visiongate.llm.prefill_tokens"
     REUSED_KV_TOKENS = "visiongate.llm.reused_kv_tokens"
     DECODE_TOKENS = "visiongate.llm.decode_tokens"
+    PREFILL_CHUNKS = "visiongate.prefill.chunks"  # scheduler steps the prefill was split over
+    PREEMPTIONS = "visiongate.preemptions"  # times the request lost its KV and was recomputed
+    ITL_P95_MS = "visiongate.llm.itl_p95_ms"  # P95 gap between the response's text deltas
     BATCH_SIZE = "visiongate.encode.batch_size"
     TOKENS_KEPT = "visiongate.encode.tokens_kept"
     TOKENS_TOTAL = "visiongate.encode.tokens_total"

@@ -16,8 +16,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dashboards import DASHBOARD_UIDS, alert_rules, build_all
 from dashboards.build import JSON_DIR, render
-from dashboards.slo import RESPONSE_TIME_OBJECTIVE_S, TTFT_OBJECTIVE_S
+from dashboards.slo import (
+    ITL_ALERT_FOR,
+    ITL_OBJECTIVE_S,
+    RESPONSE_TIME_OBJECTIVE_S,
+    TTFT_OBJECTIVE_S,
+)
 from gateway.telemetry import Telemetry, config_from_env
+from gateway.telemetry._metrics import ITL_BUCKETS_S
 from tests.deploy.conftest import PROMETHEUS_DIR
 from tests.gateway.telemetry.test_metrics import record_one_of_each
 
@@ -136,6 +142,36 @@ def test_overview_has_the_slo_panels() -> None:
     )
 
 
+def test_overview_has_the_scheduler_row() -> None:
+    overview = build_all()["visiongate-overview.json"]
+    panels = _panels(overview)
+    titles = [p["title"] for p in panels]
+    start = titles.index("Scheduler")
+    assert panels[start]["type"] == "row"
+    row_panels = panels[start + 1:]
+    exprs = " ".join(t["expr"] for p in row_panels for t in p.get("targets", []))
+    for series in ("visiongate_scheduler_requests", "visiongate_scheduler_batch_size",
+                   "visiongate_kv_blocks", "visiongate_scheduler_preemptions_total",
+                   "visiongate_llm_inter_token_latency_seconds_bucket",
+                   "gen_ai_server_time_per_output_token_seconds_bucket"):
+        assert series in exprs, series
+    for state in ("running", "waiting"):
+        assert f'state="{state}"' in exprs
+    by_title = {p["title"]: p for p in row_panels}
+    kv = by_title["KV blocks"]
+    assert [t["legendFormat"] for t in kv["targets"]] == ["used", "cached", "free"]
+    assert kv["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    latency = by_title["Inter-token latency vs objective"]
+    assert [t["legendFormat"] for t in latency["targets"]] == ["ITL p50", "ITL p95", "TPOT p95"]
+    assert latency["fieldConfig"]["defaults"]["thresholds"]["steps"][-1]["value"] == (
+        ITL_OBJECTIVE_S
+    )
+    assert "rate(visiongate_scheduler_preemptions_total[" in exprs
+    # the ITL alert links to the ITL panel
+    rule = next(r for r in alert_rules() if r["labels"]["slo"] == "itl")
+    assert rule["annotations"]["__panelId__"] == str(latency["id"])
+
+
 def test_every_query_is_valid_promql(promtool: str, tmp_path: Path) -> None:
     """promtool parses each query (Grafana variables substituted) as a recording rule."""
     rules = []
@@ -163,10 +199,25 @@ def test_objectives_match_prometheus_rules() -> None:
     assert f'le="{TTFT_OBJECTIVE_S}"' in recording
     assert f'le="{RESPONSE_TIME_OBJECTIVE_S}"' in recording
 
+    itl = next(r for g in alerts["groups"] for r in g["rules"]
+               if r.get("alert") == "VisiongateITLP95AboveSLO")
+    assert itl["expr"].strip().endswith(f"> {ITL_OBJECTIVE_S:g}")
+    assert itl["for"] == ITL_ALERT_FOR
+    assert f'le="{ITL_OBJECTIVE_S}"' in recording
+    assert ITL_OBJECTIVE_S in ITL_BUCKETS_S  # a bucket bound: the SLI is exact, not interpolated
+    grafana = next(r for r in alert_rules() if r["labels"]["slo"] == "itl")
+    assert grafana["for"] == ITL_ALERT_FOR
+    assert grafana["data"][2]["model"]["conditions"][0]["evaluator"]["params"] == [
+        ITL_OBJECTIVE_S
+    ]
+    assert "visiongate_llm_inter_token_latency_seconds_bucket" in grafana["data"][0]["model"][
+        "expr"
+    ]
+
 
 def test_alert_rules_shape() -> None:
     rules = alert_rules(folder_uid="f", datasource_uid="ds")
-    assert {r["labels"]["slo"] for r in rules} == {"ttft", "response_time"}
+    assert {r["labels"]["slo"] for r in rules} == {"ttft", "response_time", "itl"}
     for rule in rules:
         assert rule["folderUID"] == "f" and rule["condition"] == "C"
         refs = [d["refId"] for d in rule["data"]]

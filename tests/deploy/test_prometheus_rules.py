@@ -1,8 +1,11 @@
-"""promtool checks of deploy/prometheus: config syntax, rule syntax, and the rule unit tests."""
+"""promtool checks of deploy/prometheus: config syntax, rule syntax, and the rule unit tests,
+which must make every alert fire at least once."""
 
 from __future__ import annotations
 
 import subprocess
+
+import yaml
 
 from tests.deploy.conftest import PROMETHEUS_DIR
 
@@ -32,3 +35,22 @@ def test_rule_unit_tests_pass(promtool: str) -> None:
     assert tests
     out = _promtool(promtool, "test", "rules", *tests)
     assert "SUCCESS" in out
+
+
+def test_every_alert_fires_in_a_unit_test() -> None:
+    alerts = {
+        rule["alert"]
+        for path in (PROMETHEUS_DIR / "rules").glob("*.yml")
+        for group in yaml.safe_load(path.read_text())["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    }
+    assert "VisiongateITLP95AboveSLO" in alerts
+    fired = {
+        check["alertname"]
+        for path in (PROMETHEUS_DIR / "tests").glob("*.yml")
+        for case in yaml.safe_load(path.read_text())["tests"]
+        for check in case.get("alert_rule_test", [])
+        if check.get("exp_alerts")
+    }
+    assert alerts <= fired, f"alerts no unit test makes fire: {sorted(alerts - fired)}"

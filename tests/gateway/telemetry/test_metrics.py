@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.engine.base import EngineStats
 from gateway.telemetry import PROMETHEUS_NAMES, GatewayMetrics, Telemetry, config_from_env
+
+# what a scheduler reports mid-run: 40 + 24 of 128 blocks taken or cached, 64 empty
+SCHEDULER = EngineStats(running=3, waiting=2, batch_size=3, step_tokens=258, kv_blocks_used=40,
+                        kv_blocks_total=128, kv_blocks_cached=24, preemptions_total=7)
 
 
 def record_one_of_each(m: GatewayMetrics) -> None:
     m.record_response(
         model="smol", status="completed", ttft_s=0.42, duration_s=1.7, output_tokens=12,
         input_tokens=30, image_tokens=64, cached_tokens=20, time_per_output_token_s=0.02,
-        api="realtime",
+        api="realtime", inter_token_latencies_s=[0.008, 0.02, 0.02, 0.3],
     )
     m.record_encode(
         timings_ms={"preprocess": 4.0, "vision": 80.0, "prune": 1.5, "quantize": 0.8},
@@ -22,7 +27,8 @@ def record_one_of_each(m: GatewayMetrics) -> None:
     m.record_error(code="image_too_large", api="chat_completions")
     m.ws_connection_opened()
     m.observe_gauges(
-        active_sessions=lambda: 2, queue_depth=lambda: 5, cache_bytes=lambda: {"vision": 1024}
+        active_sessions=lambda: 2, queue_depth=lambda: 5, cache_bytes=lambda: {"vision": 1024},
+        engine_stats=lambda: SCHEDULER,
     )
 
 
@@ -98,6 +104,28 @@ def test_values_and_labels(telemetry: Telemetry) -> None:
     assert value(rows, "visiongate_sessions_active") == 2
     assert value(rows, "visiongate_encode_queue_depth") == 5
     assert value(rows, "visiongate_cache_bytes", cache="vision") == 1024
+
+    itl = "visiongate_llm_inter_token_latency_seconds"
+    assert value(rows, f"{itl}_count", gen_ai_request_model="smol", api="realtime") == 4
+    assert abs(value(rows, f"{itl}_sum", api="realtime") - 0.348) < 1e-9
+    assert value(rows, f"{itl}_bucket", api="realtime", le="0.005") == 0
+    assert value(rows, f"{itl}_bucket", api="realtime", le="0.01") == 1
+    assert value(rows, f"{itl}_bucket", api="realtime", le="0.02") == 3
+    assert value(rows, f"{itl}_bucket", api="realtime", le="0.25") == 3
+    assert value(rows, f"{itl}_bucket", api="realtime", le="0.3") == 4
+    itl_les = [lab["le"] for n, lab, _ in rows if n == f"{itl}_bucket"]
+    assert itl_les[0] == "0.005" and itl_les[-2:] == ["2.0", "+Inf"]
+    assert not [r for r in rows if r[0] == f"{itl}_count" and r[1]["api"] == "chat_completions"]
+    tpot = "gen_ai_server_time_per_output_token_seconds"
+    assert value(rows, f"{tpot}_sum", api="realtime") == 0.02
+    assert value(rows, "visiongate_scheduler_requests", state="running") == 3
+    assert value(rows, "visiongate_scheduler_requests", state="waiting") == 2
+    assert value(rows, "visiongate_scheduler_batch_size") == 3
+    assert value(rows, "visiongate_scheduler_step_tokens") == 258
+    assert value(rows, "visiongate_kv_blocks", state="used") == 40
+    assert value(rows, "visiongate_kv_blocks", state="cached") == 24
+    assert value(rows, "visiongate_kv_blocks", state="free") == 64
+    assert value(rows, "visiongate_scheduler_preemptions_total") == 7
     info = value(rows, "target_info", service_name="visiongate",
                  service_instance_id="test-instance")
     assert info == 1
