@@ -1,4 +1,9 @@
-"""Encoder configuration: one frozen msgspec Struct, validated on construction."""
+"""Encoder configuration: one frozen msgspec Struct, validated on construction.
+
+`tower` may name a real VLM checkpoint directory (LLaVA, SmolVLM / Idefics3, Qwen2.5-VL,
+recognised by its config.json `model_type`): the encoder then runs that checkpoint's own
+preprocessing, vision tower and projector (`EncoderConfig.family` says which).
+"""
 
 from __future__ import annotations
 
@@ -6,19 +11,51 @@ import os
 
 import msgspec
 
-__all__ = ("PRUNING_MODES", "SYNTHETIC_TOWERS", "EncoderConfig")
+__all__ = ("PRUNING_MODES", "SYNTHETIC_TOWERS", "VISUAL_TOKEN_FORMS", "EncoderConfig", "tower_family")
 
 PRUNING_MODES = ("none", "random", "topk", "dynamic", "dynamic+merge")
 SYNTHETIC_TOWERS = ("vit-b16-224", "vit-l14-336")
+VISUAL_TOKEN_FORMS = ("int4", "bf16", "fp32")
 _DEVICES = ("auto", "cpu", "cuda")
+
+
+def tower_family(tower: str) -> str | None:
+    """The VLM family of a checkpoint directory ("llava", "idefics3", "qwen2_5_vl"), or None
+    for a synthetic tower name or a vision-only (CLIP / SigLIP) checkpoint.
+
+    Raises `UnsupportedCheckpoint` (a ValueError naming the supported families) for a
+    directory whose config describes a vision-language model of another family."""
+    if tower in SYNTHETIC_TOWERS or not os.path.isdir(tower):
+        return None
+    from encoder_worker.families.base import (
+        FAMILIES,
+        UnsupportedCheckpoint,
+        detect_family,
+        read_config,
+    )
+
+    try:
+        family = detect_family(tower)
+        config = read_config(tower)
+    except UnsupportedCheckpoint:
+        return None
+    dual_encoder = config.get("model_type") in ("clip", "siglip")  # vision towers, not VLMs
+    if family is None and not dual_encoder and "vision_config" in config and "text_config" in config:
+        raise UnsupportedCheckpoint(
+            f"{tower}: model_type {config.get('model_type')!r} is not a supported vision-language "
+            f"family (supported: {', '.join(sorted(FAMILIES))})"
+        )
+    return family
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 class EncoderConfig(msgspec.Struct, frozen=True, kw_only=True):
     """How images become visual tokens. Every field that changes the tokens feeds the fingerprint.
 
-    tower: "vit-b16-224" / "vit-l14-336" (seeded synthetic CLIP towers of those shapes) or the
-        path of a local CLIP / SigLIP vision checkpoint directory (safetensors).
+    tower: "vit-b16-224" / "vit-l14-336" (seeded synthetic CLIP towers of those shapes), the
+        path of a local CLIP / SigLIP vision checkpoint directory (safetensors), or the path of
+        a VLM checkpoint (its own vision tower and projector; `feature_layer` is then the
+        checkpoint's and this field is ignored).
     feature_layer: hidden state the features come from, as in `hidden_states[feature_layer]`
         (-2: the penultimate layer, LLaVA's choice). Layers after it are not run.
     pruning: "none" | "random" | "topk" | "dynamic" | "dynamic+merge".
@@ -27,6 +64,9 @@ class EncoderConfig(msgspec.Struct, frozen=True, kw_only=True):
     saliency_mass: "dynamic" keeps the fewest tokens holding this share of the saliency.
     merge_tokens: contextual tokens "dynamic+merge" builds from the dropped ones.
     int4_group_size: values per fp16 scale in the INT4 payload (power of two, 16..256).
+    visual_tokens: stored form of the tokens: "int4" (group-wise, the default), "bf16" or
+        "fp32" (unquantized; with pruning "none" on a VLM checkpoint this is exact mode: the
+        rows are the checkpoint's own `get_image_features`).
     device / dtype: "auto" = CUDA with bf16 (fp16 if bf16 is unsupported) when present, else
         CPU with float32.
     compile: torch.compile the tower (CUDA only), batches padded to fixed shapes.
@@ -44,6 +84,7 @@ class EncoderConfig(msgspec.Struct, frozen=True, kw_only=True):
     saliency_mass: float = 0.5
     merge_tokens: int = 8
     int4_group_size: int = 64
+    visual_tokens: str = "int4"
     device: str = "auto"
     dtype: str = "auto"
     compile: bool = False
@@ -76,6 +117,10 @@ class EncoderConfig(msgspec.Struct, frozen=True, kw_only=True):
         g = self.int4_group_size
         if g < 16 or g > 256 or g & (g - 1):
             raise ValueError(f"int4_group_size must be a power of two in [16, 256], got {g}")
+        if self.visual_tokens not in VISUAL_TOKEN_FORMS:
+            raise ValueError(
+                f"visual_tokens must be one of {VISUAL_TOKEN_FORMS}, got {self.visual_tokens!r}"
+            )
         if self.device not in _DEVICES and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be one of {_DEVICES} or 'cuda:N', got {self.device!r}")
         if self.dtype not in _DTYPES:
@@ -88,3 +133,13 @@ class EncoderConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
         if self.decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1, got {self.decode_threads}")
+
+    @property
+    def family(self) -> str | None:
+        """The VLM family when `tower` is a VLM checkpoint directory, else None."""
+        return tower_family(self.tower)
+
+    @property
+    def exact(self) -> bool:
+        """No patch dropping and unquantized fp32 tokens: the checkpoint's rows as they are."""
+        return self.pruning == "none" and self.visual_tokens == "fp32"

@@ -9,6 +9,11 @@ with `packed` = [N, G*group/2] uint8 (two 4-bit values per byte, see `kernels.in
 `from_bytes()` is its exact inverse and checks everything (magic, sizes, header fields), so
 bytes from a cache or a queue either come back as the same payload or raise ValueError.
 Nothing is unpickled. `to_embeds()` dequantizes on the consumer's device.
+
+`FloatTokens` is the unquantized form (real VLM checkpoints in exact mode, or bf16 to halve the
+bytes): `b"VGTF" | u32 header length | msgpack FloatHeader | values | positions` with `values` =
+[N, hidden] float32 or bfloat16 little-endian. Same strictness in `from_bytes`.
+`payload_from_bytes()` reads either form by its magic.
 """
 
 from __future__ import annotations
@@ -20,10 +25,23 @@ import torch
 
 from kernels import dequantize_int4, packed_shapes, quantize_int4
 
-__all__ = ("TokensHeader", "VisualTokens", "quantize_tokens", "to_embeds")
+__all__ = (
+    "FLOAT_DTYPES",
+    "FloatHeader",
+    "FloatTokens",
+    "TokensHeader",
+    "VisualTokens",
+    "float_tokens",
+    "payload_from_bytes",
+    "quantize_tokens",
+    "to_embeds",
+)
 
 MAGIC = b"VGT4"
+FLOAT_MAGIC = b"VGTF"
 VERSION = 1
+# stored dtype name -> (torch dtype, bytes per value)
+FLOAT_DTYPES = {"fp32": ("float32", 4), "bf16": ("bfloat16", 2)}
 _MAX_TOKENS = 1 << 20
 _MAX_HIDDEN = 1 << 16
 
@@ -126,10 +144,108 @@ def quantize_tokens(
     )
 
 
-def to_embeds(payload: VisualTokens | bytes, device: str | torch.device = "cpu") -> torch.Tensor:
-    """Dequantize on `device` -> [N, hidden] float32."""
-    if not isinstance(payload, VisualTokens):
-        payload = VisualTokens.from_bytes(payload)
+class FloatHeader(msgspec.Struct, frozen=True, array_like=True):
+    version: int
+    n_tokens: int
+    hidden: int
+    dtype: str  # "fp32" | "bf16"
+    tokens_total: int  # rows before patch dropping
+    n_contextual: int = 0  # trailing tokens that are merges of dropped ones
+
+
+_FLOAT_HEADER_DECODER = msgspec.msgpack.Decoder(FloatHeader)
+
+
+class FloatTokens(msgspec.Struct, frozen=True):
+    header: FloatHeader
+    values: bytes  # [N, hidden] float32 / bfloat16 LE
+    positions: bytes  # [N] int32 LE (row index before dropping)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.values) + len(self.positions)
+
+    def to_bytes(self) -> bytes:
+        head = _ENCODER.encode(self.header)
+        return b"".join((FLOAT_MAGIC, struct.pack("<I", len(head)), head, self.values, self.positions))
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> FloatTokens:
+        data = bytes(data)
+        if len(data) < 8 or data[:4] != FLOAT_MAGIC:
+            raise ValueError("not a float visual-tokens payload (bad magic)")
+        (head_len,) = struct.unpack_from("<I", data, 4)
+        if head_len > len(data) - 8:
+            raise ValueError("truncated float visual-tokens payload (header)")
+        try:
+            h = _FLOAT_HEADER_DECODER.decode(data[8 : 8 + head_len])
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"bad float visual-tokens header: {exc}") from None
+        if h.version != VERSION:
+            raise ValueError(f"unsupported visual-tokens version {h.version}")
+        if h.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"bad stored dtype {h.dtype!r}")
+        if not 0 <= h.n_tokens <= _MAX_TOKENS or not 0 < h.hidden <= _MAX_HIDDEN:
+            raise ValueError(f"bad token shape {h.n_tokens}x{h.hidden}")
+        if not 0 <= h.n_contextual <= h.n_tokens or h.tokens_total < 0:
+            raise ValueError("bad token counts in header")
+        n_values = h.n_tokens * h.hidden * FLOAT_DTYPES[h.dtype][1]
+        body = data[8 + head_len :]
+        if len(body) != n_values + h.n_tokens * 4:
+            raise ValueError(f"float visual-tokens body is {len(body)} bytes, expected "
+                             f"{n_values + h.n_tokens * 4}")
+        return cls(h, body[:n_values], body[n_values:])
+
+    def tensors(self, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """(values [N, hidden] in the stored dtype, positions [N] int64) on `device`."""
+        h = self.header
+        dtype = getattr(torch, FLOAT_DTYPES[h.dtype][0])
+        if h.n_tokens == 0:
+            return (torch.empty(0, h.hidden, dtype=dtype, device=device),
+                    torch.empty(0, dtype=torch.long, device=device))
+        values = torch.frombuffer(bytearray(self.values), dtype=dtype).view(h.n_tokens, h.hidden)
+        positions = torch.frombuffer(bytearray(self.positions), dtype=torch.int32).long()
+        return values.to(device), positions.to(device)
+
+    def positions_list(self) -> list[int]:
+        return self.tensors()[1].tolist()
+
+
+def float_tokens(
+    tokens: torch.Tensor,  # [N, hidden] float
+    positions: torch.Tensor,  # [N] int
+    tokens_total: int,
+    dtype: str,
+    n_contextual: int = 0,
+) -> FloatTokens:
+    """Store tokens unquantized as float32 ("fp32", exact) or bfloat16 ("bf16")."""
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(FLOAT_DTYPES)}, got {dtype!r}")
+    n, hidden = tokens.shape
+    values = tokens.detach().to("cpu", getattr(torch, FLOAT_DTYPES[dtype][0])).contiguous()
+    raw = values.view(torch.int16 if dtype == "bf16" else torch.int32).numpy()
+    return FloatTokens(
+        FloatHeader(VERSION, n, hidden, dtype, tokens_total, n_contextual),
+        raw.astype(raw.dtype.newbyteorder("<")).tobytes(),
+        positions.to(torch.int32).cpu().numpy().astype("<i4").tobytes(),
+    )
+
+
+def payload_from_bytes(data: bytes | bytearray | memoryview) -> VisualTokens | FloatTokens:
+    """Either stored form, told apart by its magic; ValueError on anything else."""
+    head = bytes(data[:4])
+    if head == FLOAT_MAGIC:
+        return FloatTokens.from_bytes(data)
+    return VisualTokens.from_bytes(data)
+
+
+def to_embeds(payload: VisualTokens | FloatTokens | bytes,
+              device: str | torch.device = "cpu") -> torch.Tensor:
+    """Dequantize (or widen) on `device` -> [N, hidden] float32."""
+    if not isinstance(payload, (VisualTokens, FloatTokens)):
+        payload = payload_from_bytes(payload)
+    if isinstance(payload, FloatTokens):
+        return payload.tensors(device)[0].float()
     packed, scales, _ = payload.tensors(device)
     h = payload.header
     return dequantize_int4(packed, scales, h.hidden, h.group_size)

@@ -13,6 +13,19 @@ kernels may pick a different blocking for a different number of rows, so every s
 sees is fixed. On CPU the tower and projector run image by image (batching buys nothing
 measurable there); on CUDA batches are padded to `max_batch`, which is also the fixed shape
 `torch.compile`'s CUDA graphs replay.
+
+When `config.tower` is a real VLM checkpoint (`config.family`), the tower and projector are
+that checkpoint's own (`encoder_worker.families`), run image by image since shapes vary
+(tiles, dynamic resolution):
+
+    decode -> family.encode (its own preprocessing, vision tower, projector; saliency)
+    -> patch dropping per run (kept rows stay in order; "dynamic+merge" acts as "dynamic":
+       merged rows have no place in the checkpoint's prompt layout)
+    -> family.layout(kept per run) with the kept rows' M-RoPE columns
+    -> INT4, bf16 or fp32 payload (`visual_tokens`) -> EncodedImage with `layout`
+
+With pruning "none" and fp32 tokens (exact mode) the rows are the checkpoint's
+`get_image_features` as they are, and images are decoded at full resolution.
 """
 
 from __future__ import annotations
@@ -27,14 +40,14 @@ import torch
 
 from encoder_worker.config import EncoderConfig
 from encoder_worker.decode import decode_image, decode_jpeg_cuda, torchvision_jpeg_available
-from encoder_worker.payload import quantize_tokens
+from encoder_worker.payload import float_tokens, quantize_tokens
 from encoder_worker.preprocess import preprocess_batch
 from encoder_worker.projector import Projector
 from encoder_worker.pruning import prune
 from encoder_worker.tower import TowerOutput, build_tower, describe_tower
 from encoder_worker.types import EncodedImage, ImageError
 
-__all__ = ("EncoderPipeline", "encoder_fingerprint", "resolve_device")
+__all__ = ("EncoderPipeline", "encoder_fingerprint", "resolve_device", "vlm_description")
 
 log = structlog.get_logger("encoder_worker.pipeline")
 FORMAT_VERSION = 1
@@ -57,8 +70,22 @@ def resolve_device(cfg: EncoderConfig) -> tuple[torch.device, torch.dtype]:
 def encoder_fingerprint(config: EncoderConfig, hidden_size: int, target_rms: float | None) -> str:
     """sha256 hex over everything that shapes the tokens: weights, preprocessing, feature layer,
     pruning, quantization and projector. Device and dtype are left out on purpose: a GPU and
-    a CPU worker share cache entries (their tokens differ only in rounding)."""
+    a CPU worker share cache entries (their tokens differ only in rounding).
+
+    For a VLM checkpoint the projector is the checkpoint's, so neither `hidden_size` nor
+    `target_rms` enters: gateway and workers agree from the checkpoint alone."""
     c = config
+    if c.family is not None:
+        parts = {
+            "format": FORMAT_VERSION,
+            "vlm": vlm_description(c.tower),
+            "pruning": [_family_pruning(c.pruning), c.keep_ratio, c.min_keep_ratio,
+                        c.max_keep_ratio, c.saliency_mass, c.seed],
+            "visual_tokens": c.visual_tokens,
+            "quant": ["int4-sym-group", c.int4_group_size, "clip-search"]
+            if c.visual_tokens == "int4" else [],
+        }
+        return hashlib.sha256(msgspec.json.encode(parts)).hexdigest()
     info = describe_tower(c.tower, c.seed)
     parts = {
         "format": FORMAT_VERSION,
@@ -70,17 +97,56 @@ def encoder_fingerprint(config: EncoderConfig, hidden_size: int, target_rms: flo
         "quant": ["int4-sym-group", c.int4_group_size, "clip-search"],
         "projector": [Projector.describe(info.hidden_size, hidden_size, target_rms), c.seed],
     }
+    if c.visual_tokens != "int4":  # absent for int4: the default's fingerprint predates the choice
+        parts["quant"] = [c.visual_tokens]
     return hashlib.sha256(msgspec.json.encode(parts)).hexdigest()
+
+
+def _family_pruning(mode: str) -> str:
+    # merged (contextual) rows have no place in a real checkpoint's prompt layout
+    return "dynamic" if mode == "dynamic+merge" else mode
+
+
+_DESCRIPTIONS: dict[str, dict] = {}
+
+
+def vlm_description(checkpoint_dir: str) -> dict:
+    """A VLM checkpoint's identity, from its files alone (no model built): family, weights id
+    (`encoder_worker.checkpoint.checkpoint_id`) and, where the family module offers
+    `describe_checkpoint`, what its `Family.describe()` reports."""
+    import importlib
+
+    from encoder_worker.checkpoint import checkpoint_id
+    from encoder_worker.families.base import FAMILIES, read_config
+
+    weights = checkpoint_id(checkpoint_dir)
+    if weights not in _DESCRIPTIONS:
+        module = FAMILIES[read_config(checkpoint_dir).get("model_type", "")]
+        described = getattr(importlib.import_module(f"encoder_worker.families.{module}"),
+                            "describe_checkpoint", None)
+        _DESCRIPTIONS[weights] = {
+            "family": module,
+            "weights": weights,
+            "describe": described(checkpoint_dir) if described is not None else None,
+        }
+    return _DESCRIPTIONS[weights]
 
 
 class EncoderPipeline:
     """Builds the tower and projector once; `encode_batch` is safe to call from one thread at a time."""
 
-    def __init__(self, config: EncoderConfig, hidden_size: int, target_rms: float | None = None) -> None:
+    def __init__(self, config: EncoderConfig, hidden_size: int | None,
+                 target_rms: float | None = None) -> None:
         self.config = config
+        self.device, self.dtype = resolve_device(config)
+        self.family = None
+        if config.family is not None:
+            self._build_family(hidden_size, target_rms)
+            return
+        if hidden_size is None:
+            raise ValueError("hidden_size is required unless the tower is a VLM checkpoint")
         self.hidden_size = hidden_size
         self.target_rms = target_rms
-        self.device, self.dtype = resolve_device(config)
         t0 = time.perf_counter()
         tower, info = build_tower(config.tower, config.feature_layer, config.seed)
         self.spec = info.spec
@@ -99,9 +165,46 @@ class EncoderPipeline:
             build_s=round(time.perf_counter() - t0, 2),
         )
 
+    def _build_family(self, hidden_size: int | None, target_rms: float | None) -> None:
+        from encoder_worker.families import load_family
+
+        config = self.config
+        t0 = time.perf_counter()
+        self.family = load_family(config.tower, self.device, self.dtype)
+        self.hidden_size = self.family.lm_hidden_size
+        if hidden_size and hidden_size != self.hidden_size:
+            raise ValueError(
+                f"{config.tower}: its visual tokens are {self.hidden_size} wide but the language "
+                f"model expects {hidden_size}"
+            )
+        if target_rms is not None:
+            log.info("encoder.target_rms_ignored", reason="a VLM checkpoint has its own projector")
+        self.target_rms = None
+        self.spec = None
+        self._nvjpeg = False  # the checkpoint's processor reads decoded pixels as they are
+        self._decoders = ThreadPoolExecutor(config.decode_threads, thread_name_prefix="vg-decode")
+        self.fingerprint = encoder_fingerprint(config, self.hidden_size, None)
+        if config.pruning == "dynamic+merge":
+            log.info("encoder.pruning_fallback", requested="dynamic+merge", used="dynamic",
+                     reason="merged rows have no place in the checkpoint's prompt layout")
+        log.info(
+            "encoder.built", tower=config.tower, family=self.family.name, device=str(self.device),
+            dtype=str(self.dtype), pruning=_family_pruning(config.pruning),
+            visual_tokens=config.visual_tokens, lm_hidden=self.hidden_size,
+            fingerprint=self.fingerprint[:16], build_s=round(time.perf_counter() - t0, 2),
+        )
+
     @property
     def tokens_total(self) -> int:
-        return self.spec.num_patches
+        """Patch tokens per image before dropping (0: it varies per image, VLM checkpoints)."""
+        return self.spec.num_patches if self.spec is not None else 0
+
+    @property
+    def _min_side(self) -> int:
+        if self.family is None:
+            return self.spec.image_size
+        # exact mode decodes at full resolution, as transformers' own pipeline would
+        return 0 if self.config.exact else int(getattr(self.family, "min_decode_side", 0))
 
     def close(self) -> None:
         self._decoders.shutdown(wait=False, cancel_futures=True)
@@ -112,8 +215,9 @@ class EncoderPipeline:
 
         from PIL import Image
 
+        side = max(self._min_side, 64)
         buf = io.BytesIO()
-        Image.new("RGB", (self.spec.image_size + 13, self.spec.image_size), (120, 80, 200)).save(buf, "PNG")
+        Image.new("RGB", (side + 13, side), (120, 80, 200)).save(buf, "PNG")
         for result in self.encode_batch([buf.getvalue()]):
             if isinstance(result, ImageError):
                 raise RuntimeError(f"warm-up encode failed: {result.message}")  # noqa: TRY004
@@ -124,7 +228,7 @@ class EncoderPipeline:
         t0 = time.perf_counter()
         c = self.config
         try:
-            arr = decode_image(data, c.max_image_bytes, c.max_pixels, min_side=self.spec.image_size)
+            arr = decode_image(data, c.max_image_bytes, c.max_pixels, min_side=self._min_side)
             result: torch.Tensor | ImageError = torch.from_numpy(arr)
         except ImageError as exc:
             result = exc
@@ -178,6 +282,10 @@ class EncoderPipeline:
         ]
         if not ok:
             return results
+        if self.family is not None:
+            for i in ok:
+                results[i] = self._encode_family(images[i], digests[i], decode_ms[i], len(ok))
+            return results
         n = len(ok)
         timer = _StageTimer(self._sync)
         patches = preprocess_batch([images[i] for i in ok], self.spec, self.device, self.dtype)
@@ -190,10 +298,18 @@ class EncoderPipeline:
         counts = [p.tokens.shape[0] for p in pruned]
         embeds = [self.projector(p.tokens) for p in pruned]  # each [K, hidden]
         timer.lap("project")
-        payloads = [
-            quantize_tokens(e, p.positions, self.tokens_total, self.config.int4_group_size, p.n_contextual)
-            for e, p in zip(embeds, pruned)
-        ]
+        if self.config.visual_tokens == "int4":
+            payloads = [
+                quantize_tokens(e, p.positions, self.tokens_total, self.config.int4_group_size,
+                                p.n_contextual)
+                for e, p in zip(embeds, pruned)
+            ]
+        else:
+            payloads = [
+                float_tokens(e, p.positions, self.tokens_total, self.config.visual_tokens,
+                             p.n_contextual)
+                for e, p in zip(embeds, pruned)
+            ]
         timer.lap("quantize")
         stage_ms = {k: v / n for k, v in timer.ms.items()}
         for j, i in enumerate(ok):
@@ -208,6 +324,62 @@ class EncoderPipeline:
                 timings_ms=timings,
             )
         return results
+
+    def _encode_family(self, image: torch.Tensor, digest: str, decode_ms: float,
+                       batch_size: int) -> EncodedImage:
+        """One image through the checkpoint's own encoder (see the module doc)."""
+        family = self.family
+        timer = _StageTimer(self._sync)
+        out = family.encode(image.numpy())
+        n = int(out.embeds.shape[0])
+        if out.embeds.shape != (n, self.hidden_size) or sum(out.runs) != n or out.saliency.shape != (n,):
+            raise RuntimeError(
+                f"{family.name} family returned embeds {tuple(out.embeds.shape)}, saliency "
+                f"{tuple(out.saliency.shape)}, runs summing to {sum(out.runs)}"
+            )
+        timer.lap("vision")
+        rows, positions, kept = self._drop(out, int(digest[:15], 16) ^ self.config.seed)
+        layout = family.layout(kept, out)
+        if out.mrope is not None:  # the kept rows keep their original (t, h, w) positions
+            columns = out.mrope[:, positions.to(out.mrope.device)].T.reshape(-1)  # [K*3]
+            layout = msgspec.structs.replace(
+                layout, mrope=tuple(int(v) for v in columns.tolist()),
+                mrope_advance=layout.mrope_advance or int(out.mrope_advance))
+        if layout.rows != rows.shape[0]:
+            raise RuntimeError(f"layout places {layout.rows} rows, {rows.shape[0]} were kept")
+        timer.lap("prune")
+        c = self.config
+        if c.visual_tokens == "int4":
+            payload = quantize_tokens(rows, positions, n, c.int4_group_size)
+        else:
+            payload = float_tokens(rows, positions, n, c.visual_tokens)
+        timer.lap("quantize")
+        timings = {"decode": decode_ms, "preprocess": 0.0, **timer.ms, "project": 0.0,
+                   "batch_size": float(batch_size)}
+        return EncodedImage(
+            digest=digest, fingerprint=self.fingerprint, tokens_kept=int(rows.shape[0]),
+            tokens_total=n, hidden_size=self.hidden_size, payload=payload, timings_ms=timings,
+            layout=layout,
+        )
+
+    def _drop(self, out, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Patch dropping per run -> (kept rows [K, D], their row indices [K], kept per run)."""
+        mode = _family_pruning(self.config.pruning)
+        n = int(out.embeds.shape[0])
+        if mode == "none":
+            return out.embeds, torch.arange(n), list(out.runs)
+        cfg = msgspec.structs.replace(self.config, pruning=mode)
+        rows, positions, kept = [], [], []
+        start = 0
+        for r, size in enumerate(out.runs):
+            feats = out.embeds[start : start + size][None]  # [1, n_r, D]
+            sal = out.saliency[start : start + size][None]  # [1, n_r]
+            p = prune(feats, sal, feats, cfg, [seed + r])[0]
+            rows.append(p.tokens)
+            positions.append(p.positions.cpu() + start)
+            kept.append(int(p.tokens.shape[0]))
+            start += size
+        return torch.cat(rows), torch.cat(positions), kept
 
 
 class _StageTimer:

@@ -50,7 +50,8 @@ class RedisEncoder:
     """Encoder protocol implementation that queues jobs for `visiongate worker` processes.
 
     `config`, `hidden_size` and `target_rms` must be the workers' (they make the fingerprint
-    the tokens are cached under); a worker started with others dead-letters the job and says
+    the tokens are cached under; for a VLM checkpoint only `config` counts, see
+    `encoder_fingerprint`); a worker started with others dead-letters the job and says
     which differs. `max_stream_len` caps the job stream (past it, encode answers busy): a safety valve for a
     queue no worker drains, not a tuning knob.
     """
@@ -79,6 +80,7 @@ class RedisEncoder:
         self.hidden_size = hidden_size
         self.target_rms = target_rms
         self.fingerprint = encoder_fingerprint(config, hidden_size, target_rms)
+        self._vlm = config.family is not None  # its entries must carry a layout
         self.timeout_s = timeout_s
         self.max_stream_len = max_stream_len
         self._image_ttl_ms = max(1, int(image_ttl_s * 1000))
@@ -205,6 +207,8 @@ class RedisEncoder:
             raise GatewayError(
                 "internal_error", "vision-cache entry belongs to another image or encoder"
             )
+        if self._vlm and image.layout is None:
+            raise GatewayError("internal_error", "vision-cache entry of a VLM checkpoint has no layout")
         return image
 
     async def aclose(self) -> None:

@@ -32,7 +32,10 @@ class LocalEncoder:
 
     remote = False
 
-    def __init__(self, config: EncoderConfig, hidden_size: int, target_rms: float | None = None) -> None:
+    def __init__(self, config: EncoderConfig, hidden_size: int | None,
+                 target_rms: float | None = None) -> None:
+        """`hidden_size` / `target_rms`: the language model's, for the synthetic projector; a
+        VLM checkpoint (`config.family`) uses its own projector and only checks the width."""
         self.config = config
         self.hidden_size = hidden_size
         self.target_rms = target_rms

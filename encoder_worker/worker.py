@@ -462,6 +462,13 @@ class EncoderWorker:
             f"fingerprint mismatch: the job expects encoder {job.fingerprint[:16]}, this worker "
             f"makes {self.fingerprint[:16]}"
         )
+        family = getattr(p, "family", None)
+        if family is not None:  # a real checkpoint: its tokens do not depend on these flags
+            return (
+                f"{head}; this worker serves the {family.name} checkpoint {p.config.tower} "
+                f"(pruning {p.config.pruning}, visual tokens {p.config.visual_tokens}): start "
+                "workers with the gateway's --model-path, --pruning and --visual-tokens"
+            )
         if job.hidden_size != p.hidden_size:
             return (
                 f"{head}; hidden size: job {job.hidden_size}, worker {p.hidden_size} "

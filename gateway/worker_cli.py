@@ -1,7 +1,10 @@
 """`visiongate worker`: an encoder worker process serving gateways whose `encoder` setting is
 `redis` (VISIONGATE_ENCODER=redis).
 
-Flags that shape the tokens (tower, pruning, hidden size, target RMS) must match the gateway's;
+Flags that shape the tokens (tower, pruning, visual-token form, hidden size, target RMS) must
+match the gateway's; with `--model-path` naming a VLM checkpoint (LLaVA, SmolVLM / Idefics3,
+Qwen2.5-VL) the checkpoint's own vision tower and projector encode, and `--vision-tower`,
+`--hidden-size` and `--target-rms` are ignored;
 a worker started with others refuses the gateway's jobs into the dead-letter stream, naming the
 value that differs. Defaults match the embedded default model (SmolLM2-135M-Instruct). Flags
 also read `VISIONGATE_<NAME>` where the gateway has the same setting.
@@ -16,7 +19,7 @@ import os
 import signal
 import sys
 
-__all__ = ("DEFAULT_HIDDEN_SIZE", "DEFAULT_TARGET_RMS", "register")
+__all__ = ("DEFAULT_HIDDEN_SIZE", "DEFAULT_TARGET_RMS", "register", "worker_config")
 
 # The embedded SmolLM2-135M-Instruct: its hidden size, and the RMS of its token-embedding rows
 # as the local engine measures it (float32 on the CPU); visual tokens are scaled to that RMS.
@@ -54,6 +57,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--consumer", help="consumer name in the group (default: hostname-pid)")
     g = p.add_argument_group("encoder (must match the gateway's)")
     g.add_argument(
+        "--model-path",
+        default=_env("model_path"),
+        help="the gateway's model checkpoint dir; a VLM checkpoint (LLaVA, SmolVLM/Idefics3, "
+        "Qwen2.5-VL) is encoded with its own vision tower and projector (VISIONGATE_MODEL_PATH)",
+    )
+    g.add_argument(
         "--vision-tower",
         default=_env("vision_tower", "vit-b16-224"),
         help="vit-b16-224 | vit-l14-336 | local CLIP/SigLIP checkpoint dir",
@@ -62,6 +71,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--pruning",
         default=_env("pruning", "dynamic"),
         help="none | random | topk | dynamic | dynamic+merge",
+    )
+    g.add_argument(
+        "--visual-tokens",
+        default=_env("visual_tokens", "int4"),
+        help="int4 | bf16 | fp32: stored form of the visual tokens (VISIONGATE_VISUAL_TOKENS)",
     )
     g.add_argument(
         "--hidden-size",
@@ -124,23 +138,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_worker)
 
 
+def worker_config(args: argparse.Namespace):
+    """The worker's EncoderConfig from its flags; ValueError names what is wrong.
+
+    A VLM checkpoint under --model-path becomes the tower, and the synthetic projector's
+    --hidden-size / --target-rms are cleared (the checkpoint brings its own projector)."""
+    from encoder_worker.config import EncoderConfig, tower_family
+
+    tower = args.vision_tower
+    if args.model_path and not os.path.isdir(args.model_path):
+        raise ValueError(f"--model-path {args.model_path!r} is not a directory")
+    if args.model_path and tower_family(args.model_path) is not None:
+        tower = args.model_path
+        args.hidden_size, args.target_rms = None, None
+    return EncoderConfig(
+        tower=tower,
+        pruning=args.pruning,
+        visual_tokens=args.visual_tokens,
+        device=args.device,
+        max_batch=args.max_batch,
+        max_image_bytes=args.max_image_bytes,
+        max_pixels=args.max_pixels,
+    )
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     if not args.redis_url:
         print(
             "visiongate worker: --redis-url (or VISIONGATE_REDIS_URL) is required", file=sys.stderr
         )
         return 2
-    from encoder_worker.config import EncoderConfig
-
     try:
-        config = EncoderConfig(
-            tower=args.vision_tower,
-            pruning=args.pruning,
-            device=args.device,
-            max_batch=args.max_batch,
-            max_image_bytes=args.max_image_bytes,
-            max_pixels=args.max_pixels,
-        )
+        config = worker_config(args)
     except ValueError as exc:
         print(f"visiongate worker: configuration error: {exc}", file=sys.stderr)
         return 2

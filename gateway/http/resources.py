@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from gateway.app import GatewayState
     from gateway.vision import Resolved
 
-__all__ = ("ImageServing", "ModelServing", "SessionServing", "session_view")
+__all__ = ("SYNTHETIC_VISION_LABEL", "ImageServing", "ModelServing", "SessionServing",
+           "session_view", "vision_label")
 
 log = structlog.get_logger("visiongate.http")
 
@@ -35,12 +36,43 @@ def _not_ready() -> GatewayError:
     return GatewayError("busy", "the model is still loading; retry when /readyz answers 200")
 
 
+SYNTHETIC_VISION_LABEL = "synthetic seeded tower, answers not grounded"
+
+
+def vision_label(state: GatewayState) -> str:
+    """What encodes the images, in words: the seeded synthetic tower (labelled as such), a
+    vision-only checkpoint with the seeded projector, or a VLM checkpoint's own encoder."""
+    import os
+
+    from encoder_worker.config import SYNTHETIC_TOWERS, tower_family
+
+    settings = state.settings
+    config = getattr(state.encoder, "config", None)
+    tower = config.tower if config is not None else settings.vision_tower
+    try:
+        family = tower_family(tower) or (tower_family(settings.model_path)
+                                         if config is None and settings.model_path else None)
+    except ValueError:
+        family = None
+    if family is not None:
+        name = os.path.basename(os.path.normpath(settings.model_path or tower))
+        return f"{family} checkpoint {name}: its own vision tower and projector"
+    if tower in SYNTHETIC_TOWERS:
+        return SYNTHETIC_VISION_LABEL
+    return (f"vision checkpoint {os.path.basename(os.path.normpath(tower))} with a seeded "
+            "projector, answers not grounded")
+
+
 class ModelServing:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
+        self._vision: str | None = None
 
     def _card(self) -> p.ModelCard:
-        return p.ModelCard(id=self.state.engine.model_id, created=int(self.state.started_at))
+        if self._vision is None or not self.state.ready:
+            self._vision = vision_label(self.state)
+        return p.ModelCard(id=self.state.engine.model_id, created=int(self.state.started_at),
+                           vision=self._vision)
 
     def list(self) -> p.ModelList:
         return p.ModelList(data=[self._card()])

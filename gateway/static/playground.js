@@ -12,7 +12,7 @@ const ui = {
   file: $("file-input"), preview: $("preview"), hint: $("drop-hint"), imageStatus: $("image-status"),
   question: $("question"), send: $("send"), stop: $("stop"), composer: $("composer"),
   maxTokens: $("max-tokens"), temperature: $("temperature"), apiKey: $("api-key"),
-  newSession: $("new-session"),
+  newSession: $("new-session"), visionLabel: $("vision-label"),
 };
 
 let ws = null;
@@ -25,6 +25,19 @@ let retryDelay = 500;
 function setStatus(text, kind) {
   ui.status.textContent = text;
   ui.status.className = "pill " + (kind || "");
+}
+
+// what encodes the images (GET /v1/models `vision`): says so when answers are not grounded
+async function showVisionLabel() {
+  try {
+    const headers = ui.apiKey.value ? { Authorization: "Bearer " + ui.apiKey.value } : {};
+    const reply = await fetch("/v1/models", { headers });
+    if (!reply.ok) return;
+    const card = ((await reply.json()).data || [])[0] || {};
+    if (card.vision) ui.visionLabel.textContent = "vision: " + card.vision;
+  } catch (err) {
+    // the label is informative only
+  }
 }
 
 function eventId() {
@@ -87,6 +100,7 @@ function handle(event) {
       localStorage.setItem(SESSION_KEY, sessionId);
       ui.sessionId.textContent = sessionId;
       setStatus("ready · " + event.session.model, "ready");
+      showVisionLabel();
       const ext = event.session.visiongate || {};
       if (ext.resumed) renderHistory(ext.items || []);
       break;
