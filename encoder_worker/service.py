@@ -15,6 +15,7 @@ import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
+import torch
 
 from encoder_worker.config import EncoderConfig
 from encoder_worker.pipeline import EncoderPipeline, encoder_fingerprint
@@ -33,12 +34,15 @@ class LocalEncoder:
     remote = False
 
     def __init__(self, config: EncoderConfig, hidden_size: int | None,
-                 target_rms: float | None = None) -> None:
+                 target_rms: float | None = None, *, torch_threads: int | None = None) -> None:
         """`hidden_size` / `target_rms`: the language model's, for the synthetic projector; a
         VLM checkpoint (`config.family`) uses its own projector and only checks the width."""
         self.config = config
         self.hidden_size = hidden_size
         self.target_rms = target_rms
+        # intra-op threads of the encoder's own thread (torch keeps this per thread): beside an
+        # in-process language model the two share the cores instead of fighting over them
+        self.torch_threads = torch_threads
         # known before the tower is built, so caches can be consulted right away
         self.fingerprint = encoder_fingerprint(config, hidden_size, target_rms)
         self.pipeline: EncoderPipeline | None = None
@@ -52,7 +56,10 @@ class LocalEncoder:
         if self._task is not None:
             return
         loop = asyncio.get_running_loop()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="vg-encoder")
+        threads = self.torch_threads
+        self._executor = ThreadPoolExecutor(
+            1, thread_name_prefix="vg-encoder",
+            initializer=(lambda: torch.set_num_threads(threads)) if threads else None)
         self.pipeline = await loop.run_in_executor(self._executor, self._build)
         self._queue = asyncio.Queue()
         self._task = asyncio.create_task(self._batch_loop(), name="visiongate-encoder-batcher")

@@ -8,6 +8,7 @@ loaded and warmed up. Parts can be passed in (tests hand in their own engine or 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,7 +89,9 @@ def build_encoder(settings: Settings, engine: Engine) -> Any:
                             target_rms=target_rms,
                             image_ttl_s=settings.vision_cache_ttl_s,
                             vision_ttl_s=settings.vision_cache_ttl_s)
-    return LocalEncoder(config, hidden_size=engine.hidden_size, target_rms=target_rms)
+    threads = settings.encoder_threads or max(1, (os.cpu_count() or 2) // 2)
+    return LocalEncoder(config, hidden_size=engine.hidden_size, target_rms=target_rms,
+                        torch_threads=threads)
 
 
 def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any = None) -> Litestar:

@@ -265,6 +265,13 @@ class Scheduler:
         return sum(s.kv.nbytes for s in self._running if s.kv is not None)
 
     def _admit(self) -> None:
+        with self._cond:  # a cancelled request leaves the queue at once, not when it is its turn
+            cancelled = [s for s in self._waiting if s.request.cancel.is_set()]
+            for seq in cancelled:
+                self._waiting.remove(seq)
+        now = time.perf_counter()
+        for seq in cancelled:
+            seq.job.post(self._result(seq, "cancelled", now))
         while len(self._running) < self.cfg.max_batch:
             with self._cond:
                 if not self._waiting:
