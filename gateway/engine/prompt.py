@@ -52,8 +52,10 @@ __all__ = (
 
 IMAGE_OPEN = "<image>"
 IMAGE_CLOSE = "</image>"
-# Set (True) on a VLM checkpoint's tokenizer: its chat template takes structured content
+# Set on a VLM checkpoint's tokenizer: its chat template takes structured content
 # ([{"type": "image"}, {"type": "text", "text": ...}]) for every message, text-only ones too.
+# The value is the image placeholder (its image token, e.g. "<image>"), or True if unknown;
+# a placeholder lets text-only prompts that spell it be refused as well.
 STRUCTURED_CONTENT_ATTR = "visiongate_structured_content"
 
 
@@ -201,23 +203,23 @@ def _render_laid_out(
     text = tokenizer.apply_chat_template(
         conversation, tokenize=False, add_generation_prompt=add_generation_prompt
     )
-    if not images:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
-        return Prompt(segments=[ids] if ids else [], tokens=list(ids))
-
+    marked = getattr(tokenizer, STRUCTURED_CONTENT_ATTR, None)
     layouts: list[ImageLayout] = []
     for image in images:
         if image.layout is None:
             raise ValueError("every image needs a layout on a vision-language checkpoint")
         _check_layout(image, image.layout, images[0].layout.placeholder)  # type: ignore[union-attr]
         layouts.append(image.layout)
-    placeholder = layouts[0].placeholder
-    chunks = text.split(placeholder)
+    placeholder = layouts[0].placeholder if layouts else marked if isinstance(marked, str) else ""
+    chunks = text.split(placeholder) if placeholder else [text]
     if len(chunks) - 1 != len(images):
         raise ValueError(
             f"the prompt renders {len(chunks) - 1} image placeholders {placeholder!r} for "
             f"{len(images)} images (message text must not contain {placeholder!r})"
         )
+    if not images:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        return Prompt(segments=[ids] if ids else [], tokens=list(ids))
     image_id = _single_token_id(tokenizer, placeholder)
     expanded = [chunks[0]]
     for layout, chunk in zip(layouts, chunks[1:]):

@@ -29,12 +29,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
-
-if TYPE_CHECKING:
-    import torch
+import torch
 
 __all__ = (
     "CHATML_TEMPLATE",
@@ -133,7 +131,6 @@ def _is_complete(target: Path, meta: dict[str, Any]) -> bool:
 
 def ensure_default_converted(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Convert the embedded GGUF to a float32 safetensors checkpoint once; return its directory."""
-    import torch
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -189,8 +186,6 @@ def ensure_default_converted(cache_dir: str | os.PathLike[str] | None = None) ->
 
 
 def _pick_device(device: str) -> torch.device:
-    import torch
-
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -204,8 +199,6 @@ def _pick_weights(requested: str, dev: torch.device) -> str:
     the same logits to within float rounding, so cached and uncached answers agree; on CUDA,
     bfloat16 where supported. bfloat16 and int8 (dynamic quantization of the linear layers) are
     faster on CPU, at the price of small differences between cached and uncached answers."""
-    import torch
-
     if requested not in WEIGHT_DTYPES:
         raise ValueError(f"lm dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {requested!r}")
     if requested != "auto":
@@ -224,7 +217,6 @@ def load_weights(
     dtype: str = "auto",
 ) -> LoadedModel:
     """Load a local checkpoint directory (causal LM or VLM), or the embedded default."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
@@ -307,37 +299,40 @@ def _vlm_family(path: Path) -> str | None:
     return None
 
 
-class VLMLanguageModel:
+class VLMLanguageModel(torch.nn.Module):
     """The language model of a VLM checkpoint, callable like a transformers causal LM.
 
-    Holds what the engine needs besides `LoadedModel.decoder` / `lm_head` / `embed`: the
-    checkpoint's config (`config.get_text_config()` is the language model's), its generation
-    config (eos ids) and device. `forward` runs decoder + lm_head on ids or embeddings; it takes
-    `position_ids` [1, T] or, for M-RoPE, [3, 1, T].
+    Holds what the engine needs besides `LoadedModel.decoder` / `lm_head` / `embed` (which are
+    its submodules): the checkpoint's config (`config.get_text_config()` is the language
+    model's), its generation config (eos ids) and device. `forward` runs decoder + lm_head on
+    ids or embeddings; it takes `position_ids` [1, T] or, for M-RoPE, [3, 1, T].
     """
 
     def __init__(
-        self, config: Any, decoder: Any, lm_head: Any, generation_config: Any, device: Any
+        self,
+        config: Any,
+        decoder: torch.nn.Module,
+        lm_head: torch.nn.Module,
+        generation_config: Any,
     ) -> None:
+        super().__init__()
         self.config = config
         self.decoder = decoder
         self.lm_head = lm_head
         self.generation_config = generation_config
-        self.device = device
 
-    def get_decoder(self) -> Any:
+    @property
+    def device(self) -> torch.device:
+        return next(self.decoder.parameters()).device
+
+    def get_decoder(self) -> torch.nn.Module:
         return self.decoder
 
-    def get_input_embeddings(self) -> Any:
+    def get_input_embeddings(self) -> torch.nn.Module:
         return self.decoder.get_input_embeddings()
 
-    def get_output_embeddings(self) -> Any:
+    def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm_head
-
-    def eval(self) -> VLMLanguageModel:
-        self.decoder.eval()
-        self.lm_head.eval()
-        return self
 
     def forward(
         self,
@@ -358,9 +353,7 @@ class VLMLanguageModel:
         hidden = out.last_hidden_state  # [B, T, H]
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return CausalLMOutputWithPast(logits=self.lm_head(hidden), past_key_values=cache)
-
-    __call__ = forward
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden), cache=cache)
 
 
 def _safetensors_index(path: Path) -> dict[str, Path]:
@@ -422,11 +415,22 @@ def _processor_chat_template(path: Path) -> str | None:
     return None
 
 
+def _image_placeholder(config: Any, tokenizer: Any) -> str | None:
+    """The image token the chat template renders per image (LLaVA "<image>", Qwen2.5-VL
+    "<|image_pad|>"), from the config's image token id."""
+    token_id = getattr(config, "image_token_id", None)
+    if token_id is None:
+        token_id = getattr(config, "image_token_index", None)
+    if not isinstance(token_id, int):
+        return None
+    token = tokenizer.convert_ids_to_tokens(token_id)
+    return token if isinstance(token, str) and token else None
+
+
 def _load_vlm_language_model(
     path: Path, model_id: str, family: str, dev: torch.device, act_dtype: torch.dtype, weights: str
 ) -> LoadedModel:
     """Build the text model from the checkpoint's text config and read only its weights."""
-    import torch
     from transformers import AutoConfig, AutoModel, AutoTokenizer, GenerationConfig
     from transformers.initialization import no_init_weights
 
@@ -434,8 +438,9 @@ def _load_vlm_language_model(
 
     config = AutoConfig.from_pretrained(path)
     text_config = config.get_text_config()
+    # built in the activation dtype the way from_pretrained builds it (rotary tables stay fp32)
     with no_init_weights():
-        decoder = AutoModel.from_config(text_config, dtype=torch.float32)
+        decoder = AutoModel.from_config(text_config, dtype=act_dtype)
     names = list(decoder.state_dict())
     where = _safetensors_index(path)
     prefix = _text_weight_prefix(path, family, names, where)
@@ -443,7 +448,7 @@ def _load_vlm_language_model(
 
     hidden = int(text_config.hidden_size)
     embed = decoder.get_input_embeddings()
-    lm_head = torch.nn.Linear(hidden, embed.num_embeddings, bias=False)
+    lm_head = torch.nn.Linear(hidden, embed.num_embeddings, bias=False, dtype=act_dtype)
     head_key = next((k for k in _HEAD_KEYS if k in where), None)
     if head_key is not None:
         lm_head.load_state_dict(_read_tensors(where, {"weight": head_key}))
@@ -453,8 +458,8 @@ def _load_vlm_language_model(
         lm_head.weight = embed.weight
     else:
         raise ValueError(f"{path}: no lm_head weights and the config does not tie them")
-    decoder.to(device=dev, dtype=act_dtype).eval()
-    lm_head.to(device=dev, dtype=act_dtype).eval()
+    decoder.to(dev).eval()
+    lm_head.to(dev).eval()
     if weights == "int8":
         decoder = torch.ao.quantization.quantize_dynamic(
             decoder, {torch.nn.Linear}, dtype=torch.qint8
@@ -473,8 +478,8 @@ def _load_vlm_language_model(
     if not template:
         raise ValueError(f"{path}: the checkpoint has no chat template")
     tokenizer.chat_template = template
-    setattr(tokenizer, STRUCTURED_CONTENT_ATTR, True)
-    model = VLMLanguageModel(config, decoder, lm_head, generation_config, dev)
+    setattr(tokenizer, STRUCTURED_CONTENT_ATTR, _image_placeholder(config, tokenizer) or True)
+    model = VLMLanguageModel(config, decoder, lm_head, generation_config).eval()
     return LoadedModel(
         model,
         tokenizer,

@@ -12,6 +12,7 @@ built, and for the same image and messages:
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import shutil
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from encoder_worker.families import UnsupportedCheckpoint
 from encoder_worker.types import ImageLayout
 from gateway.engine.base import ImageInput, Message
 from gateway.engine.kvblocks import position_keys
-from gateway.engine.prompt import embed_positions, render
+from gateway.engine.prompt import STRUCTURED_CONTENT_ATTR, embed_positions, render
 from gateway.engine.weights import LoadedModel, load_weights
 
 FAMILIES = ("llava", "idefics3", "qwen2_5_vl")
@@ -200,7 +201,7 @@ def _our_logits(ckpt: Checkpoint, prompt, cuts: tuple[int, ...] = ()) -> torch.T
     bounds = [0, *cuts, prompt.length]
     hidden = None
     with torch.no_grad():
-        for start, end in zip(bounds, bounds[1:]):
+        for start, end in itertools.pairwise(bounds):
             embeds = embed_positions(w.embed, prompt, start, w.dtype, w.device, end=end)
             assert embeds.shape == (1, end - start, w.hidden_size)
             out = w.decoder(
@@ -307,6 +308,14 @@ def test_placeholder_in_text_is_refused(ckpt: Checkpoint) -> None:
     messages = [Message("user", [image, f"what is {ckpt.placeholder} here?"])]
     with pytest.raises(ValueError, match="placeholder"):
         render(ckpt.loaded.tokenizer, messages, add_generation_prompt=True)
+    # also without any image: the tokenizer knows the checkpoint's placeholder
+    assert getattr(ckpt.loaded.tokenizer, STRUCTURED_CONTENT_ATTR) == ckpt.placeholder
+    with pytest.raises(ValueError, match="placeholder"):
+        render(
+            ckpt.loaded.tokenizer,
+            [Message("user", [f"a {ckpt.placeholder}"])],
+            add_generation_prompt=True,
+        )
 
 
 def test_layout_must_match_rows(ckpt: Checkpoint) -> None:
@@ -336,7 +345,7 @@ def test_mrope_matches_get_rope_index(ckpt: Checkpoint) -> None:
 def test_mrope_keeps_original_positions_after_dropping(ckpt: Checkpoint) -> None:
     if ckpt.family != "qwen2_5_vl":
         pytest.skip("M-RoPE is Qwen2.5-VL's")
-    image, photo = _image(ckpt, "astronaut")
+    image, _ = _image(ckpt, "astronaut")
     messages = [Message("user", [image, "Describe it."])]
     full = render(ckpt.loaded.tokenizer, messages, add_generation_prompt=True)
     rows = image.num_tokens
@@ -349,11 +358,17 @@ def test_mrope_keeps_original_positions_after_dropping(ckpt: Checkpoint) -> None
         mrope_advance=image.layout.mrope_advance,
     )
     pruned = ImageInput(image.digest, image.embeds[keep], pruned_layout)
-    prompt = render(ckpt.loaded.tokenizer, [Message("user", [pruned, "Describe it."])],
-                    add_generation_prompt=True)
+    prompt = render(
+        ckpt.loaded.tokenizer,
+        [Message("user", [pruned, "Describe it."])],
+        add_generation_prompt=True,
+    )
     span = full.images[0]
-    kept_cols = [i for i in range(full.length)
-                 if not (span.start <= i < span.start + rows) or (i - span.start) in keep]
+    kept_cols = [
+        i
+        for i in range(full.length)
+        if not (span.start <= i < span.start + rows) or (i - span.start) in keep
+    ]
     assert prompt.length == full.length - (rows - len(keep))
     assert torch.equal(prompt.mrope, full.mrope[:, kept_cols])
     # generation continues where the unpruned prompt would: same next rotary index
@@ -366,8 +381,10 @@ def test_both_weight_layouts_load_the_same(ckpt: Checkpoint, tmp_path: Path) -> 
     from safetensors.torch import load_file, save_file
 
     renames = {
-        "llava": (("language_model.model.", "model.language_model."),
-                  ("language_model.lm_head.", "lm_head.")),
+        "llava": (
+            ("language_model.model.", "model.language_model."),
+            ("language_model.lm_head.", "lm_head."),
+        ),
         "qwen2_5_vl": (("visual.", "model.visual."), ("model.", "model.language_model.")),
         "idefics3": (),
     }[ckpt.family]
@@ -392,8 +409,11 @@ def test_both_weight_layouts_load_the_same(ckpt: Checkpoint, tmp_path: Path) -> 
 
 
 def test_unsupported_architecture_names_families(tmp_path: Path) -> None:
-    config = {"model_type": "paligemma", "vision_config": {"model_type": "siglip_vision_model"},
-              "text_config": {"model_type": "gemma"}}
+    config = {
+        "model_type": "paligemma",
+        "vision_config": {"model_type": "siglip_vision_model"},
+        "text_config": {"model_type": "gemma"},
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedCheckpoint) as info:
         load_weights(tmp_path, device="cpu")
