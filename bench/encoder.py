@@ -11,6 +11,16 @@ INT4 payload).
 
 Both see the same tower weights and the same projector, in one process, alternating runs so
 machine noise hits both alike. Writes DIR/encoder.json and DIR/encoder.png.
+
+Real VLM checkpoints (LLaVA, SmolVLM / Idefics3, Qwen2.5-VL) get the quality table of patch
+dropping + INT4 instead, measured through each checkpoint's own language model
+(`bench._encoder_vlm`):
+
+    python -m bench.encoder --out DIR --vision-model VLM_DIR [--vision-model VLM_DIR2 ...]
+    python -m bench.encoder --out DIR --tiny-families    # tiny random-weight checkpoints
+
+It writes DIR/encoder_vlm.json and DIR/encoder_vlm.png. A CLIP / SigLIP `--vision-model` still
+runs the benchmark above with that tower.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import io
 import json
 import os
 import statistics
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -265,19 +276,113 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="Without --vision-model / --tiny-families: the synthetic ViT-B/16 tower, baseline vs "
+        "optimized pipeline (encoder.json, encoder.png). With VLM checkpoints: next-token "
+        "agreement and logit cosine of the optimized encodings vs the exact one, through the "
+        "checkpoint's language model (encoder_vlm.json, encoder_vlm.png).",
+    )
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--vision-model", default=None, help="local CLIP/SigLIP checkpoint directory")
+    ap.add_argument(
+        "--vision-model", action="append", default=[], metavar="DIR",
+        help="local checkpoint directory, repeatable: a VLM checkpoint (LLaVA, SmolVLM / "
+        "Idefics3, Qwen2.5-VL) joins the quality table; one CLIP/SigLIP vision checkpoint "
+        "replaces the synthetic tower of the baseline-vs-optimized benchmark",
+    )
+    ap.add_argument(
+        "--tiny-families", action="store_true",
+        help="build tiny random-weight LLaVA, Idefics3 and Qwen2.5-VL checkpoints in a temporary "
+        "directory and add them to the quality table (uses the builders in tests/vlm_checkpoints, "
+        "importable from a repository checkout, and the SmolLM2 tokenizer of `visiongate "
+        "convert`; their agreement numbers show the machinery, not model quality)",
+    )
+    ap.add_argument("--greedy-tokens", type=int, default=8,
+                    help="VLM table: greedy continuation length compared with the reference")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                    help="VLM table: where the encoder and the language model run")
     ap.add_argument("--pruning", default="dynamic", choices=PRUNING_MODES)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=576, help="language model hidden size")
     ap.add_argument("--target-rms", type=float, default=0.02)
     ap.add_argument("--repeats", type=int, default=3)
+    return ap
+
+
+def _split_models(ap: argparse.ArgumentParser, dirs: list[str]) -> tuple[list[str], str | None]:
+    """--vision-model dirs -> (VLM checkpoints, the one CLIP/SigLIP tower or None)."""
+    from encoder_worker.config import tower_family
+    from encoder_worker.families import UnsupportedCheckpoint
+
+    vlms, towers = [], []
+    for d in dirs:
+        if not os.path.isdir(d):
+            ap.error(f"--vision-model {d} is not a directory")
+        try:
+            (vlms if tower_family(d) is not None else towers).append(d)
+        except UnsupportedCheckpoint as exc:
+            ap.error(str(exc))
+    if len(towers) > 1:
+        ap.error(f"at most one CLIP/SigLIP --vision-model, got {len(towers)}: {towers}")
+    return vlms, towers[0] if towers else None
+
+
+def run_vlm(args: argparse.Namespace, checkpoints: list[str]) -> list[dict]:
+    """The quality table for each VLM checkpoint (and the tiny ones with --tiny-families)."""
+    import tempfile
+
+    from bench import _encoder_vlm as vlm
+
+    torch.manual_seed(0)
+    photos = photo_bytes()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="vg-tiny-vlm-") as tmp:
+        todo = [(Path(c), False) for c in checkpoints]
+        if args.tiny_families:
+            print("building tiny random-weight checkpoints ...", file=sys.stderr, flush=True)
+            todo += [(p, True) for p in vlm.build_tiny_checkpoints(Path(tmp))]
+        for path, tiny in todo:
+            res = vlm.measure_checkpoint(
+                path, photos, repeats=args.repeats, steps=args.greedy_tokens,
+                device=args.device, random_weights=tiny,
+            )
+            if tiny:
+                res["checkpoint"] = f"tiny {res['family']} (tests/vlm_checkpoints, seed 0)"
+            vlm.print_family_table(res)
+            results.append(res)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
-    if args.vision_model and not os.path.isdir(args.vision_model):
-        ap.error(f"--vision-model {args.vision_model} is not a directory")
+    if args.repeats < 1 or args.greedy_tokens < 1:
+        ap.error("--repeats and --greedy-tokens must be >= 1")
+    vlms, tower = _split_models(ap, args.vision_model)
+    args.vision_model = tower
     args.out.mkdir(parents=True, exist_ok=True)
+    if vlms or args.tiny_families:
+        from bench import _encoder_vlm as vlm
+        from gateway.logging import configure_logging
+
+        configure_logging("warning")
+        try:
+            results = run_vlm(args, vlms)
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        doc = {
+            "machine": {"device": results[0]["device"], "threads": torch.get_num_threads(),
+                        "cpu_count": os.cpu_count(), "torch": torch.__version__},
+            "configs": {k: {"pruning": p, "visual_tokens": v} for k, (p, v) in vlm.CONFIGS.items()},
+            "families": results,
+        }
+        (args.out / "encoder_vlm.json").write_text(json.dumps(doc, indent=2))
+        vlm.plot_vlm(results, args.out / "encoder_vlm.png")
+        print(f"\nwrote {args.out / 'encoder_vlm.json'} and {args.out / 'encoder_vlm.png'}")
+        if tower is None:
+            return 0
     res = run(args)
     print_table(res)
     (args.out / "encoder.json").write_text(json.dumps(res, indent=2))
