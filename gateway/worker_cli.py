@@ -24,7 +24,7 @@ __all__ = ("DEFAULT_HIDDEN_SIZE", "DEFAULT_TARGET_RMS", "register", "worker_conf
 # The embedded SmolLM2-135M-Instruct: its hidden size, and the RMS of its token-embedding rows
 # as the local engine measures it (float32 on the CPU); visual tokens are scaled to that RMS.
 DEFAULT_HIDDEN_SIZE = 576
-DEFAULT_TARGET_RMS = 0.13557930290699005
+DEFAULT_TARGET_RMS = 0.13557929
 
 # test hook: set to 1 and the worker SIGKILLs itself right after reading its first job
 TEST_DIE_AFTER_READ_ENV = "VISIONGATE_TEST_WORKER_DIE_AFTER_READ"
