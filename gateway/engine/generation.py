@@ -84,7 +84,9 @@ def sample_next(
     """Greedy when temperature == 0, else temperature + nucleus (top-p) sampling."""
     if temperature <= 0.0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [vocab]
+    # shift before dividing: a tiny temperature must not overflow the logits to inf (NaN probs)
+    scaled = logits.float()
+    probs = torch.softmax((scaled - scaled.max()) / temperature, dim=-1)  # [vocab]
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)

@@ -3,7 +3,8 @@
 A sequence is cut into blocks of `block_size` positions; block i hashes
 `blake2b(hash_{i-1} || positions of block i)`, where a text position is its token id and an
 image position is `(image key, offset in the image)`. The chain starts from a seed naming the
-model, dtype and block size, so KV from another model never matches. Reuse between a stored
+model, dtype and block size (and, for KV spilled to a store other processes read, a content id
+of the weights), so KV from another model never matches. Reuse between a stored
 entry and a new prompt is the run of equal full-block hashes, extended position by position
 inside the first differing block using the entry's own (hash-verified) token list.
 """

@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
+import json
+import struct
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -55,6 +59,40 @@ MiB = 1 << 20
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
+
+
+_SAMPLE = 4096  # bytes read from the start, middle and end of each tensor
+
+
+def _weights_id(path: Path) -> str:
+    """A content id of a checkpoint directory, cheap at any size.
+
+    Covers every `*.json` / `*.jinja` file whole, every `*.safetensors` header (names, dtypes,
+    shapes, offsets) and 4 KiB from the start, middle and end of every tensor's bytes: a
+    fine-tune or a merged adapter changes the sampled bytes of the tensors it touches, while
+    reading a few KiB per tensor keeps it fast for checkpoints of any size.
+    """
+    h = hashlib.sha256()
+    files = sorted(p for p in Path(path).iterdir()
+                   if p.is_file() and p.suffix in (".json", ".jinja", ".safetensors"))
+    for file in files:
+        h.update(file.name.encode() + b"\0")
+        if file.suffix != ".safetensors":
+            h.update(file.read_bytes())
+            continue
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            head = f.read(n)
+            h.update(head)
+            for key, info in sorted(json.loads(head).items()):
+                if key == "__metadata__":
+                    continue
+                start, end = info["data_offsets"]
+                middle = max(start, (start + end - _SAMPLE) // 2)
+                for at in sorted({start, middle, max(start, end - _SAMPLE)}):
+                    f.seek(8 + n + at)
+                    h.update(f.read(min(_SAMPLE, end - at)))
+    return h.hexdigest()
 
 
 class LocalEngine:
@@ -160,12 +198,18 @@ class LocalEngine:
         self.model_id = w.model_id
         self.hidden_size = w.hidden_size
         table = w.embed.weight.detach().float()  # [vocab, H]
-        self.embedding_rms = float(table.pow(2).mean().sqrt())
+        # float64 and 8 digits: the same value whatever the thread count, since workers started
+        # elsewhere must compute the same encoder fingerprint from it
+        self.embedding_rms = round(float(table.double().pow(2).mean().sqrt()), 8)
         text_config = w.model.config.get_text_config()
         max_positions = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 30)
         # the async side counts tokens; a Rust tokenizer is not safe to share across threads
         self._count_tokenizer = copy.deepcopy(w.tokenizer)
-        self.kv_store = self._make_store()
+        spill_seed = None
+        if self._kv_redis_url is not None:  # KV leaves the process: name the weights themselves
+            weights_id = await asyncio.to_thread(_weights_id, w.path)
+            spill_seed = chain_seed(w.model_id, f"{w.weights}|{weights_id}", self._kv_block_size)
+        self.kv_store = self._make_store(spill_seed)
         self._scheduler = Scheduler(
             w,
             SchedulerConfig(
@@ -181,6 +225,7 @@ class LocalEngine:
             kv_store=self.kv_store,
             cache_arg=cache_param(w.decoder),
             name=f"engine-{w.model_id}",
+            spill_seed=spill_seed,
         )
         self._scheduler.start()
         warm = GenerationRequest(
@@ -198,9 +243,13 @@ class LocalEngine:
             kv_budget_bytes=self._kv_budget_bytes, prefix_caching=self._prefix_caching,
         )
 
-    def _make_store(self) -> KVStore | None:
-        """Where sessions' KV is spilled for other replicas; None: memory only."""
-        if self._kv_redis_url is None:
+    def _make_store(self, seed: bytes | None) -> KVStore | None:
+        """Where sessions' KV is spilled for other replicas; None: memory only.
+
+        Entries carry `seed` (model id, dtype, block size and the weights' content id), so a
+        replica serving other weights under the same name (a new fine-tune deployed at the same
+        path) reads a miss, never KV its model did not compute."""
+        if self._kv_redis_url is None or seed is None:
             return None
         from gateway.engine.kvredis import RedisKVStore
 
@@ -209,7 +258,7 @@ class LocalEngine:
         return RedisKVStore(
             self._kv_redis_url,
             0,  # the prefix cache is the memory tier; this store only writes to Redis
-            seed=chain_seed(w.model_id, w.weights, self._kv_block_size),
+            seed=seed,
             ttl_s=self._kv_ttl_s,
             device=w.device,
         )
@@ -263,15 +312,19 @@ class LocalEngine:
         """The model's tokenizer (with its chat template); None before `start`."""
         return self._weights.tokenizer if self._weights is not None else None
 
+    # stats and forget may run on other threads while aclose drops the scheduler: read it once
+
     def stats(self) -> EngineStats:
-        return self._scheduler.stats() if self._scheduler is not None else EngineStats()
+        sched = self._scheduler
+        return sched.stats() if sched is not None else EngineStats()
 
     def forget(self, kv_key: str) -> None:
         """Drop the KV kept under `kv_key` (pins, memory and Redis), e.g. with its session."""
-        if self._scheduler is not None:
-            self._scheduler.forget(kv_key)
-        if self.kv_store is not None:
-            self.kv_store.delete(kv_key)
+        sched, store = self._scheduler, self.kv_store
+        if sched is not None:
+            sched.forget(kv_key)
+        if store is not None:
+            store.delete(kv_key)
 
     # -- the async side ----------------------------------------------------------------------
 

@@ -8,6 +8,15 @@ long history) is therefore spread over several steps while the others keep strea
 request joins or leaves the batch at any step boundary. Cancelling a request takes it out at the
 next boundary (its KV freed); the others' tokens are untouched.
 
+A request is checked before it runs: image embeds must be `[N, hidden]`, floating point and
+finite (one NaN row would reach every position of its chunk, and the prefix cache); sampling
+must be in range; stop strings are bounded (`MAX_STOPS` x `MAX_STOP_CHARS`), since they are
+matched on the thread every stream shares. A refusal is an `EngineError` with a stable code
+(`invalid_image`, `invalid_request`, `context_length_exceeded`). A failure while admitting or
+sampling one sequence fails that sequence alone; only a failed forward fails its whole step.
+Non-finite values that arise inside the forward (an overflow) fail the sequence at its next
+logits, and KV that holds them is never given to the prefix cache or the spill store.
+
 Every sequence keeps its own sampling state (temperature, top-p, seeded generator), stop
 strings, token limit and streaming detokenizer. A sequence is one list of positions: the
 prompt's, then its generated tokens; `fed` of them have KV in its buffer. A step feeds
@@ -27,6 +36,7 @@ never run.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections import deque
@@ -55,11 +65,15 @@ if TYPE_CHECKING:
     from gateway.engine.kvstore import KVStore
     from gateway.engine.weights import LoadedModel
 
-__all__ = ("Job", "Scheduler", "SchedulerConfig")
+__all__ = ("MAX_STOPS", "MAX_STOP_CHARS", "Job", "Scheduler", "SchedulerConfig")
 
 log = structlog.get_logger(__name__)
 
 _GROW = 64  # positions a sequence's buffer grows by
+# The stop check rescans every stop's prefixes against the text each token, so their number
+# and length bound the per-token cost on the thread every stream shares.
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
 
 
 def _ms(seconds: float) -> float:
@@ -137,6 +151,7 @@ class Scheduler:
         kv_store: KVStore | None,
         cache_arg: str,
         name: str = "engine",
+        spill_seed: bytes | None = None,
     ) -> None:
         self.w = weights
         self.cfg = config
@@ -153,7 +168,11 @@ class Scheduler:
         self.pos_bytes = SeqKV.bytes_per_position(
             self.num_layers, self.kv_heads, self.head_dim, weights.dtype
         )
-        self.base_seed = chain_seed(weights.model_id, weights.weights, config.block_size)
+        # chain seed of the KV written to the spill store (the store checks it on every read);
+        # None: from the model id and dtype alone
+        self.base_seed = spill_seed or chain_seed(
+            weights.model_id, weights.weights, config.block_size
+        )
         self.cache = PrefixCache(config.block_size, enabled=config.prefix_caching)
         self._waiting: deque[_Seq] = deque()
         self._running: list[_Seq] = []
@@ -211,7 +230,8 @@ class Scheduler:
     def stats(self) -> EngineStats:
         cap = max(self.cfg.kv_budget_bytes // max(self.pos_bytes * self.cfg.block_size, 1), 1)
         running = list(self._running)
-        used_pos = sum(s.kv.capacity for s in running if s.kv is not None)
+        # read each buffer once: the loop thread may drop it between a check and a use
+        used_pos = sum(kv.capacity for s in running if (kv := s.kv) is not None)
         blocks_running = -(-used_pos // self.cfg.block_size)
         blocks_cached = -(-self.cache.nbytes // max(self.pos_bytes * self.cfg.block_size, 1))
         return EngineStats(
@@ -236,8 +256,7 @@ class Scheduler:
                 if self._stop:
                     break
                 barriers, self._barriers = self._barriers, []
-            for b in barriers:
-                b.set()
+            self._release(barriers)
             try:
                 with torch.inference_mode():
                     self._admit()
@@ -255,9 +274,17 @@ class Scheduler:
         for seq in [*waiting, *self._running]:
             seq.job.post(EngineError("engine closed", code="closed"))
         self._running.clear()
-        for b in barriers:
-            b.set()
+        self._release(barriers)
         self.cache.clear()
+
+    @staticmethod
+    def _release(barriers: list[Any]) -> None:
+        """Set barriers and run queued calls; a call that raises is logged, never fatal."""
+        for b in barriers:
+            try:
+                b.set()
+            except Exception:
+                log.exception("engine.call_failed")
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -303,7 +330,11 @@ class Scheduler:
                 if self.cache.nbytes > room - need:
                     self.cache.shrink(max(room - need, 0), unpin=True)
             self._pop_waiting(seq)
-            self._start(seq)
+            try:
+                self._start(seq)
+            except Exception as exc:  # out of the queue, not yet running: fail it here
+                log.exception("engine.admit_failed", request_id=req.request_id)
+                self._fail(seq, EngineError(f"generation failed: {exc}"))
 
     def _pop_waiting(self, seq: _Seq) -> None:
         with self._cond:
@@ -318,16 +349,7 @@ class Scheduler:
     def _prepare(self, seq: _Seq) -> None:
         """Render the prompt and set up sampling; raise EngineError on a bad request."""
         w, req = self.w, seq.request
-        hidden = w.hidden_size
-        for message in req.messages:
-            for part in message.content:
-                if isinstance(part, ImageInput) and (
-                    part.embeds.ndim != 2 or part.embeds.shape[1] != hidden
-                ):
-                    raise EngineError(
-                        f"image embeds must be [N, {hidden}], got {tuple(part.embeds.shape)}",
-                        code="invalid_image",
-                    )
+        _check_request(req, w.hidden_size)
         try:
             prompt = render(
                 w.tokenizer, req.messages, add_generation_prompt=True, image_keys=seq.image_keys
@@ -499,13 +521,22 @@ class Scheduler:
                           cache_arg=self.cache_arg)
         self._last_batch, self._last_tokens = len(plan), sum(n for _, _, n in plan)
         now = time.perf_counter()
+        # NaN (or +inf) logits mean the sequence's KV is NaN too: it fails and is never cached
+        broken = (logits.isnan() | logits.isposinf()).any(dim=-1).tolist()  # [rows], one sync
         row = 0
         for (s, start, n), sl in zip(plan, slices):
             s.fed = start + n
             if start < s.prompt.length:  # type: ignore[union-attr]
                 s.prefill_chunks += 1
             if sl.want_logits:
-                self._advance(s, logits[row], now)
+                try:
+                    if broken[row]:
+                        raise EngineError("the model produced non-finite logits for this request")
+                    self._advance(s, logits[row], now)
+                except Exception as exc:  # this sequence's failure, not the batch's
+                    log.exception("engine.sample_failed", request_id=s.request.request_id)
+                    self._fail(s, exc if isinstance(exc, EngineError)
+                               else EngineError(f"generation failed: {exc}"))
                 row += 1
 
     def _advance(self, seq: _Seq, logits: torch.Tensor, now: float) -> None:
@@ -596,6 +627,11 @@ class Scheduler:
         images = [sp for sp in seq.prompt.images if sp.start < n]
         kv_key = seq.request.kv_key
         layers = seq.kv.layers
+        # non-finite values anywhere reach the last layer's keys/values of their position:
+        # such KV (a forward that overflowed) is never offered to another request
+        if not bool(torch.isfinite(layers[-1][:, :, :n]).all()):
+            log.warning("kv.not_finite", request_id=seq.request.request_id, positions=n)
+            return
         if self.cache.enabled:
             keys = position_keys(tokens, images)
             hashes = block_hashes(tokens, images, self.cfg.block_size, seq.seed)
@@ -619,6 +655,43 @@ class Scheduler:
         over = self._running_bytes() + self.cache.nbytes - budget
         if over > 0:
             self.cache.shrink(max(budget - self._running_bytes(), 0), unpin=True)
+
+
+def _check_request(req: GenerationRequest, hidden: int) -> None:
+    """Refuse, with a stable code, what would run wrongly or cost every other stream."""
+    if not req.messages:
+        raise EngineError("messages must not be empty", code="invalid_request")
+    for message in req.messages:
+        for part in message.content:
+            if not isinstance(part, ImageInput):
+                continue
+            embeds = part.embeds  # [N, hidden]
+            if embeds.ndim != 2 or embeds.shape[1] != hidden:
+                raise EngineError(
+                    f"image embeds must be [N, {hidden}], got {tuple(embeds.shape)}",
+                    code="invalid_image",
+                )
+            if not embeds.is_floating_point():
+                raise EngineError(
+                    f"image embeds must be floating point, got {embeds.dtype}", code="invalid_image"
+                )
+            # one NaN row reaches every position of its prefill chunk (and the cached blocks)
+            if not bool(torch.isfinite(embeds).all()):
+                raise EngineError("image embeds hold NaN or infinite values", code="invalid_image")
+    sp = req.sampling
+    if sp.max_output_tokens < 1:
+        raise EngineError("max_output_tokens must be >= 1", code="invalid_request")
+    if not (math.isfinite(sp.temperature) and sp.temperature >= 0.0):
+        raise EngineError("temperature must be a finite number >= 0", code="invalid_request")
+    if not 0.0 < sp.top_p <= 1.0:  # NaN fails too
+        raise EngineError("top_p must be in (0, 1]", code="invalid_request")
+    if sp.seed is not None and not -(2**63) <= sp.seed < 2**64:  # what a torch.Generator takes
+        raise EngineError("seed must be a 64-bit integer", code="invalid_request")
+    if len(sp.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in sp.stop):
+        raise EngineError(
+            f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters",
+            code="invalid_request",
+        )
 
 
 class _Call:
