@@ -30,7 +30,7 @@ from gateway.engine.base import (
     SamplingParams,
     TextDelta,
 )
-from gateway.protocol.errors import GatewayError
+from gateway.protocol.errors import ERROR_CODES, GatewayError
 from gateway.sessions.base import Session, SessionStore, StoredItem, StoredPart, new_id
 from gateway.tracing import ResponseTrace
 from gateway.vision import Resolved, VisionResolver
@@ -224,7 +224,9 @@ class ChatService:
         except EngineBusy as exc:  # the engine's queue is full
             error = GatewayError("busy", str(exc), retry_after_s=exc.retry_after_s)
         except EngineError as exc:
-            code = exc.code if exc.code in ("busy", "engine_error", "invalid_request") else "engine_error"
+            # the engine's refusals keep their code (invalid_image, invalid_request,
+            # context_length_exceeded, ...); anything else is an engine error
+            code = exc.code if exc.code in ERROR_CODES else "engine_error"
             error = GatewayError(code, str(exc))
         except (asyncio.CancelledError, GeneratorExit):
             request.cancel.set()

@@ -47,7 +47,8 @@ from gateway.engine.base import (
 from gateway.engine.batch import cache_param, install_attention
 from gateway.engine.kvblocks import chain_seed
 from gateway.engine.kvstore import KVStore
-from gateway.engine.scheduler import Job, Scheduler, SchedulerConfig
+from gateway.engine.scheduler import Scheduler
+from gateway.engine.sequence import Job, SchedulerConfig
 from gateway.engine.weights import LoadedModel, load_weights
 
 __all__ = ("LocalEngine",)

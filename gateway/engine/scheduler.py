@@ -35,13 +35,10 @@ never run.
 
 from __future__ import annotations
 
-import asyncio
-import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -50,93 +47,31 @@ import torch
 from gateway.engine.base import (
     EngineError,
     EngineStats,
-    GenerationRequest,
-    GenerationResult,
-    ImageInput,
     TextDelta,
 )
 from gateway.engine.batch import SeqKV, Slice, run_step
 from gateway.engine.generation import StreamDecoder, sample_next
 from gateway.engine.kvblocks import KVEntry, block_hashes, chain_seed, position_keys
 from gateway.engine.prefix_cache import PrefixCache
-from gateway.engine.prompt import Prompt, embed_positions, render
+from gateway.engine.prompt import render
+from gateway.engine.sequence import (
+    GROW,
+    Job,
+    SchedulerConfig,
+    Sequence,
+    check_request,
+    ms,
+    sequence_inputs,
+    sequence_result,
+)
 
 if TYPE_CHECKING:
     from gateway.engine.kvstore import KVStore
     from gateway.engine.weights import LoadedModel
 
-__all__ = ("MAX_STOPS", "MAX_STOP_CHARS", "Job", "Scheduler", "SchedulerConfig")
+__all__ = ("Scheduler",)
 
 log = structlog.get_logger(__name__)
-
-_GROW = 64  # positions a sequence's buffer grows by
-# The stop check rescans every stop's prefixes against the text each token, so their number
-# and length bound the per-token cost on the thread every stream shares.
-MAX_STOPS = 4
-MAX_STOP_CHARS = 256
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 3)
-
-
-@dataclass(slots=True)
-class Job:
-    """A request and the way back to its caller's event loop."""
-
-    request: GenerationRequest
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue[Any]
-    enqueued: float
-
-    def post(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
-        except RuntimeError:  # the caller's loop is gone: nobody is listening
-            self.request.cancel.set()
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_batch: int = 16
-    max_queue: int = 256
-    prefill_chunk_tokens: int = 256
-    kv_budget_bytes: int = 256 << 20
-    block_size: int = 16
-    prefix_caching: bool = True
-
-
-@dataclass(slots=True, eq=False)
-class _Seq:
-    job: Job
-    order: int = 0
-    prompt: Prompt | None = None
-    image_keys: dict[int, str] = field(default_factory=dict)
-    seed: bytes = b""  # prefix-cache chain seed (model, dtype, block size, namespace)
-    generated: list[int] = field(default_factory=list)
-    kv: SeqKV | None = None
-    fed: int = 0
-    max_new: int = 0
-    cached: int = 0  # prompt positions reused at first admission
-    decoder: StreamDecoder | None = None
-    generator: torch.Generator | None = None
-    admitted: float = 0.0
-    first_token: float | None = None
-    first_delta: float | None = None
-    last_delta: float | None = None
-    itl: list[float] = field(default_factory=list)
-    prefill_chunks: int = 0
-    preemptions: int = 0
-
-    @property
-    def request(self) -> GenerationRequest:
-        return self.job.request
-
-    @property
-    def known(self) -> int:
-        assert self.prompt is not None
-        return self.prompt.length + len(self.generated)
-
 
 class Scheduler:
     """The engine thread: admission, step building, sampling, finishing. See the module doc."""
@@ -174,8 +109,8 @@ class Scheduler:
             weights.model_id, weights.weights, config.block_size
         )
         self.cache = PrefixCache(config.block_size, enabled=config.prefix_caching)
-        self._waiting: deque[_Seq] = deque()
-        self._running: list[_Seq] = []
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
         self._cond = threading.Condition()
         self._barriers: list[threading.Event] = []
         self._stop = False
@@ -197,7 +132,7 @@ class Scheduler:
                 raise EngineError("engine closed", code="closed")
             if len(self._waiting) >= self.cfg.max_queue:
                 return False
-            self._waiting.append(_Seq(job))
+            self._waiting.append(Sequence(job))
             self._cond.notify()
         return True
 
@@ -298,7 +233,7 @@ class Scheduler:
                 self._waiting.remove(seq)
         now = time.perf_counter()
         for seq in cancelled:
-            seq.job.post(self._result(seq, "cancelled", now))
+            seq.job.post(sequence_result(seq, "cancelled", now))
         while len(self._running) < self.cfg.max_batch:
             with self._cond:
                 if not self._waiting:
@@ -307,7 +242,7 @@ class Scheduler:
             req = seq.request
             if req.cancel.is_set():
                 self._pop_waiting(seq)
-                seq.job.post(self._result(seq, "cancelled", time.perf_counter()))
+                seq.job.post(sequence_result(seq, "cancelled", time.perf_counter()))
                 continue
             try:
                 if seq.prompt is None:
@@ -321,7 +256,7 @@ class Scheduler:
                 self._pop_waiting(seq)
                 seq.job.post(EngineError(f"generation failed: {exc}"))
                 continue
-            need = self.pos_bytes * (seq.known + _GROW)
+            need = self.pos_bytes * (seq.known + GROW)
             budget = self.cfg.kv_budget_bytes
             if self._running:
                 room = budget - self._running_bytes()
@@ -336,7 +271,7 @@ class Scheduler:
                 log.exception("engine.admit_failed", request_id=req.request_id)
                 self._fail(seq, EngineError(f"generation failed: {exc}"))
 
-    def _pop_waiting(self, seq: _Seq) -> None:
+    def _pop_waiting(self, seq: Sequence) -> None:
         with self._cond:
             if self._waiting and self._waiting[0] is seq:
                 self._waiting.popleft()
@@ -346,10 +281,10 @@ class Scheduler:
                 except ValueError:
                     pass
 
-    def _prepare(self, seq: _Seq) -> None:
+    def _prepare(self, seq: Sequence) -> None:
         """Render the prompt and set up sampling; raise EngineError on a bad request."""
         w, req = self.w, seq.request
-        _check_request(req, w.hidden_size)
+        check_request(req, w.hidden_size)
         try:
             prompt = render(
                 w.tokenizer, req.messages, add_generation_prompt=True, image_keys=seq.image_keys
@@ -380,7 +315,7 @@ class Scheduler:
             sp.stop,
         )
 
-    def _start(self, seq: _Seq) -> None:
+    def _start(self, seq: Sequence) -> None:
         """Admit: reuse the longest cached prefix, allocate the buffer, join the batch."""
         assert seq.prompt is not None
         first = seq.preemptions == 0
@@ -389,7 +324,7 @@ class Scheduler:
         hashes = block_hashes(tokens, seq.prompt.images, self.cfg.block_size, seq.seed)
         limit = seq.known - 1  # at least one position is fed: its logits give the next token
         found = self.cache.match(seq.seed, keys, hashes, limit)
-        kv = SeqKV(self.num_layers, self.kv_heads, self.head_dim, seq.known + _GROW,
+        kv = SeqKV(self.num_layers, self.kv_heads, self.head_dim, seq.known + GROW,
                    self.w.dtype, self.w.device)
         at = 0
         for block, n in found.blocks:
@@ -409,7 +344,7 @@ class Scheduler:
         seq.order = self._order
         self._running.append(seq)
 
-    def _load_spilled(self, seq: _Seq, kv: SeqKV, tokens: list[int], limit: int) -> int:
+    def _load_spilled(self, seq: Sequence, kv: SeqKV, tokens: list[int], limit: int) -> int:
         """A session's KV from the spill store (another replica, or evicted here)."""
         assert seq.prompt is not None and self.kv_store is not None
         images = seq.prompt.images
@@ -430,10 +365,10 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _plan(self) -> list[tuple[_Seq, int, int]]:
+    def _plan(self) -> list[tuple[Sequence, int, int]]:
         """(sequence, start, length) for this step: decodes first, then prefill chunks."""
         budget = self.cfg.prefill_chunk_tokens
-        plan: list[tuple[_Seq, int, int]] = []
+        plan: list[tuple[Sequence, int, int]] = []
         decoding = [s for s in self._running if s.known - s.fed == 1]
         prefilling = [s for s in self._running if s.known - s.fed > 1]
         for s in decoding:
@@ -447,11 +382,11 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _fit(self, plan: list[tuple[_Seq, int, int]]) -> list[tuple[_Seq, int, int]]:
+    def _fit(self, plan: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, int, int]]:
         """Grow buffers for the plan; preempt the newest sequences while over the budget."""
         for s, start, n in plan:
             if s.kv is not None and start + n > s.kv.capacity:
-                s.kv.reserve(start + n + _GROW)
+                s.kv.reserve(start + n + GROW)
         budget = self.cfg.kv_budget_bytes
         while True:
             running = self._running_bytes()
@@ -464,7 +399,7 @@ class Scheduler:
             self._preempt(victim)
             plan = [p for p in plan if p[0] is not victim]
 
-    def _preempt(self, seq: _Seq) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self._running.remove(seq)
         self._publish(seq)
         seq.kv, seq.fed = None, 0
@@ -474,35 +409,6 @@ class Scheduler:
             self._waiting.appendleft(seq)
         log.info("engine.preempted", request_id=seq.request.request_id,
                  positions=seq.known, generated=len(seq.generated))
-
-    def _inputs(self, seq: _Seq, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input embeddings [n, H] and rotary positions ([n] or [3, n]) of positions [start, +n)."""
-        w, prompt = self.w, seq.prompt
-        assert prompt is not None
-        end = start + n
-        parts = []
-        if start < prompt.length:
-            parts.append(embed_positions(w.embed, prompt, start, w.dtype, w.device,
-                                         end=min(end, prompt.length))[0])
-        if end > prompt.length:
-            lo = max(start, prompt.length) - prompt.length
-            ids = torch.tensor(seq.generated[lo : end - prompt.length], device=w.device)
-            parts.append(w.embed(ids).to(w.dtype))
-        embeds = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if not w.mrope:
-            return embeds, torch.arange(start, end, device=w.device)
-        mrope = prompt.mrope
-        delta = prompt.rope_delta
-        cols = []
-        if start < prompt.length and mrope is not None:
-            cols.append(mrope[:, start : min(end, prompt.length)].to(w.device))
-        elif start < prompt.length:
-            r = torch.arange(start, min(end, prompt.length), device=w.device)
-            cols.append(r.expand(3, -1))
-        if end > prompt.length:
-            r = torch.arange(max(start, prompt.length), end, device=w.device) + delta
-            cols.append(r.expand(3, -1))
-        return embeds, torch.cat(cols, dim=1)
 
     def _step(self) -> None:
         now = time.perf_counter()
@@ -515,7 +421,7 @@ class Scheduler:
             return
         slices = []
         for s, start, n in plan:
-            embeds, positions = self._inputs(s, start, n)
+            embeds, positions = sequence_inputs(self.w, s, start, n)
             slices.append(Slice(s.kv, start, n, embeds, positions, start + n == s.known))  # type: ignore[arg-type]
         logits = run_step(self.w.decoder, self.w.lm_head, slices, mrope=self.w.mrope,
                           cache_arg=self.cache_arg)
@@ -539,7 +445,7 @@ class Scheduler:
                                else EngineError(f"generation failed: {exc}"))
                 row += 1
 
-    def _advance(self, seq: _Seq, logits: torch.Tensor, now: float) -> None:
+    def _advance(self, seq: Sequence, logits: torch.Tensor, now: float) -> None:
         """Sample the next token of `seq` and stream what it adds."""
         sp = seq.request.sampling
         token = sample_next(logits, sp.temperature, sp.top_p, seq.generator)
@@ -558,49 +464,24 @@ class Scheduler:
         elif len(seq.generated) >= seq.max_new:
             self._finish(seq, "length", now)
 
-    def _emit(self, seq: _Seq, text: str, now: float) -> None:
+    def _emit(self, seq: Sequence, text: str, now: float) -> None:
         seq.job.post(TextDelta(text))
         if seq.first_delta is None:
             seq.first_delta = now
         else:
-            seq.itl.append(_ms(now - (seq.last_delta or now)))
+            seq.itl.append(ms(now - (seq.last_delta or now)))
         seq.last_delta = now
 
     # -- finishing -----------------------------------------------------------------------------
 
-    def _result(self, seq: _Seq, finish: str, now: float) -> GenerationResult:
-        prompt = seq.prompt
-        queue_ms = _ms((seq.admitted or now) - seq.job.enqueued)
-        if prompt is None:
-            return GenerationResult("", finish, 0, 0, 0, queue_ms=queue_ms)  # type: ignore[arg-type]
-        started = seq.admitted or now
-        first = seq.first_token or now
-        return GenerationResult(
-            text=seq.decoder.text if seq.decoder is not None else "",
-            finish_reason=finish,  # type: ignore[arg-type]
-            input_tokens=prompt.length,
-            image_tokens=prompt.image_tokens,
-            output_tokens=len(seq.generated),
-            cached_tokens=seq.cached,
-            cached_image_tokens=sum(max(0, min(sp.start + sp.length, seq.cached) - sp.start)
-                                    for sp in prompt.images),
-            queue_ms=queue_ms,
-            prefill_ms=_ms(first - started),
-            decode_ms=_ms(now - first),
-            ttft_ms=_ms((seq.first_delta or now) - started),
-            itl_ms=tuple(seq.itl),
-            prefill_chunks=seq.prefill_chunks,
-            preemptions=seq.preemptions,
-        )
-
-    def _finish(self, seq: _Seq, finish: str, now: float) -> None:
+    def _finish(self, seq: Sequence, finish: str, now: float) -> None:
         if seq in self._running:
             self._running.remove(seq)
         if seq.decoder is not None and finish != "cancelled":
             tail = seq.decoder.finish()
             if tail:
                 self._emit(seq, tail, now)
-        result = self._result(seq, finish, now)
+        result = sequence_result(seq, finish, now)
         seq.job.post(result)
         log.info("engine.generated", request_id=seq.request.request_id, finish_reason=finish,
                  input_tokens=result.input_tokens, cached_tokens=result.cached_tokens,
@@ -612,13 +493,13 @@ class Scheduler:
             log.exception("kv.keep_failed", request_id=seq.request.request_id)
         seq.kv = None
 
-    def _fail(self, seq: _Seq, exc: EngineError) -> None:
+    def _fail(self, seq: Sequence, exc: EngineError) -> None:
         if seq in self._running:
             self._running.remove(seq)
         seq.kv = None
         seq.job.post(exc)
 
-    def _publish(self, seq: _Seq, *, keep_session: bool = False) -> None:
+    def _publish(self, seq: Sequence, *, keep_session: bool = False) -> None:
         """Give the sequence's computed positions to the prefix cache (and its session)."""
         if seq.kv is None or seq.prompt is None or seq.fed <= 0:
             return
@@ -655,43 +536,6 @@ class Scheduler:
         over = self._running_bytes() + self.cache.nbytes - budget
         if over > 0:
             self.cache.shrink(max(budget - self._running_bytes(), 0), unpin=True)
-
-
-def _check_request(req: GenerationRequest, hidden: int) -> None:
-    """Refuse, with a stable code, what would run wrongly or cost every other stream."""
-    if not req.messages:
-        raise EngineError("messages must not be empty", code="invalid_request")
-    for message in req.messages:
-        for part in message.content:
-            if not isinstance(part, ImageInput):
-                continue
-            embeds = part.embeds  # [N, hidden]
-            if embeds.ndim != 2 or embeds.shape[1] != hidden:
-                raise EngineError(
-                    f"image embeds must be [N, {hidden}], got {tuple(embeds.shape)}",
-                    code="invalid_image",
-                )
-            if not embeds.is_floating_point():
-                raise EngineError(
-                    f"image embeds must be floating point, got {embeds.dtype}", code="invalid_image"
-                )
-            # one NaN row reaches every position of its prefill chunk (and the cached blocks)
-            if not bool(torch.isfinite(embeds).all()):
-                raise EngineError("image embeds hold NaN or infinite values", code="invalid_image")
-    sp = req.sampling
-    if sp.max_output_tokens < 1:
-        raise EngineError("max_output_tokens must be >= 1", code="invalid_request")
-    if not (math.isfinite(sp.temperature) and sp.temperature >= 0.0):
-        raise EngineError("temperature must be a finite number >= 0", code="invalid_request")
-    if not 0.0 < sp.top_p <= 1.0:  # NaN fails too
-        raise EngineError("top_p must be in (0, 1]", code="invalid_request")
-    if sp.seed is not None and not -(2**63) <= sp.seed < 2**64:  # what a torch.Generator takes
-        raise EngineError("seed must be a 64-bit integer", code="invalid_request")
-    if len(sp.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in sp.stop):
-        raise EngineError(
-            f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters",
-            code="invalid_request",
-        )
 
 
 class _Call:

@@ -19,6 +19,7 @@ ERROR_CODES: dict[str, tuple[str, int]] = {
     "image_fetch_failed": ("invalid_request_error", 400),
     "too_many_images": ("invalid_request_error", 400),
     "input_too_large": ("invalid_request_error", 413),
+    "context_length_exceeded": ("invalid_request_error", 400),
     "response_in_progress": ("invalid_request_error", 409),
     "response_not_found": ("invalid_request_error", 404),
     "session_not_found": ("invalid_request_error", 404),

@@ -1,0 +1,201 @@
+"""One request as the scheduler sees it, and the per-request work that is not scheduling.
+
+`Sequence` is a request's state between steps: its rendered prompt, generated tokens, KV buffer
+(`fed` positions computed), sampler and streaming detokenizer, and timings. `check_request`
+refuses what would run wrongly or cost every other stream; `sequence_inputs` builds a step's
+input embeddings and rotary positions for a run of a sequence's positions (prompt rows, image
+rows, generated tokens; 1-D or M-RoPE); `sequence_result` is the `GenerationResult` it ends with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gateway.engine.base import EngineError, GenerationRequest, GenerationResult, ImageInput
+from gateway.engine.prompt import Prompt, embed_positions
+
+if TYPE_CHECKING:
+    from gateway.engine.batch import SeqKV
+    from gateway.engine.generation import StreamDecoder
+    from gateway.engine.weights import LoadedModel
+
+__all__ = (
+    "GROW",
+    "MAX_STOPS",
+    "MAX_STOP_CHARS",
+    "Job",
+    "SchedulerConfig",
+    "Sequence",
+    "check_request",
+    "ms",
+    "sequence_inputs",
+    "sequence_result",
+)
+
+GROW = 64  # positions a sequence's buffer grows by
+# The stop check rescans every stop's prefixes against the text each token, so their number
+# and length bound the per-token cost on the thread every stream shares.
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+
+
+def ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 3)
+
+
+@dataclass(slots=True)
+class Job:
+    """A request and the way back to its caller's event loop."""
+
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue[Any]
+    enqueued: float
+
+    def post(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, item)
+        except RuntimeError:  # the caller's loop is gone: nobody is listening
+            self.request.cancel.set()
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_batch: int = 16
+    max_queue: int = 256
+    prefill_chunk_tokens: int = 256
+    kv_budget_bytes: int = 256 << 20
+    block_size: int = 16
+    prefix_caching: bool = True
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request in the scheduler: its prompt, generated tokens, KV buffer and timings."""
+
+    job: Job
+    order: int = 0
+    prompt: Prompt | None = None
+    image_keys: dict[int, str] = field(default_factory=dict)
+    seed: bytes = b""  # prefix-cache chain seed (model, dtype, block size, namespace)
+    generated: list[int] = field(default_factory=list)
+    kv: SeqKV | None = None
+    fed: int = 0
+    max_new: int = 0
+    cached: int = 0  # prompt positions reused at first admission
+    decoder: StreamDecoder | None = None
+    generator: torch.Generator | None = None
+    admitted: float = 0.0
+    first_token: float | None = None
+    first_delta: float | None = None
+    last_delta: float | None = None
+    itl: list[float] = field(default_factory=list)
+    prefill_chunks: int = 0
+    preemptions: int = 0
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.job.request
+
+    @property
+    def known(self) -> int:
+        assert self.prompt is not None
+        return self.prompt.length + len(self.generated)
+
+
+def check_request(req: GenerationRequest, hidden: int) -> None:
+    """Refuse, with a stable code, what would run wrongly or cost every other stream."""
+    if not req.messages:
+        raise EngineError("messages must not be empty", code="invalid_request")
+    for message in req.messages:
+        for part in message.content:
+            if not isinstance(part, ImageInput):
+                continue
+            embeds = part.embeds  # [N, hidden]
+            if embeds.ndim != 2 or embeds.shape[1] != hidden:
+                raise EngineError(
+                    f"image embeds must be [N, {hidden}], got {tuple(embeds.shape)}",
+                    code="invalid_image",
+                )
+            if not embeds.is_floating_point():
+                raise EngineError(
+                    f"image embeds must be floating point, got {embeds.dtype}", code="invalid_image"
+                )
+            # one NaN row reaches every position of its prefill chunk (and the cached blocks)
+            if not bool(torch.isfinite(embeds).all()):
+                raise EngineError("image embeds hold NaN or infinite values", code="invalid_image")
+    sp = req.sampling
+    if sp.max_output_tokens < 1:
+        raise EngineError("max_output_tokens must be >= 1", code="invalid_request")
+    if not (math.isfinite(sp.temperature) and sp.temperature >= 0.0):
+        raise EngineError("temperature must be a finite number >= 0", code="invalid_request")
+    if not 0.0 < sp.top_p <= 1.0:  # NaN fails too
+        raise EngineError("top_p must be in (0, 1]", code="invalid_request")
+    if sp.seed is not None and not -(2**63) <= sp.seed < 2**64:  # what a torch.Generator takes
+        raise EngineError("seed must be a 64-bit integer", code="invalid_request")
+    if len(sp.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in sp.stop):
+        raise EngineError(
+            f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters",
+            code="invalid_request",
+        )
+
+
+def sequence_inputs(w: LoadedModel, seq: Sequence, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input embeddings [n, H] and rotary positions ([n] or [3, n]) of positions [start, +n)."""
+    prompt = seq.prompt
+    assert prompt is not None
+    end = start + n
+    parts = []
+    if start < prompt.length:
+        parts.append(embed_positions(w.embed, prompt, start, w.dtype, w.device,
+                                     end=min(end, prompt.length))[0])
+    if end > prompt.length:
+        lo = max(start, prompt.length) - prompt.length
+        ids = torch.tensor(seq.generated[lo : end - prompt.length], device=w.device)
+        parts.append(w.embed(ids).to(w.dtype))
+    embeds = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if not w.mrope:
+        return embeds, torch.arange(start, end, device=w.device)
+    mrope = prompt.mrope
+    delta = prompt.rope_delta
+    cols = []
+    if start < prompt.length and mrope is not None:
+        cols.append(mrope[:, start : min(end, prompt.length)].to(w.device))
+    elif start < prompt.length:
+        r = torch.arange(start, min(end, prompt.length), device=w.device)
+        cols.append(r.expand(3, -1))
+    if end > prompt.length:
+        r = torch.arange(max(start, prompt.length), end, device=w.device) + delta
+        cols.append(r.expand(3, -1))
+    return embeds, torch.cat(cols, dim=1)
+
+
+def sequence_result(seq: Sequence, finish: str, now: float) -> GenerationResult:
+    prompt = seq.prompt
+    queue_ms = ms((seq.admitted or now) - seq.job.enqueued)
+    if prompt is None:
+        return GenerationResult("", finish, 0, 0, 0, queue_ms=queue_ms)  # type: ignore[arg-type]
+    started = seq.admitted or now
+    first = seq.first_token or now
+    return GenerationResult(
+        text=seq.decoder.text if seq.decoder is not None else "",
+        finish_reason=finish,  # type: ignore[arg-type]
+        input_tokens=prompt.length,
+        image_tokens=prompt.image_tokens,
+        output_tokens=len(seq.generated),
+        cached_tokens=seq.cached,
+        cached_image_tokens=sum(max(0, min(sp.start + sp.length, seq.cached) - sp.start)
+                                for sp in prompt.images),
+        queue_ms=queue_ms,
+        prefill_ms=ms(first - started),
+        decode_ms=ms(now - first),
+        ttft_ms=ms((seq.first_delta or now) - started),
+        itl_ms=tuple(seq.itl),
+        prefill_chunks=seq.prefill_chunks,
+        preemptions=seq.preemptions,
+    )
