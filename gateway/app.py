@@ -45,6 +45,20 @@ class GatewayState:
     started_at: float = field(default_factory=time.time)
 
 
+def encoder_threads(settings: Settings) -> int:
+    """Intra-op threads of the in-process encoder's thread: a quarter of the cores, at least 1."""
+    return settings.encoder_threads or max(1, (os.cpu_count() or 2) // 4)
+
+
+def engine_threads(settings: Settings) -> int:
+    """Intra-op threads of the engine's thread: the cores the in-process encoder does not take
+    (all of them when encoder workers run elsewhere), so neither stalls the other."""
+    if settings.engine_threads:
+        return settings.engine_threads
+    cores = os.cpu_count() or 2
+    return cores if settings.encoder == "redis" else max(1, cores - encoder_threads(settings))
+
+
 def build_engine(settings: Settings) -> Engine:
     from gateway.engine.local import LocalEngine
 
@@ -54,7 +68,8 @@ def build_engine(settings: Settings) -> Engine:
                        device=settings.device, dtype=settings.lm_dtype,
                        max_batch=settings.engine_max_batch,
                        prefill_chunk_tokens=settings.prefill_chunk_tokens,
-                       prefix_caching=settings.prefix_caching)
+                       prefix_caching=settings.prefix_caching,
+                       torch_threads=engine_threads(settings))
 
 
 def encoder_config(settings: Settings) -> Any:
@@ -89,9 +104,8 @@ def build_encoder(settings: Settings, engine: Engine) -> Any:
                             target_rms=target_rms,
                             image_ttl_s=settings.vision_cache_ttl_s,
                             vision_ttl_s=settings.vision_cache_ttl_s)
-    threads = settings.encoder_threads or max(1, (os.cpu_count() or 2) // 2)
     return LocalEncoder(config, hidden_size=engine.hidden_size, target_rms=target_rms,
-                        torch_threads=threads)
+                        torch_threads=encoder_threads(settings))
 
 
 def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any = None) -> Litestar:

@@ -44,9 +44,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine_max_queue: int = 256
     prefill_chunk_tokens: int = 256
     prefix_caching: bool = True
-    # intra-op threads of the in-process encoder's thread; 0: half the cores (at least 1), so
-    # encodes for new sessions run beside the engine's decode steps rather than stalling them
+    # the cores split between the in-process encoder's thread and the engine's thread, so that
+    # encodes for new sessions run beside decode steps rather than stalling them; 0: automatic
+    # (encoder a quarter of the cores, at least 1; engine the rest, or all with --encoder redis)
     encoder_threads: int = 0
+    engine_threads: int = 0
     # vision encoder
     encoder: str = "inproc"  # inproc: in this process | redis: `visiongate worker` processes via redis_url
     vision_tower: str = "vit-b16-224"  # or vit-l14-336, or a local CLIP/SigLIP checkpoint dir
@@ -87,7 +89,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
              f"must be auto, float32, bfloat16, float16 or int8, got {self.lm_dtype!r}")
         need(self.engine_max_queue >= 1, "engine_max_queue", "must be >= 1")
         need(1 <= self.engine_max_batch <= 1024, "engine_max_batch", "must be 1..1024")
-        need(self.encoder_threads >= 0, "encoder_threads", "must be >= 0 (0: half the cores)")
+        need(self.encoder_threads >= 0, "encoder_threads", "must be >= 0 (0: automatic)")
+        need(self.engine_threads >= 0, "engine_threads", "must be >= 0 (0: automatic)")
         need(self.prefill_chunk_tokens >= self.engine_max_batch, "prefill_chunk_tokens",
              f"must be >= engine_max_batch ({self.engine_max_batch}): each decode takes a token")
         need(self.pruning in ("none", "random", "topk", "dynamic", "dynamic+merge"), "pruning",

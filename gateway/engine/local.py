@@ -129,7 +129,7 @@ class LocalEngine:
         self._kv_redis_url = kv_spill_redis_url
         self._kv_ttl_s = kv_ttl_s
         self._device = device
-        # intra-op threads are process-wide in torch; None leaves the process setting alone
+        # intra-op threads of the scheduler's thread (torch keeps them per thread); None: the default
         self._torch_threads = torch_threads
         self._dtype = dtype
         self._max_batch = max_batch
@@ -188,8 +188,6 @@ class LocalEngine:
             return
         if self._closed:
             raise EngineError("engine is closed", code="closed")
-        if self._torch_threads is not None:
-            torch.set_num_threads(self._torch_threads)
         if self._weights is None:
             self._weights = await asyncio.to_thread(
                 load_weights, self._model_path, self._cache_dir, self._device, self._dtype
@@ -225,6 +223,7 @@ class LocalEngine:
             max_positions=max_positions,
             kv_store=self.kv_store,
             cache_arg=cache_param(w.decoder),
+            torch_threads=self._torch_threads,
             name=f"engine-{w.model_id}",
             spill_seed=spill_seed,
         )

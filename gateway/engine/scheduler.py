@@ -85,6 +85,7 @@ class Scheduler:
         max_positions: int,
         kv_store: KVStore | None,
         cache_arg: str,
+        torch_threads: int | None = None,
         name: str = "engine",
         spill_seed: bytes | None = None,
     ) -> None:
@@ -94,6 +95,7 @@ class Scheduler:
         self.max_positions = max_positions
         self.kv_store = kv_store  # Redis spill of sessions' KV (None: memory only)
         self.cache_arg = cache_arg
+        self.torch_threads = torch_threads
         text = weights.model.config.get_text_config()
         self.num_layers = int(text.num_hidden_layers)
         self.kv_heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
@@ -184,6 +186,8 @@ class Scheduler:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        if self.torch_threads:  # torch keeps the intra-op thread count per thread
+            torch.set_num_threads(self.torch_threads)
         while True:
             with self._cond:
                 while not (self._waiting or self._running or self._barriers or self._stop):
