@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import torch
 
 from gateway.engine.base import (
     Delta,
