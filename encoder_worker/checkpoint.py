@@ -76,12 +76,18 @@ def _is_encoder_key(key: str) -> bool:
 
 
 def checkpoint_id(checkpoint_dir: str | Path,
-                  is_encoder_key: Callable[[str], bool] = _is_encoder_key) -> str:
-    """sha256 hex identity of the checkpoint (see the module doc)."""
+                  is_encoder_key: Callable[[str], bool] = _is_encoder_key,
+                  *, sample_others: int = 0) -> str:
+    """sha256 hex identity of the checkpoint (see the module doc).
+
+    `sample_others` > 0: every other tensor contributes that many bytes from its start, middle
+    and end, so a fine-tune of any part changes the id while a large checkpoint reads only a
+    few KiB per tensor (the language model's identity, for KV shared across replicas)."""
     root = Path(checkpoint_dir)
     files = sorted(p for p in root.iterdir()
                    if p.is_file() and p.suffix in (".json", ".jinja", ".safetensors"))
-    stamp = (str(root.resolve()), tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+    stamp = (str(root.resolve()), is_encoder_key, sample_others,
+             tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
     if stamp in _CACHE:
         return _CACHE[stamp]
     h = hashlib.sha256()
@@ -93,10 +99,18 @@ def checkpoint_id(checkpoint_dir: str | Path,
         raw, meta = _header(path)
         h.update(raw)
         base = 8 + len(raw)
-        ranges = sorted(
-            tuple(info["data_offsets"]) for key, info in meta.items()
-            if key != "__metadata__" and is_encoder_key(key)
-        )
+        ranges = []
+        for key, info in sorted(meta.items()):
+            if key == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            if is_encoder_key(key):
+                ranges.append((start, end))
+            elif sample_others > 0:
+                middle = max(start, (start + end - sample_others) // 2)
+                for at in sorted({start, middle, max(start, end - sample_others)}):
+                    ranges.append((at, min(at + sample_others, end)))
+        ranges.sort()
         with open(path, "rb") as f:
             for start, end in ranges:
                 f.seek(base + start)

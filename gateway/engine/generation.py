@@ -1,78 +1,16 @@
-"""Plain generation steps for a transformers causal LM with a growing KV cache.
+"""Per-token generation helpers, independent of how the forward pass is batched.
 
-`prefill` runs prompt embeddings through the model (in chunks, extending the cache) and returns
-the last position's logits; `decode_one_token` feeds one sampled token; `sample_next` is greedy
-or temperature + top-p. `StreamDecoder` turns generated ids into text deltas that never hold
-broken UTF-8 and never leak a stop string. None of these know about threads or requests.
+`sample_next` is greedy or temperature + top-p over one sequence's logits; `StreamDecoder` turns
+generated ids into text deltas that never hold broken UTF-8 and never leak a stop string. None of these know about threads or requests.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
-__all__ = (
-    "StreamDecoder",
-    "cache_kwarg",
-    "decode_one_token",
-    "make_cache",
-    "prefill",
-    "sample_next",
-)
-
-PREFILL_CHUNK = 512
-
-
-def cache_kwarg(model: Any) -> str:
-    """transformers 5.x calls the cache argument `cache`; older releases `past_key_values`."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def make_cache(
-    model: Any, layers: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
-) -> Any:
-    """A DynamicCache, optionally pre-filled with per-layer (keys, values) [1, Hkv, S, D]."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    if layers:
-        for idx, (k, v) in enumerate(layers):
-            cache.update(k, v, idx)
-    return cache
-
-
-def prefill(
-    model: Any,
-    cache: Any,
-    embeds: torch.Tensor,  # [1, S, H] prompt positions not yet in `cache`
-    *,
-    cache_arg: str = "cache",
-    should_stop: Callable[[], bool] | None = None,
-    chunk: int = PREFILL_CHUNK,
-) -> torch.Tensor | None:
-    """Extend `cache` with `embeds`; return logits of the last position [vocab] (None if stopped)."""
-    logits = None
-    total = embeds.shape[1]
-    for start in range(0, total, chunk):
-        if should_stop is not None and should_stop():
-            return None
-        part = embeds[:, start : start + chunk]  # [1, s, H]
-        out = model(inputs_embeds=part, use_cache=True, logits_to_keep=1, **{cache_arg: cache})
-        logits = out.logits[0, -1]  # [vocab]
-    return logits
-
-
-def decode_one_token(
-    model: Any, cache: Any, token_id: int, *, cache_arg: str = "cache"
-) -> torch.Tensor:
-    """Feed one token; return the next-token logits [vocab]."""
-    ids = torch.tensor([[token_id]], device=model.device)  # [1, 1]
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_arg: cache})
-    return out.logits[0, -1]  # [vocab]
+__all__ = ("StreamDecoder", "sample_next")
 
 
 def sample_next(

@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hashlib
-import json
-import struct
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import structlog
 
+from encoder_worker.checkpoint import checkpoint_id
 from gateway.engine.base import (
     Delta,
     EngineBusy,
@@ -47,7 +44,7 @@ from gateway.engine.batch import cache_param, install_attention
 from gateway.engine.kvblocks import chain_seed
 from gateway.engine.kvstore import KVStore
 from gateway.engine.scheduler import Scheduler
-from gateway.engine.sequence import Job, SchedulerConfig
+from gateway.engine.sequence import Job, SchedulerConfig, ms
 from gateway.engine.weights import LoadedModel, load_weights
 
 __all__ = ("LocalEngine",)
@@ -57,42 +54,8 @@ log = structlog.get_logger(__name__)
 MiB = 1 << 20
 
 
-def _ms(seconds: float) -> float:
-    return round(seconds * 1000.0, 3)
-
-
-_SAMPLE = 4096  # bytes read from the start, middle and end of each tensor
-
-
-def _weights_id(path: Path) -> str:
-    """A content id of a checkpoint directory, cheap at any size.
-
-    Covers every `*.json` / `*.jinja` file whole, every `*.safetensors` header (names, dtypes,
-    shapes, offsets) and 4 KiB from the start, middle and end of every tensor's bytes: a
-    fine-tune or a merged adapter changes the sampled bytes of the tensors it touches, while
-    reading a few KiB per tensor keeps it fast for checkpoints of any size.
-    """
-    h = hashlib.sha256()
-    files = sorted(p for p in Path(path).iterdir()
-                   if p.is_file() and p.suffix in (".json", ".jinja", ".safetensors"))
-    for file in files:
-        h.update(file.name.encode() + b"\0")
-        if file.suffix != ".safetensors":
-            h.update(file.read_bytes())
-            continue
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            head = f.read(n)
-            h.update(head)
-            for key, info in sorted(json.loads(head).items()):
-                if key == "__metadata__":
-                    continue
-                start, end = info["data_offsets"]
-                middle = max(start, (start + end - _SAMPLE) // 2)
-                for at in sorted({start, middle, max(start, end - _SAMPLE)}):
-                    f.seek(8 + n + at)
-                    h.update(f.read(min(_SAMPLE, end - at)))
-    return h.hexdigest()
+def _no_tensor_whole(_key: str) -> bool:
+    return False
 
 
 class LocalEngine:
@@ -205,7 +168,9 @@ class LocalEngine:
         self._count_tokenizer = copy.deepcopy(w.tokenizer)
         spill_seed = None
         if self._kv_redis_url is not None:  # KV leaves the process: name the weights themselves
-            weights_id = await asyncio.to_thread(_weights_id, w.path)
+            # configs, safetensors headers and 4 KiB samples of every tensor: cheap at any size
+            weights_id = await asyncio.to_thread(
+                checkpoint_id, w.path, _no_tensor_whole, sample_others=4096)
             spill_seed = chain_seed(w.model_id, f"{w.weights}|{weights_id}", self._kv_block_size)
         self.kv_store = self._make_store(spill_seed)
         self._scheduler = Scheduler(
@@ -237,7 +202,7 @@ class LocalEngine:
         await asyncio.to_thread(self._scheduler.barrier, 30.0)
         self._ready = True
         log.info(
-            "engine.ready", model_id=self.model_id, warmup_ms=_ms(time.perf_counter() - started),
+            "engine.ready", model_id=self.model_id, warmup_ms=ms(time.perf_counter() - started),
             max_batch=self._max_batch, prefill_chunk_tokens=self._prefill_chunk_tokens,
             kv_budget_bytes=self._kv_budget_bytes, prefix_caching=self._prefix_caching,
         )
