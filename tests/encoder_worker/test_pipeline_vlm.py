@@ -5,7 +5,6 @@ remote worker path, and the gateway wiring (settings, worker flags, model label,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import types
 from pathlib import Path
@@ -22,6 +21,7 @@ from encoder_worker.types import ImageLayout
 from encoder_worker.worker import EncoderWorker
 from gateway.vision import pack_encoded, unpack_encoded
 from tests.encoder_worker.test_family_llava import hf_image_features
+from tests.encoder_worker.test_worker import serving
 from tests.vlm_checkpoints import llava
 
 EXACT = {"pruning": "none", "visual_tokens": "fp32", "device": "cpu"}
@@ -126,21 +126,6 @@ async def test_local_encoder_and_redis_cache_carry_the_layout(ckpt, photos, redi
     assert back.layout == image.layout and torch.equal(back.embeds(), image.embeds())
 
 
-@contextlib.asynccontextmanager
-async def _serving(worker: EncoderWorker):
-    import asyncio
-
-    stop = asyncio.Event()
-    await worker.start()
-    task = asyncio.create_task(worker.run_until(stop))
-    try:
-        yield worker
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
-        await worker.aclose()
-
-
 async def test_remote_worker_round_trip_keeps_the_layout(ckpt, photos, redis_url) -> None:
     from gateway.worker_cli import DEFAULT_HIDDEN_SIZE, DEFAULT_TARGET_RMS
 
@@ -154,7 +139,7 @@ async def test_remote_worker_round_trip_keeps_the_layout(ckpt, photos, redis_url
     assert RedisEncoder(redis_url, config, DEFAULT_HIDDEN_SIZE, DEFAULT_TARGET_RMS).fingerprint == enc.fingerprint
     await enc.start()
     try:
-        async with _serving(EncoderWorker(redis_url, pipeline, block_ms=100)) as worker:
+        async with serving(EncoderWorker(redis_url, pipeline, block_ms=100)) as worker:
             got = await enc.encode(photos["rocket"])
     finally:
         await enc.aclose()
