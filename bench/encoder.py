@@ -45,7 +45,7 @@ from tqdm import tqdm
 from encoder_worker.config import PRUNING_MODES, EncoderConfig
 from encoder_worker.payload import quantize_tokens, to_embeds
 from encoder_worker.pipeline import EncoderPipeline
-from encoder_worker.preprocess import pil_preprocess, preprocess_batch
+from encoder_worker.patch_rows import pil_preprocess, preprocess_batch
 from encoder_worker.pruning import prune
 from encoder_worker.tower import SYNTHETIC_SHAPES, _synthetic_model
 
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if vlms or args.tiny_families:
         from bench import _encoder_vlm as vlm
-        from gateway.logging import configure_logging
+        from gateway.telemetry import configure_logging
 
         configure_logging("warning")
         try:

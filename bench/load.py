@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from gateway.logging import configure_logging
+    from gateway.telemetry import configure_logging
 
     configure_logging("info", json=False)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per /readyz poll

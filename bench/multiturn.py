@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from gateway.logging import configure_logging
+    from gateway.telemetry import configure_logging
 
     configure_logging("warning")
     print("starting two gateways (uncached, cached) ...", flush=True)

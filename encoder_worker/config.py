@@ -27,7 +27,7 @@ def tower_family(tower: str) -> str | None:
     directory whose config describes a vision-language model of another family."""
     if tower in SYNTHETIC_TOWERS or not os.path.isdir(tower):
         return None
-    from encoder_worker.families.base import (
+    from encoder_worker.families.family import (
         FAMILIES,
         UnsupportedCheckpoint,
         detect_family,

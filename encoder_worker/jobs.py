@@ -15,7 +15,7 @@ Keys (namespace `vg`):
 A job carries no image bytes and no tensors: a digest, the fingerprint the caller expects, and
 what the worker must agree with to produce it. Results say only how the job ended; the tokens
 are read from the vision cache, in the format the gateway's `TieredVisionCache` reads
-(`gateway.vision.pack_encoded`: the payload in its INT4 or float form and, for a real VLM
+(`gateway.vision_resolver.pack_encoded`: the payload in its INT4 or float form and, for a real VLM
 checkpoint, the image's `ImageLayout`), so the layout travels with the tokens.
 
 For a VLM checkpoint the fingerprint comes from the checkpoint alone (`hidden_size` is its

@@ -41,7 +41,7 @@ import torch
 from encoder_worker.config import EncoderConfig
 from encoder_worker.decode import decode_image, decode_jpeg_cuda, torchvision_jpeg_available
 from encoder_worker.payload import float_tokens, quantize_tokens
-from encoder_worker.preprocess import preprocess_batch
+from encoder_worker.patch_rows import preprocess_batch
 from encoder_worker.projector import Projector
 from encoder_worker.pruning import prune
 from encoder_worker.tower import TowerOutput, build_tower, describe_tower
@@ -117,7 +117,7 @@ def vlm_description(checkpoint_dir: str) -> dict:
     import importlib
 
     from encoder_worker.checkpoint import checkpoint_id
-    from encoder_worker.families.base import FAMILIES, read_config
+    from encoder_worker.families.family import FAMILIES, read_config
 
     weights = checkpoint_id(checkpoint_dir)
     if weights not in _DESCRIPTIONS:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from encoder_worker.preprocess import PreprocessSpec
+from encoder_worker.patch_rows import PreprocessSpec
 
 __all__ = (
     "SYNTHETIC_SHAPES",

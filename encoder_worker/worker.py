@@ -54,8 +54,8 @@ from encoder_worker.jobs import (
     vision_key,
 )
 from encoder_worker.types import ENCODE_STAGES, EncodedImage, ImageError
-from gateway.caching.vision import redis_value
-from gateway.vision import pack_encoded
+from gateway.caching.vision_cache import redis_value
+from gateway.vision_resolver import pack_encoded
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis

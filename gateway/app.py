@@ -1,8 +1,10 @@
 """The Litestar application: wiring of settings, stores, encoder, engine and routes.
 
-`create_app` builds everything from `Settings`; the models load in the background so
-`/healthz` answers as soon as the server listens and `/readyz` once the engine and encoder are
-loaded and warmed up. Parts can be passed in (tests hand in their own engine or encoder).
+`create_app` builds the `GatewayState` from `Settings`; the app's lifespan loads the models in
+the background, so `/healthz` answers as soon as the server listens and `/readyz` once the
+engine and encoder are loaded and warmed up, and closes everything on the way out. An engine or
+encoder passed in is used instead of the real one (the fast tests pass `tests.fakes`'
+deterministic pair).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from litestar.datastructures import State
 
 from gateway import __version__ as VERSION
 from gateway.auth import Authenticator
-from gateway.engine.base import Engine
+from gateway.engine.interface import Engine
 from gateway.protocol.errors import GatewayError
 from gateway.settings import Settings
 
@@ -72,7 +74,7 @@ def build_engine(settings: Settings) -> Engine:
                        torch_threads=engine_threads(settings))
 
 
-def encoder_config(settings: Settings) -> Any:
+def encoder_config(settings: Settings) -> EncoderConfig:
     """The EncoderConfig a gateway (or a worker with the same settings) encodes with.
 
     When `model_path` is a VLM checkpoint (LLaVA, SmolVLM / Idefics3, Qwen2.5-VL) its own vision
@@ -91,14 +93,14 @@ def encoder_config(settings: Settings) -> Any:
                          device=settings.device)
 
 
-def build_encoder(settings: Settings, engine: Engine) -> Any:
-    from encoder_worker.service import LocalEncoder
+def build_encoder(settings: Settings, engine: Engine) -> Encoder:
+    from encoder_worker.local_encoder import LocalEncoder
 
     config = encoder_config(settings)
     # a real checkpoint's projector is real: no embedding-RMS rescaling handshake
     target_rms = None if config.family is not None else getattr(engine, "embedding_rms", None)
     if settings.encoder == "redis":
-        from encoder_worker.remote import RedisEncoder
+        from gateway.redis_encoder import RedisEncoder
 
         return RedisEncoder(settings.redis_url, config, hidden_size=engine.hidden_size,
                             target_rms=target_rms,
@@ -108,89 +110,38 @@ def build_encoder(settings: Settings, engine: Engine) -> Any:
                         torch_threads=encoder_threads(settings))
 
 
-def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any = None) -> Litestar:
-    from gateway.caching import make_image_store, make_vision_cache
-    from gateway.ratelimit import make_rate_limiter
-    from gateway.service import ChatService
-    from gateway.sessions import make_session_store
-    from gateway.vision import VisionResolver
-
+def create_app(settings: Settings, *, engine: Engine | None = None,
+               encoder: Encoder | None = None) -> Litestar:
+    """The gateway for `settings`. `engine` / `encoder` replace the real ones when given."""
     engine = engine or build_engine(settings)
-    sessions = make_session_store(settings.redis_url, settings.session_ttl_s)
-    cache = make_vision_cache(settings.redis_url, settings.vision_cache_bytes, settings.vision_cache_ttl_s)
-    images = make_image_store(settings.redis_url, settings.image_store_bytes, settings.vision_cache_ttl_s)
-    telemetry = metrics = None
-    try:
-        from gateway.telemetry import setup_telemetry
-    except ImportError:  # the telemetry extras are optional
-        setup_telemetry = None
-    if setup_telemetry is not None:
-        telemetry = setup_telemetry(VERSION, log_level=settings.log_level)
-        metrics = telemetry.metrics
-    state = GatewayState(settings=settings, engine=engine, encoder=encoder, sessions=sessions,
-                         vision=None, service=None, auth=Authenticator(settings.api_keys),
-                         rate_limiter=make_rate_limiter(settings.rate_limit_per_minute, settings.redis_url),
-                         metrics=metrics, telemetry=telemetry)
-
-    async def load_models() -> None:
-        t0 = time.perf_counter()
-        try:
-            await engine.start()
-            if state.encoder is None:
-                state.encoder = build_encoder(settings, engine)
-            await state.encoder.start()
-            state.vision = VisionResolver(state.encoder, cache, images, metrics=metrics)
-            state.service = ChatService(engine=engine, vision=state.vision, sessions=sessions,
-                                        max_output_tokens_limit=settings.max_output_tokens_limit,
-                                        telemetry=telemetry)
-            state.ready = True
-            log.info("ready", model=engine.model_id, encoder=state.encoder.fingerprint[:16],
-                     load_s=round(time.perf_counter() - t0, 2))
-        except Exception as exc:  # keep serving /healthz; /readyz says why it is not ready
-            state.load_error = f"{type(exc).__name__}: {exc}"
-            log.exception("model_load_failed")
-
-    loader: list[asyncio.Task[None]] = []
-
+    telemetry = setup_telemetry(VERSION, log_level=settings.log_level)
+    state = GatewayState(
+        settings=settings, engine=engine,
+        sessions=make_session_store(settings.redis_url, settings.session_ttl_s),
+        vision_cache=make_vision_cache(settings.redis_url, settings.vision_cache_bytes,
+                                       settings.vision_cache_ttl_s),
+        images=make_image_store(settings.redis_url, settings.image_store_bytes,
+                                settings.vision_cache_ttl_s),
+        auth=Authenticator(settings.api_keys),
+        rate_limiter=make_rate_limiter(settings.rate_limit_per_minute, settings.redis_url),
+        telemetry=telemetry)
     gauges = {"sessions": 0, "queue": 0, "vision_cache": 0}
+    telemetry.metrics.observe_gauges(active_sessions=lambda: gauges["sessions"],
+                                     queue_depth=lambda: gauges["queue"],
+                                     cache_bytes=lambda: {"vision": gauges["vision_cache"]},
+                                     engine_stats=getattr(engine, "stats", None))
 
-    async def refresh_gauges() -> None:
-        # the gauge callbacks run on the exporter's thread and must not await: read stores here
-        while True:
-            try:
-                gauges["sessions"] = await sessions.count()
-                gauges["vision_cache"] = (await cache.stats()).bytes
-                if state.ready:
-                    gauges["queue"] = await state.encoder.queue_depth()
-            except Exception:
-                log.warning("gauge_refresh_failed", exc_info=True)
-            await asyncio.sleep(5.0)
-
-    if metrics is not None:
-        metrics.observe_gauges(active_sessions=lambda: gauges["sessions"],
-                               queue_depth=lambda: gauges["queue"],
-                               cache_bytes=lambda: {"vision": gauges["vision_cache"]},
-                               engine_stats=getattr(engine, "stats", None))
-
-    async def on_startup() -> None:
-        loader.append(asyncio.create_task(load_models(), name="load models"))
-        if metrics is not None:
-            loader.append(asyncio.create_task(refresh_gauges(), name="refresh gauges"))
-
-    async def on_shutdown() -> None:
-        for task in loader:
-            task.cancel()
-        await asyncio.gather(*loader, return_exceptions=True)
-        for part in (state.encoder, engine):
-            if part is not None:
-                try:
-                    await part.aclose()
-                except Exception:
-                    log.exception("close_failed", part=type(part).__name__)
-        for store in (sessions, cache, images, state.rate_limiter):
-            await store.aclose()
-        if telemetry is not None:
-            telemetry.shutdown()
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Litestar) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(_load_models(state, encoder), name="load models"),
+                 asyncio.create_task(_refresh_gauges(state, gauges), name="refresh gauges")]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await _close(state)
 
     @get("/healthz", sync_to_thread=False)
     def healthz() -> dict[str, Any]:
@@ -203,56 +154,65 @@ def create_app(settings: Settings, *, engine: Engine | None = None, encoder: Any
         body = {"status": "failed" if state.load_error else "loading", "error": state.load_error}
         return Response(body, status_code=503)
 
-    @websocket("/v1/realtime")
-    async def realtime(socket: WebSocket) -> None:
-        from gateway.realtime import RealtimeConnection
-
-        query = socket.query_params
-        try:
-            owner = state.auth.owner(socket.headers, query)
-        except GatewayError as exc:
-            await socket.close(code=1008, reason=exc.message)
-            return
-        if not state.ready:
-            await socket.accept()
-            await socket.send_json({"type": "error", "event_id": "event_000000", "error": {
-                "type": "server_error", "code": "busy", "message": "the model is still loading; "
-                "retry when /readyz answers 200", "param": None, "event_id": None}})
-            await socket.close(code=1013, reason="not ready")
-            return
-        await RealtimeConnection(socket, state, owner).run(query.get("session_id"))
-
-    route_handlers: list[Any] = [healthz, readyz, realtime]
-    try:
-        from gateway.http import http_route_handlers
-    except ImportError:
-        http_route_handlers = None
-    if http_route_handlers is not None:
-        route_handlers.extend(http_route_handlers(state))
-    if telemetry is not None:
-        @get("/metrics", sync_to_thread=False)
-        def prometheus_metrics() -> Response[bytes]:
-            body, content_type = telemetry.prometheus_text()
-            return Response(body, media_type=content_type)
-
-        route_handlers.append(prometheus_metrics)
-
-    plugins: list[Any] = []
-    if telemetry is not None:
-        from gateway.telemetry import litestar_plugin
-
-        plugins.append(litestar_plugin(telemetry))
-    from litestar.openapi import OpenAPIConfig
+    @get("/metrics", sync_to_thread=False)
+    def prometheus_metrics() -> Response[bytes]:
+        body, content_type = telemetry.prometheus_text()
+        return Response(body, media_type=content_type)
 
     openapi = OpenAPIConfig(title="visiongate", version=VERSION,
                             description="OpenAI-compatible chat gateway for vision-language models "
                             "with session-aware vision caching.")
-    app = Litestar(route_handlers=route_handlers, on_startup=[on_startup], plugins=plugins,
-                   openapi_config=openapi,
-                   on_shutdown=[on_shutdown], state=State({"gateway": state}), debug=False,
-                   logging_config=None)
-    return app
+    return Litestar(route_handlers=[healthz, readyz, prometheus_metrics, realtime_route(state),
+                                    *http_route_handlers(state)],
+                    lifespan=[lifespan], plugins=[litestar_plugin(telemetry)],
+                    openapi_config=openapi, state=State({"gateway": state}), debug=False,
+                    logging_config=None)
 
 
-def gateway_state(app: Litestar) -> GatewayState:
-    return app.state["gateway"]
+async def _load_models(state: GatewayState, encoder: Encoder | None) -> None:
+    settings, engine = state.settings, state.engine
+    t0 = time.perf_counter()
+    try:
+        await engine.start()
+        encoder = encoder or build_encoder(settings, engine)
+        await encoder.start()
+        vision = VisionResolver(encoder, state.vision_cache, state.images, metrics=state.metrics)
+        service = ChatService(engine=engine, vision=vision, sessions=state.sessions,
+                              max_output_tokens_limit=settings.max_output_tokens_limit,
+                              telemetry=state.telemetry)
+        state.serving = Serving(encoder=encoder, vision=vision, service=service)
+        log.info("ready", model=engine.model_id, encoder=encoder.fingerprint[:16],
+                 load_s=round(time.perf_counter() - t0, 2))
+    except Exception as exc:  # keep serving /healthz; /readyz says why it is not ready
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        log.exception("model_load_failed")
+        if encoder is not None:
+            with contextlib.suppress(Exception):
+                await encoder.aclose()
+
+
+async def _refresh_gauges(state: GatewayState, gauges: dict[str, int]) -> None:
+    # the gauge callbacks run on the exporter's thread and must not await: read stores here
+    while True:
+        try:
+            gauges["sessions"] = await state.sessions.count()
+            gauges["vision_cache"] = (await state.vision_cache.stats()).bytes
+            if state.serving is not None:
+                gauges["queue"] = await state.serving.encoder.queue_depth()
+        except Exception:
+            log.warning("gauge_refresh_failed", exc_info=True)
+        await asyncio.sleep(5.0)
+
+
+async def _close(state: GatewayState) -> None:
+    parts: list[Any] = [state.engine]
+    if state.serving is not None:
+        parts.insert(0, state.serving.encoder)
+    for part in parts:
+        try:
+            await part.aclose()
+        except Exception:
+            log.exception("close_failed", part=type(part).__name__)
+    for store in (state.sessions, state.vision_cache, state.images, state.rate_limiter):
+        await store.aclose()
+    state.telemetry.shutdown()

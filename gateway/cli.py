@@ -61,7 +61,7 @@ def _load_settings(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.app import create_app
-    from gateway.logging import configure_logging
+    from gateway.telemetry import configure_logging
     from gateway.server import serve
 
     settings = _load_settings(args)
@@ -113,21 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="default ~/.cache/visiongate")
     p.set_defaults(func=cmd_convert)
 
-    for register in _optional_commands():
+    from dashboards.commands import register as register_dashboards
+    from gateway.worker_cli import register as register_worker
+
+    for register in (register_worker, register_dashboards):
         register(sub)
     return parser
-
-
-def _optional_commands():
-    """Subcommands whose modules bring their own dependencies register only when importable."""
-    found = []
-    for module, attr in (("gateway.worker_cli", "register"), ("dashboards.cli", "register")):
-        try:
-            mod = __import__(module, fromlist=[attr])
-        except ImportError:
-            continue
-        found.append(getattr(mod, attr))
-    return found
 
 
 def main(argv: Sequence[str] | None = None) -> int:

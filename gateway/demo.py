@@ -74,7 +74,7 @@ async def _conversation(url: str, photo: bytes, max_output_tokens: int, out) -> 
 def run_demo(settings: Settings, *, photo: str = "astronaut", max_output_tokens: int = 64,
              out=sys.stdout) -> int:
     from gateway.app import create_app
-    from gateway.logging import configure_logging
+    from gateway.telemetry import configure_logging
     from gateway.server import ServerThread
 
     import msgspec

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kernels.gather import gather_tokens, topk_sorted
 from kernels.int4 import dequantize_int4, packed_shapes, quantize_int4
-from kernels.preprocess import ResizeCrop, resize_normalize_patchify, resize_taps
+from kernels.resize_patchify import ResizeCrop, resize_normalize_patchify, resize_taps
 
 __all__ = (
     "ResizeCrop",

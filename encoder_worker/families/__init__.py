@@ -1,10 +1,10 @@
 """Real vision-language checkpoints, one module per family: LLaVA, SmolVLM / Idefics3, Qwen2.5-VL.
 
-See `encoder_worker.families.base` for the contract each family implements and
+See `encoder_worker.families.family` for the contract each family implements and
 `detect_family` for how a checkpoint directory is recognised by its config.
 """
 
-from encoder_worker.families.base import (
+from encoder_worker.families.family import (
     FAMILIES,
     FamilyOutput,
     UnsupportedCheckpoint,

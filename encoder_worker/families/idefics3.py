@@ -43,7 +43,7 @@ from PIL import Image
 from torch import nn
 
 from encoder_worker.checkpoint import checkpoint_id, read_tensors, safetensors_index
-from encoder_worker.families.base import FamilyOutput, UnsupportedCheckpoint, read_config
+from encoder_worker.families.family import FamilyOutput, UnsupportedCheckpoint, read_config
 from encoder_worker.types import ImageError, ImageLayout
 
 if TYPE_CHECKING:

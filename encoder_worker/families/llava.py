@@ -32,7 +32,7 @@ import structlog
 import torch
 
 from encoder_worker.checkpoint import checkpoint_id, read_tensors, safetensors_index
-from encoder_worker.families.base import FamilyOutput, UnsupportedCheckpoint
+from encoder_worker.families.family import FamilyOutput, UnsupportedCheckpoint
 from encoder_worker.tower import cls_attention_row
 from encoder_worker.types import ImageLayout
 

@@ -1,6 +1,6 @@
 """Qwen2.5-VL on the encoder side: pixels -> the checkpoint's own merged visual tokens.
 
-Contract (see `encoder_worker.families.base`):
+Contract (see `encoder_worker.families.family`):
 
     family = Family(checkpoint_dir, device, dtype)
     out = family.encode(rgb)            # rgb [H, W, 3] uint8
@@ -51,7 +51,7 @@ import torch
 from PIL import Image
 
 from encoder_worker.checkpoint import checkpoint_id, read_tensors, safetensors_index
-from encoder_worker.families.base import FamilyOutput, UnsupportedCheckpoint
+from encoder_worker.families.family import FamilyOutput, UnsupportedCheckpoint
 from encoder_worker.types import ImageError, ImageLayout
 
 __all__ = ("PLACEHOLDER", "Family", "describe_checkpoint", "grid_mrope", "smart_resize")

@@ -7,7 +7,7 @@ scale-out; Redis is imported only when a Redis-backed one is made.
 
 from __future__ import annotations
 
-from gateway.caching.images import (
+from gateway.caching.image_store import (
     ImageStore,
     MemoryImageStore,
     RedisImageStore,
@@ -15,7 +15,7 @@ from gateway.caching.images import (
     sha256_hex,
 )
 from gateway.caching.singleflight import SingleFlight
-from gateway.caching.vision import (
+from gateway.caching.vision_cache import (
     CacheHit,
     MemoryVisionCache,
     TieredVisionCache,

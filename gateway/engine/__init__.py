@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.engine.base import (
+from gateway.engine.interface import (
     Delta,
     Engine,
     EngineBusy,

@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 
 from encoder_worker.checkpoint import checkpoint_id
-from gateway.engine.base import (
+from gateway.engine.interface import (
     Delta,
     EngineBusy,
     EngineError,

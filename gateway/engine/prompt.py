@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gateway.engine.base import ImageInput, Message
+from gateway.engine.interface import ImageInput, Message
 
 if TYPE_CHECKING:
     from encoder_worker.types import ImageLayout

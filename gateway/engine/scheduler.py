@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
-from gateway.engine.base import (
+from gateway.engine.interface import (
     EngineError,
     EngineStats,
     TextDelta,

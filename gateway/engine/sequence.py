@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gateway.engine.base import EngineError, GenerationRequest, GenerationResult, ImageInput
+from gateway.engine.interface import EngineError, GenerationRequest, GenerationResult, ImageInput
 from gateway.engine.prompt import Prompt, embed_positions
 
 if TYPE_CHECKING:

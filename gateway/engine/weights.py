@@ -279,7 +279,7 @@ _MROPE_FAMILIES = frozenset({"qwen2_5_vl"})
 
 def _vlm_family(path: Path) -> str | None:
     """The VLM family of a checkpoint, None for a language model; refuses other VLMs."""
-    from encoder_worker.families.base import (
+    from encoder_worker.families.family import (
         FAMILIES,
         UnsupportedCheckpoint,
         detect_family,

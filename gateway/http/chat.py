@@ -21,14 +21,14 @@ import structlog
 
 from gateway.http import protocol as p
 from gateway.http.messages import Conversation, image_urls, parse_messages, reconcile
-from gateway.images import fetch_remote_images
+from gateway.image_input import fetch_remote_images
 from gateway.protocol.errors import GatewayError
-from gateway.service import Finished, ResponseOptions, TextChunk
-from gateway.sessions.base import Session
+from gateway.chat_events import Finished, ResponseOptions, TextChunk
+from gateway.sessions.session import Session
 
 if TYPE_CHECKING:
-    from gateway.app import GatewayState
-    from gateway.service import ServiceEvent
+    from gateway.state import GatewayState
+    from gateway.chat_events import ServiceEvent
 
 __all__ = ("ChatCompletionServing", "EventStream")
 
@@ -70,7 +70,7 @@ class ChatCompletionServing:
             prepared = await self._prepare(request, owner, session_id or request.session_id)
         except GatewayError as exc:
             return p.error_response(exc)
-        events = self.state.service.respond(prepared.session, prepared.options, received_at=received)
+        events = self.state.require().service.respond(prepared.session, prepared.options, received_at=received)
         first: list[ServiceEvent] = []
         try:
             # run until the first text or the end, so a failure still gets its HTTP status
@@ -99,8 +99,7 @@ class ChatCompletionServing:
     async def _prepare(self, request: p.ChatCompletionRequest, owner: str,
                        session_id: str | None) -> _Prepared:
         state, settings = self.state, self.state.settings
-        if not state.ready:
-            raise GatewayError("busy", "the model is still loading; retry when /readyz answers 200")
+        vision = state.require().vision
         model = state.engine.model_id
         if request.model != model:
             raise GatewayError("model_not_found", f"the model {request.model!r} does not exist; "
@@ -121,12 +120,11 @@ class ChatCompletionServing:
                               max_images=settings.max_images_per_session, fetched=fetched,
                               max_text_chars=settings.max_text_chars)
         for digest, param in conv.refs.items():
-            if not await state.vision.known(digest):
+            if not await vision.known(digest):
                 raise GatewayError("image_not_found", f"no image with digest {digest}", param=param)
-        if state.rate_limiter is not None:
-            await state.rate_limiter.acquire(owner)
+        await state.rate_limiter.acquire(owner)
         for digest, data in conv.inline.items():
-            await state.vision.add(digest, data)
+            await vision.add(digest, data)
 
         stored = session_id is not None
         if session_id is None:
@@ -242,7 +240,7 @@ class ChatCompletionServing:
         return b"data: " + _json.encode(chunk) + b"\n\n"
 
     def _fingerprint(self) -> str:
-        return "fp_" + self.state.vision.fingerprint[:12]
+        return "fp_" + self.state.require().vision.fingerprint[:12]
 
     def _extension(self, ev: Finished, prepared: _Prepared) -> p.CompletionExtension:
         return p.CompletionExtension(

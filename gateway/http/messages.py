@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gateway.http.protocol import ImageUrlPart, InputMessage, RefusalPart, TextPart
-from gateway.images import ImageRef, digest_of, parse_image_url, sniff_image
+from gateway.image_input import ImageRef, digest_of, parse_image_url, sniff_image
 from gateway.protocol.errors import GatewayError
-from gateway.sessions.base import Session, StoredItem, StoredPart, new_id
+from gateway.sessions.session import Session, StoredItem, StoredPart, new_id
 
 __all__ = ("Conversation", "parse_messages", "reconcile", "same_item")
 

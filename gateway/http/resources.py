@@ -16,24 +16,21 @@ import structlog
 
 from encoder_worker.types import ENCODE_STAGES
 from gateway.http import protocol as p
-from gateway.images import REF_PREFIX, digest_of, sniff_image
+from gateway.image_input import REF_PREFIX, digest_of, sniff_image
 from gateway.protocol.errors import GatewayError
-from gateway.service import kv_key_for
-from gateway.sessions.base import StoredItem
+from gateway.chat_service import kv_key_for
+from gateway.sessions.session import StoredItem
+from gateway.state import not_ready
 
 if TYPE_CHECKING:
-    from gateway.app import GatewayState
-    from gateway.vision import Resolved
+    from gateway.state import GatewayState
+    from gateway.vision_resolver import Resolved
 
 __all__ = ("SYNTHETIC_VISION_LABEL", "ImageServing", "ModelServing", "SessionServing",
            "session_view", "vision_label")
 
 log = structlog.get_logger("visiongate.http")
 
-
-
-def _not_ready() -> GatewayError:
-    return GatewayError("busy", "the model is still loading; retry when /readyz answers 200")
 
 
 SYNTHETIC_VISION_LABEL = "synthetic seeded tower, answers not grounded"
@@ -47,7 +44,7 @@ def vision_label(state: GatewayState) -> str:
     from encoder_worker.config import SYNTHETIC_TOWERS, tower_family
 
     settings = state.settings
-    config = getattr(state.encoder, "config", None)
+    config = getattr(state.serving.encoder, "config", None) if state.serving else None
     tower = config.tower if config is not None else settings.vision_tower
     try:
         family = tower_family(tower) or (tower_family(settings.model_path)
@@ -96,7 +93,8 @@ class ImageServing:
     async def upload(self, data: bytes) -> p.ImageStatus | p.ErrorResponse:
         state, settings = self.state, self.state.settings
         if not state.ready:
-            return p.error_response(_not_ready())
+            return p.error_response(not_ready())
+        vision = state.require().vision
         if not data:
             return p.error_response(GatewayError("invalid_image", "the request holds no image bytes",
                                                  param="file"))
@@ -106,10 +104,10 @@ class ImageServing:
         except GatewayError as exc:
             return p.error_response(exc)
         digest = digest_of(data)
-        await state.vision.add(digest, data)
+        await vision.add(digest, data)
         status = await self.status(digest)
         if not (isinstance(status, p.ImageStatus) and status.status in ("encoding", "ready")):
-            self._track(digest, state.vision.start(digest))
+            self._track(digest, vision.start(digest))
             status = p.ImageStatus(id=digest, ref=REF_PREFIX + digest, status="encoding")
         status.bytes, status.format, status.width, status.height = len(data), fmt, width, height
         log.info("image_uploaded", digest=digest[:12], bytes=len(data), status=status.status)
@@ -119,7 +117,8 @@ class ImageServing:
         state = self.state
         digest = digest.lower().removeprefix(REF_PREFIX)
         if not state.ready:
-            return p.error_response(_not_ready())
+            return p.error_response(not_ready())
+        vision = state.require().vision
         ref = REF_PREFIX + digest
         task = self._encodes.get(digest)
         if task is not None and not task.done():
@@ -129,12 +128,12 @@ class ImageServing:
             error = exc if isinstance(exc, GatewayError) else GatewayError("internal_error", str(exc))
             return p.ImageStatus(id=digest, ref=ref, status="failed",
                                  error=p.error_response(error).error)
-        image = await state.vision.cached(digest)
+        image = await vision.cached(digest)
         if image is not None:
             encode_ms = sum(v for k, v in image.timings_ms.items() if k in ENCODE_STAGES)
             return p.ImageStatus(id=digest, ref=ref, status="ready", tokens_kept=image.tokens_kept,
                                  tokens_total=image.tokens_total, encode_ms=round(encode_ms, 3))
-        if await state.vision.known(digest):
+        if await vision.known(digest):
             return p.ImageStatus(id=digest, ref=ref, status="stored")
         return p.error_response(GatewayError("image_not_found", f"no image with digest {digest}",
                                              param="digest"))

@@ -27,7 +27,7 @@ from gateway.http.resources import ImageServing, ModelServing, SessionServing
 from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:
-    from gateway.app import GatewayState
+    from gateway.state import GatewayState
 
 __all__ = ("STATIC_DIR", "http_route_handlers")
 
@@ -171,7 +171,7 @@ def as_gateway_error(exc: Exception) -> GatewayError:
 
 def error_reply(error: p.ErrorResponse, state: GatewayState, *,
                 status: int | None = None) -> Response[p.ErrorResponse]:
-    if state.metrics is not None and error.error.code:
+    if error.error.code:
         state.metrics.record_error(code=error.error.code, api="http")
     log.info("client_error", api="http", code=error.error.code, message=error.error.message,
              param=error.error.param)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.sessions.base import Session, SessionStore, StoredItem, StoredPart
+from gateway.sessions.session import Session, SessionStore, StoredItem, StoredPart
 from gateway.sessions.memory import MemorySessionStore
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from gateway.sessions.base import Session, T, not_found
+from gateway.sessions.session import Session, T, not_found
 
 __all__ = ("MemorySessionStore",)
 

@@ -34,7 +34,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from gateway.protocol.errors import GatewayError
-from gateway.sessions.base import UPDATE_ATTEMPTS, T, Session, not_found
+from gateway.sessions.session import UPDATE_ATTEMPTS, T, Session, not_found
 
 if TYPE_CHECKING:
     from redis.commands.core import AsyncScript

@@ -150,7 +150,7 @@ def metric_views() -> list[View]:
 
 
 class SchedulerStats(Protocol):
-    """What the scheduler gauges read (`gateway.engine.base.EngineStats` has these fields)."""
+    """What the scheduler gauges read (`gateway.engine.interface.EngineStats` has these fields)."""
 
     @property
     def running(self) -> int: ...

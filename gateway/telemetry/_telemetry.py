@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.telemetry._config import OTLPTarget, TelemetryConfig, config_from_env
+from gateway.telemetry._otel_config import OTLPTarget, TelemetryConfig, config_from_env
 from gateway.telemetry._logging import configure_logging
 from gateway.telemetry._metrics import GatewayMetrics, metric_views
 from gateway.telemetry._tracing import ATTR, record_stage_spans, response_span_name
@@ -182,6 +182,31 @@ class Telemetry:
             trace.set_tracer_provider(self.tracer_provider)
             otel_metrics.set_meter_provider(self.meter_provider)
             _globals_installed = True
+
+
+class NoopTelemetry(Telemetry):
+    """Telemetry that records nothing, behind the same API: OpenTelemetry's no-op tracer and
+    meter, an empty ``/metrics``. For parts built without a gateway around them (unit tests,
+    scripts), so serving code never checks whether telemetry exists."""
+
+    def __init__(self) -> None:  # noqa: D107 - no providers, no exporters, no registry
+        self.config = TelemetryConfig()
+        self.instance_id = "noop"
+        self.tracer = trace.NoOpTracer()
+        self.meter = otel_metrics.NoOpMeter(_SCOPE)
+        self.metrics = GatewayMetrics(self.meter)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._shutdown = True
+        self._lock = threading.Lock()
+
+    def force_flush(self, timeout_ms: int = 10_000) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+    def install_global(self) -> None:
+        return None
 
 
 def setup_telemetry(

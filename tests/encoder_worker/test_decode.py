@@ -125,7 +125,7 @@ def test_large_palette_bilevel_and_16bit_images_decode_reduced(mode: str) -> Non
 
 
 def test_elongated_images_are_windowed_before_resizing() -> None:
-    from encoder_worker.preprocess import PreprocessSpec, center_window, preprocess_batch
+    from encoder_worker.patch_rows import PreprocessSpec, center_window, preprocess_batch
 
     spec = PreprocessSpec(image_size=224, patch_size=16)
     strip = torch.zeros(1, 100_000, 3, dtype=torch.uint8)  # resized whole: 224 x 22.4M pixels

@@ -16,10 +16,10 @@ from PIL import Image
 
 from encoder_worker import EncodedImage, EncoderConfig, EncoderPipeline, ImageError, LocalEncoder
 from encoder_worker.payload import FloatTokens
-from encoder_worker.remote import RedisEncoder
+from gateway.redis_encoder import RedisEncoder
 from encoder_worker.types import ImageLayout
 from encoder_worker.worker import EncoderWorker
-from gateway.vision import pack_encoded, unpack_encoded
+from gateway.vision_resolver import pack_encoded, unpack_encoded
 from tests.encoder_worker.test_family_llava import hf_image_features
 from tests.encoder_worker.test_worker import serving
 from tests.vlm_checkpoints import llava
@@ -201,9 +201,9 @@ def test_model_card_labels_the_vision_encoder(ckpt) -> None:
 
 
 def test_service_hands_the_layout_to_the_engine(exact, photos) -> None:
-    from gateway.service import ChatService
-    from gateway.sessions.base import Session, StoredItem, StoredPart
-    from gateway.vision import Resolved
+    from gateway.chat_service import ChatService
+    from gateway.sessions.session import Session, StoredItem, StoredPart
+    from gateway.vision_resolver import Resolved
 
     (image,) = exact.encode_batch([photos["coffee"]])
     service = ChatService(engine=types.SimpleNamespace(device="cpu", model_id="m"),

@@ -4,7 +4,7 @@ import numpy as np
 import skimage.data
 import torch
 
-from encoder_worker.preprocess import PreprocessSpec, pil_preprocess, preprocess_batch, resize_plan
+from encoder_worker.patch_rows import PreprocessSpec, pil_preprocess, preprocess_batch, resize_plan
 
 
 def _as_image(rows: torch.Tensor, spec: PreprocessSpec) -> np.ndarray:

@@ -41,7 +41,7 @@ from encoder_worker.jobs import (
     image_key,
     vision_key,
 )
-from encoder_worker.remote import RedisEncoder
+from gateway.redis_encoder import RedisEncoder
 from encoder_worker.worker import EncoderWorker
 from gateway.protocol.errors import GatewayError
 from gateway.worker_cli import DEFAULT_HIDDEN_SIZE, DEFAULT_TARGET_RMS, TEST_DIE_AFTER_READ_ENV
@@ -189,7 +189,7 @@ async def test_remote_encode_matches_local_and_fills_the_vision_cache(
     redis_url, pipeline, images
 ) -> None:
     from gateway.caching import MemoryVisionCache, TieredVisionCache
-    from gateway.vision import unpack_encoded
+    from gateway.vision_resolver import unpack_encoded
 
     local = LocalEncoder(CONFIG, HIDDEN, RMS)
     await local.start()

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.engine.base import GenerationRequest, GenerationResult, TextDelta
+from gateway.engine.interface import GenerationRequest, GenerationResult, TextDelta
 from gateway.engine.local import LocalEngine
 
 

@@ -11,7 +11,7 @@ import uuid
 import pytest
 import torch
 
-from gateway.engine.base import GenerationRequest, ImageInput, Message, SamplingParams
+from gateway.engine.interface import GenerationRequest, ImageInput, Message, SamplingParams
 from gateway.engine.kvredis import RedisKVStore
 from gateway.engine.prompt import render
 

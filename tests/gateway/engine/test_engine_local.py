@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from gateway.engine.base import (
+from gateway.engine.interface import (
     Engine,
     EngineBusy,
     GenerationRequest,
@@ -170,7 +170,7 @@ async def test_image_is_spliced_and_counted(engine, collect) -> None:
 
 
 async def test_wrong_image_width_is_an_error(engine) -> None:
-    from gateway.engine.base import EngineError
+    from gateway.engine.interface import EngineError
 
     bad = ImageInput("b" * 64, torch.zeros(4, 100))
     request = GenerationRequest("bad", [Message("user", ["Look", bad])])
@@ -188,7 +188,7 @@ async def test_seeded_sampling_is_reproducible(engine, collect) -> None:
 
 
 async def test_prompt_past_the_context_is_an_error(engine) -> None:
-    from gateway.engine.base import EngineError
+    from gateway.engine.interface import EngineError
 
     request = ask("word " * 9000, 4)
     with pytest.raises(EngineError) as info:

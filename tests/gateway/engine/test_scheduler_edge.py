@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.engine.base import (
+from gateway.engine.interface import (
     EngineError,
     GenerationRequest,
     GenerationResult,

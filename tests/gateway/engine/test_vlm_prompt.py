@@ -25,7 +25,7 @@ import torch
 
 from encoder_worker.families import UnsupportedCheckpoint
 from encoder_worker.types import ImageLayout
-from gateway.engine.base import ImageInput, Message
+from gateway.engine.interface import ImageInput, Message
 from gateway.engine.kvblocks import position_keys
 from gateway.engine.prompt import STRUCTURED_CONTENT_ATTR, embed_positions, render
 from gateway.engine.weights import LoadedModel, load_weights
@@ -425,7 +425,7 @@ def test_unsupported_architecture_names_families(tmp_path: Path) -> None:
 
 def test_family_encoder_agrees(ckpt: Checkpoint) -> None:
     """The encoder side's family module (when present) makes the rows and layout used here."""
-    from encoder_worker.families.base import FAMILIES
+    from encoder_worker.families.family import FAMILIES
 
     module = FAMILIES[json.loads((ckpt.path / "config.json").read_text())["model_type"]]
     if importlib.util.find_spec(f"encoder_worker.families.{module}") is None:

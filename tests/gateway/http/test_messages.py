@@ -8,7 +8,7 @@ import pytest
 from gateway.http.messages import parse_messages, reconcile
 from gateway.http.protocol import ChatCompletionRequest
 from gateway.protocol.errors import GatewayError
-from gateway.sessions.base import Session
+from gateway.sessions.session import Session
 from tests.conftest import photo_bytes
 from tests.gateway.http.conftest import data_url
 

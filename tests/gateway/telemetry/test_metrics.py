@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.engine.base import EngineStats
+from gateway.engine.interface import EngineStats
 from gateway.telemetry import PROMETHEUS_NAMES, GatewayMetrics, Telemetry, config_from_env
 
 # what a scheduler reports mid-run: 40 + 24 of 128 blocks taken or cached, 64 empty

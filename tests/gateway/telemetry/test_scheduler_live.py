@@ -7,7 +7,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from gateway.engine.base import EngineStats
+from gateway.engine.interface import EngineStats
 from gateway.telemetry import Telemetry
 from tests.deploy.conftest import prometheus_bin  # noqa: F401 - fixture
 from tests.deploy.test_prometheus_live import (  # noqa: F401 - fixtures

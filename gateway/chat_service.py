@@ -19,7 +19,8 @@ from typing import Literal
 
 import structlog
 
-from gateway.engine.base import (
+from gateway.chat_events import Finished, ResponseOptions, ServiceEvent, Started, Status, TextChunk
+from gateway.engine.interface import (
     Engine,
     EngineBusy,
     EngineError,
@@ -31,85 +32,25 @@ from gateway.engine.base import (
     TextDelta,
 )
 from gateway.protocol.errors import ERROR_CODES, GatewayError
-from gateway.sessions.base import Session, SessionStore, StoredItem, StoredPart, new_id
-from gateway.tracing import ResponseTrace
-from gateway.vision import Resolved, VisionResolver
+from gateway.sessions.session import Session, SessionStore, StoredItem, StoredPart, new_id
+from gateway.response_trace import ResponseTrace
+from gateway.telemetry import NoopTelemetry, Telemetry
+from gateway.vision_resolver import Resolved, VisionResolver
 
-__all__ = ("ChatService", "Finished", "ResponseOptions", "Started", "TextChunk")
+__all__ = ("ChatService", "kv_key_for")
 
 log = structlog.get_logger("visiongate.service")
-
-Status = Literal["completed", "cancelled", "incomplete", "failed"]
-
-
-@dataclass(slots=True)
-class ResponseOptions:
-    instructions: str | None = None  # overrides the session's for this response
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    store: bool = True  # append the answer to the conversation
-    response_id: str = field(default_factory=lambda: new_id("resp"))
-    item_id: str = field(default_factory=lambda: new_id("item"))
-    api: str = "realtime"
-    session_load_ns: tuple[int, int] | None = None  # when the caller loaded the session (epoch ns)
-    cancel: threading.Event = field(default_factory=threading.Event)  # set to stop the answer
-
-
-@dataclass(slots=True)
-class Started:
-    response_id: str
-    item_id: str
-
-
-@dataclass(slots=True)
-class TextChunk:
-    text: str
-
-
-@dataclass(slots=True)
-class Finished:
-    response_id: str
-    item_id: str
-    status: Status
-    text: str
-    reason: str | None = None  # client_cancelled | max_output_tokens
-    error: GatewayError | None = None
-    input_tokens: int = 0
-    image_tokens: int = 0
-    image_tokens_total: int = 0
-    text_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-    cached_image_tokens: int = 0
-    vision_hits: int = 0
-    vision_misses: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def vision(self) -> str:
-        if self.vision_hits == 0 and self.vision_misses == 0:
-            return "none"
-        if self.vision_misses == 0:
-            return "hit"
-        return "miss" if self.vision_hits == 0 else "partial"
-
-
-ServiceEvent = Started | TextChunk | Finished
-
 
 class ChatService:
     """Turns (session, options) into a streamed answer; persists the turn when done."""
 
     def __init__(self, *, engine: Engine, vision: VisionResolver, sessions: SessionStore,
-                 max_output_tokens_limit: int, telemetry=None) -> None:
+                 max_output_tokens_limit: int, telemetry: Telemetry | None = None) -> None:
         self.engine = engine
         self.vision = vision
         self.sessions = sessions
         self.max_output_tokens_limit = max_output_tokens_limit
-        self.telemetry = telemetry
+        self.telemetry = telemetry or NoopTelemetry()
 
     async def respond(
         self,

@@ -14,9 +14,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import structlog
+from litestar import WebSocket, websocket
+from litestar.handlers import WebsocketRouteHandler
 
 from encoder_worker.types import ENCODE_STAGES
-from gateway.images import (
+from gateway.image_input import (
     REF_PREFIX,
     ImageRef,
     digest_of,
@@ -24,18 +26,17 @@ from gateway.images import (
     parse_image_url,
     sniff_image,
 )
-from gateway.protocol import realtime as rt
+from gateway.protocol import realtime_events as rt
 from gateway.protocol.errors import GatewayError
-from gateway.service import Finished, ResponseOptions, Started, TextChunk
-from gateway.sessions.base import Session, StoredItem, StoredPart, new_id
+from gateway.chat_events import Finished, ResponseOptions, Started, TextChunk
+from gateway.state import not_ready
+from gateway.sessions.session import Session, StoredItem, StoredPart, new_id
 
 if TYPE_CHECKING:
-    from litestar import WebSocket
+    from gateway.state import GatewayState
+    from gateway.vision_resolver import Resolved
 
-    from gateway.app import GatewayState
-    from gateway.vision import Resolved
-
-__all__ = ("RealtimeConnection", "session_state", "wire_item")
+__all__ = ("RealtimeConnection", "realtime_route", "session_state", "wire_item")
 
 log = structlog.get_logger("visiongate.realtime")
 
@@ -70,6 +71,22 @@ def session_state(session: Session, model: str, *, resumed: bool = False) -> rt.
     )
 
 
+def realtime_route(state: GatewayState) -> WebsocketRouteHandler:
+    """`/v1/realtime`: authenticate the upgrade, then hand the socket to a `RealtimeConnection`."""
+
+    @websocket("/v1/realtime")
+    async def realtime(socket: WebSocket) -> None:
+        query = socket.query_params
+        try:
+            owner = state.auth.owner(socket.headers, query)
+        except GatewayError as exc:
+            await socket.close(code=1008, reason=exc.message)
+            return
+        await RealtimeConnection(socket, state, owner).run(query.get("session_id"))
+
+    return realtime
+
+
 class RealtimeConnection:
     """The state of one WebSocket: transitions CONNECTING -> OPEN -> CLOSED, never back."""
 
@@ -96,17 +113,20 @@ class RealtimeConnection:
         self.codec = rt.WireCodec(binary=binary)
         await self.socket.accept(subprotocols=rt.MSGPACK_SUBPROTOCOL if binary else None)
         self._transition(ConnState.OPEN)
+        if not self.state.ready:  # in the negotiated codec, then "try again later"
+            await self._send_error(not_ready(), None)
+            await self.socket.close(code=1013, reason="not ready")
+            self._transition(ConnState.CLOSED)
+            return
         metrics = self.state.metrics
-        if metrics is not None:
-            metrics.ws_connection_opened()
+        metrics.ws_connection_opened()
         try:
             if not await self._open_session(session_id):
                 return
             await self._receive_loop()
         finally:
             self._transition(ConnState.CLOSED)
-            if metrics is not None:
-                metrics.ws_connection_closed()
+            metrics.ws_connection_closed()
             await self._shutdown()
 
     def _transition(self, new: ConnState) -> None:
@@ -244,7 +264,7 @@ class RealtimeConnection:
                 ref = parse_image_url(part.image_url, max_bytes=settings.max_image_bytes,
                                       param=f"{param}.image_url", fetched=fetched)
                 if isinstance(ref, ImageRef):
-                    if not await self.state.vision.known(ref):
+                    if not await self.state.require().vision.known(ref):
                         raise GatewayError("image_not_found", f"no image with digest {ref}",
                                            param=f"{param}.image_url")
                     digest, data = str(ref), None
@@ -263,7 +283,7 @@ class RealtimeConnection:
                 parts.append(StoredPart("text", text=part.text))
         for _, digest, data in new_images:
             if data is not None:
-                await self.state.vision.add(digest, data)
+                await self.state.require().vision.add(digest, data)
 
         stored = StoredItem(id=item_id, role=item.role, parts=parts)
         new_digests = {d for _, d, _ in new_images}
@@ -289,7 +309,7 @@ class RealtimeConnection:
         for index, digest, _ in new_images:
             task = self.pending.get(digest)
             if task is None:
-                task = self.pending[digest] = self.state.vision.start(digest)
+                task = self.pending[digest] = self.state.require().vision.start(digest)
             tasks.append((index, digest, task))
         watcher = asyncio.create_task(self._watch_encodes(stored, previous, tasks, event.event_id))
         self.watchers[watcher] = [task for _, _, task in tasks]
@@ -399,7 +419,7 @@ class RealtimeConnection:
         conversation = None if not options.store else self.session.id
         finished = False
         try:
-            async for ev in self.state.service.respond(self.session, options, pending=self.pending,
+            async for ev in self.state.require().service.respond(self.session, options, pending=self.pending,
                                                        received_at=received):
                 finished |= isinstance(ev, Finished)
                 await self._on_service_event(ev, options, params, conversation, event_id)
@@ -486,8 +506,7 @@ class RealtimeConnection:
                 log.debug("send_failed", event=type(event).__name__)
 
     async def _send_error(self, exc: GatewayError, event_id: str | None) -> None:
-        if self.state.metrics is not None:
-            self.state.metrics.record_error(code=exc.code, api="realtime")
+        self.state.metrics.record_error(code=exc.code, api="realtime")
         log.info("client_error", code=exc.code, message=exc.message, event_id=event_id)
         await self._send(rt.ErrorEvent(self._eid(), rt.ErrorBody(
             type=exc.type, code=exc.code, message=exc.message, param=exc.param, event_id=event_id)))

@@ -3,7 +3,7 @@
 The service's work is an async generator and its encoder and engine run on worker threads, so
 spans are not made current across awaits: the root span `chat <model>` is started explicitly,
 and each stage becomes a child span with explicit start and end times once its duration is
-known. Works with telemetry absent (a no-op tracer, no metrics).
+known. With `NoopTelemetry` it records nothing.
 
 `llm.prefill` carries how the scheduler ran the prompt (`visiongate.prefill.chunks`,
 `visiongate.preemptions`); the root span carries the response's P95 inter-token latency, and
@@ -20,11 +20,12 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from encoder_worker.types import ENCODE_STAGES
+from gateway.telemetry import ATTR, SPAN, Telemetry, log_response, response_span_name, traceparent
 
 if TYPE_CHECKING:
-    from gateway.engine.base import GenerationResult
-    from gateway.service import Finished
-    from gateway.vision import Resolved
+    from gateway.engine.interface import GenerationResult
+    from gateway.chat_events import Finished
+    from gateway.vision_resolver import Resolved
 
 __all__ = ("ResponseTrace",)
 
@@ -55,12 +56,10 @@ class ResponseTrace:
         "tracer",
     )
 
-    def __init__(self, telemetry: Any, *, model: str, api: str, response_id: str,
+    def __init__(self, telemetry: Telemetry, *, model: str, api: str, response_id: str,
                  session_id: str | None, started_ns: int | None = None) -> None:
-        from gateway.telemetry import ATTR, response_span_name
-
         self.telemetry = telemetry
-        self.tracer = telemetry.tracer if telemetry is not None else trace.NoOpTracer()
+        self.tracer = telemetry.tracer
         self.api, self.model, self.session_id, self.response_id = api, model, session_id, response_id
         self.started_ns = started_ns or time.time_ns()
         self.itl_ms: tuple[float, ...] = ()  # the engine's gaps between text deltas, once known
@@ -82,8 +81,6 @@ class ResponseTrace:
     def start_image(self, digest: str) -> tuple[Any, str | None]:
         """Open `image.resolve` now; its W3C traceparent goes with an encode job to a worker,
         whose spans then join this trace."""
-        from gateway.telemetry import ATTR, SPAN, traceparent
-
         span = self.tracer.start_span(SPAN.IMAGE_RESOLVE, context=self.context,
                                       attributes={ATTR.IMAGE_DIGEST: digest[:12]})
         return span, traceparent(span)
@@ -91,8 +88,6 @@ class ResponseTrace:
     def image(self, parent: Any, resolved: Resolved) -> None:
         """Close `image.resolve`; for an encode done in this process, record its stage spans
         and `cache.put` beneath it (a remote worker records its own)."""
-        from gateway.telemetry import ATTR, SPAN
-
         hit = resolved.source in ("memory", "redis")
         parent.set_attributes({
             ATTR.CACHE_HIT: hit, ATTR.CACHE_TIER: resolved.source if hit else "none",
@@ -104,9 +99,8 @@ class ResponseTrace:
         stages = {f"encode.{k}": timings[k] for k in STAGES if k in timings}
         ctx = trace.set_span_in_context(parent)
         cursor = self.telemetry.stage_spans(ctx, resolved.encode_started_ns, stages, attributes={
-            ATTR.BATCH_SIZE: int(timings.get("batch_size", 1))}) if self.telemetry else 0
-        if self.telemetry:
-            self.span(SPAN.CACHE_PUT, cursor, cursor + _ns(resolved.put_ms), parent=ctx)
+            ATTR.BATCH_SIZE: int(timings.get("batch_size", 1))})
+        self.span(SPAN.CACHE_PUT, cursor, cursor + _ns(resolved.put_ms), parent=ctx)
 
     def image_failed(self, parent: Any, exc: BaseException) -> None:
         parent.set_status(Status(StatusCode.ERROR, str(exc)))
@@ -114,8 +108,6 @@ class ResponseTrace:
         parent.end()
 
     def llm(self, generate_ns: int, result: GenerationResult) -> None:
-        from gateway.telemetry import ATTR, SPAN
-
         prefill_start = generate_ns + _ns(result.queue_ms)
         prefill_end = prefill_start + _ns(result.prefill_ms)
         self.span(SPAN.LLM_PREFILL, prefill_start, prefill_end, {
@@ -129,14 +121,10 @@ class ResponseTrace:
             self.root.set_attribute(ATTR.ITL_P95_MS, round(_p95(self.itl_ms), 3))
 
     def first_token(self, ttft_ms: float) -> None:
-        from gateway.telemetry import ATTR, SPAN
-
         self.root.add_event(SPAN.EVENT_TTFT, {ATTR.TTFT_MS: ttft_ms})
 
     def finish(self, done: Finished, *, stream_start_ns: int | None = None) -> None:
         """Close the root span, write the access line and record the response's metrics."""
-        from gateway.telemetry import ATTR, SPAN
-
         end_ns = time.time_ns()
         if stream_start_ns is not None:
             self.span(SPAN.STREAM, stream_start_ns, end_ns, {ATTR.OUTPUT_TOKENS: done.output_tokens})
@@ -146,30 +134,27 @@ class ResponseTrace:
         if done.error is not None:
             self.root.set_attribute(ATTR.ERROR_TYPE, done.error.code)
             self.root.set_status(Status(StatusCode.ERROR, done.error.message))
-        if self.telemetry is not None:
-            from gateway.telemetry import log_response
-
-            with trace.use_span(self.root, end_on_exit=False):
-                log_response(api=self.api, model=self.model, status=done.status,
-                             session_id=self.session_id, response_id=self.response_id,
-                             timings_ms=done.timings, usage={
-                                 "input_tokens": done.input_tokens, "output_tokens": done.output_tokens,
-                                 "image_tokens": done.image_tokens, "cached_tokens": done.cached_tokens},
-                             vision_cache=done.vision)
-            metrics = self.telemetry.metrics
-            decode_s = done.timings.get("decode_ms", 0.0) / 1e3
-            metrics.record_response(
-                model=self.model, status=done.status,
-                ttft_s=done.timings["ttft_ms"] / 1e3 if done.timings.get("ttft_ms") else None,
-                duration_s=done.timings.get("total_ms", 0.0) / 1e3, output_tokens=done.output_tokens,
-                input_tokens=done.input_tokens, image_tokens=done.image_tokens,
-                cached_tokens=done.cached_tokens,
-                time_per_output_token_s=decode_s / max(done.output_tokens - 1, 1)
-                if done.output_tokens > 0 and decode_s > 0 else None,
-                api=self.api, inter_token_latencies_s=[ms / 1e3 for ms in self.itl_ms])
-            if done.input_tokens:
-                metrics.record_kv_reuse(reused_tokens=done.cached_tokens,
-                                        prefill_tokens=done.input_tokens - done.cached_tokens)
-                metrics.record_cache_lookup(cache="kv", tier="memory",
-                                            result="hit" if done.cached_tokens else "miss")
+        with trace.use_span(self.root, end_on_exit=False):
+            log_response(api=self.api, model=self.model, status=done.status,
+                         session_id=self.session_id, response_id=self.response_id,
+                         timings_ms=done.timings, usage={
+                             "input_tokens": done.input_tokens, "output_tokens": done.output_tokens,
+                             "image_tokens": done.image_tokens, "cached_tokens": done.cached_tokens},
+                         vision_cache=done.vision)
+        metrics = self.telemetry.metrics
+        decode_s = done.timings.get("decode_ms", 0.0) / 1e3
+        metrics.record_response(
+            model=self.model, status=done.status,
+            ttft_s=done.timings["ttft_ms"] / 1e3 if done.timings.get("ttft_ms") else None,
+            duration_s=done.timings.get("total_ms", 0.0) / 1e3, output_tokens=done.output_tokens,
+            input_tokens=done.input_tokens, image_tokens=done.image_tokens,
+            cached_tokens=done.cached_tokens,
+            time_per_output_token_s=decode_s / max(done.output_tokens - 1, 1)
+            if done.output_tokens > 0 and decode_s > 0 else None,
+            api=self.api, inter_token_latencies_s=[ms / 1e3 for ms in self.itl_ms])
+        if done.input_tokens:
+            metrics.record_kv_reuse(reused_tokens=done.cached_tokens,
+                                    prefill_tokens=done.input_tokens - done.cached_tokens)
+            metrics.record_cache_lookup(cache="kv", tier="memory",
+                                        result="hit" if done.cached_tokens else "miss")
         self.root.end(end_time=end_ns)

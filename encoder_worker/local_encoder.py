@@ -23,7 +23,7 @@ from encoder_worker.types import EncodedImage, ImageError
 
 __all__ = ("LocalEncoder",)
 
-log = structlog.get_logger("encoder_worker.service")
+log = structlog.get_logger("encoder_worker.local_encoder")
 
 _Job = tuple[bytes, "asyncio.Future[EncodedImage]"]
 

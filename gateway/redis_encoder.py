@@ -39,11 +39,11 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
 
     from encoder_worker.config import EncoderConfig
-    from gateway.caching.vision import TieredVisionCache
+    from gateway.caching.vision_cache import TieredVisionCache
 
 __all__ = ("RedisEncoder",)
 
-log = structlog.get_logger("encoder_worker.remote")
+log = structlog.get_logger("gateway.redis_encoder")
 
 
 class RedisEncoder:
@@ -94,7 +94,7 @@ class RedisEncoder:
         from redis.asyncio import Redis
 
         from encoder_worker.worker import ensure_group
-        from gateway.caching.vision import MemoryVisionCache, TieredVisionCache
+        from gateway.caching.vision_cache import MemoryVisionCache, TieredVisionCache
 
         if self._client is not None:
             return
@@ -189,7 +189,7 @@ class RedisEncoder:
 
     async def _tokens(self, digest: str, job_id: str) -> EncodedImage:
         from gateway.protocol.errors import GatewayError
-        from gateway.vision import unpack_encoded
+        from gateway.vision_resolver import unpack_encoded
 
         assert self._cache is not None
         hit = await self._cache.get(self.fingerprint, digest)

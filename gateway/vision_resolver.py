@@ -20,6 +20,7 @@ import structlog
 
 from encoder_worker.types import ENCODE_STAGES, EncodedImage, Encoder, ImageError, ImageLayout
 from gateway.protocol.errors import GatewayError
+from gateway.telemetry import NoopTelemetry
 
 __all__ = ("Resolved", "VisionResolver", "pack_encoded", "unpack_encoded")
 
@@ -106,7 +107,7 @@ class VisionResolver:
         self.images = images  # gateway.caching.ImageStore
         # an encode runs to the end even if its callers go away: its tokens serve the next turn
         self._flight = SingleFlight(cancel_abandoned=False)
-        self._metrics = metrics
+        self._metrics = metrics or NoopTelemetry().metrics
         self.encodes = 0  # images actually run through the encoder by this resolver
 
     @property
@@ -174,8 +175,7 @@ class VisionResolver:
         # what the stages do not account for is waiting: for a batch to fill, for the worker
         queue_ms = max((time.perf_counter() - t0) * 1e3 - sum(stages.values()), 0.0)
         image.timings_ms = {"queue": round(queue_ms, 3), **image.timings_ms}
-        if self._metrics is not None:
-            self._metrics.record_encode(timings_ms=stages,
+        self._metrics.record_encode(timings_ms=stages,
                                         batch_size=int(image.timings_ms.get("batch_size", 1)),
                                         queue_ms=queue_ms, tokens_kept=image.tokens_kept,
                                         tokens_total=image.tokens_total)
@@ -186,8 +186,7 @@ class VisionResolver:
         return _Encoded(image, started_ns, (time.perf_counter() - t_put) * 1e3)
 
     def _lookup(self, tier: str, result: str) -> None:
-        if self._metrics is not None:
-            self._metrics.record_cache_lookup(cache="vision", tier=tier, result=result)
+        self._metrics.record_cache_lookup(cache="vision", tier=tier, result=result)
 
     def start(self, digest: str) -> asyncio.Task[Resolved]:
         """Pre-encode: begin resolving now, so a later response finds the tokens ready."""

@@ -20,7 +20,7 @@ import structlog
 
 from gateway.caching._lru import ByteLRU
 from gateway.caching._redis import UNAVAILABLE, RedisTier
-from gateway.caching.images import is_sha256_hex
+from gateway.caching.image_store import is_sha256_hex
 
 __all__ = ("CacheHit", "MemoryVisionCache", "TieredVisionCache", "VisionCache", "VisionCacheStats")
 

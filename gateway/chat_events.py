@@ -1,0 +1,80 @@
+"""What one response is asked to do and what it yields, independent of the transport.
+
+`ChatService.respond` takes `ResponseOptions` and yields `Started`, `TextChunk`s, then one
+`Finished` carrying usage, timings and cache results. The WebSocket and HTTP layers, the
+per-response report and the trace all read these types; this module imports nothing of the
+gateway but the error type and id helper, so any layer can use it.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway.protocol.errors import GatewayError
+from gateway.sessions.session import new_id
+
+__all__ = ("Finished", "ResponseOptions", "ServiceEvent", "Started", "Status", "TextChunk")
+
+Status = Literal["completed", "cancelled", "incomplete", "failed"]
+
+
+@dataclass(slots=True)
+class ResponseOptions:
+    instructions: str | None = None  # overrides the session's for this response
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    store: bool = True  # append the answer to the conversation
+    response_id: str = field(default_factory=lambda: new_id("resp"))
+    item_id: str = field(default_factory=lambda: new_id("item"))
+    api: str = "realtime"
+    session_load_ns: tuple[int, int] | None = None  # when the caller loaded the session (epoch ns)
+    cancel: threading.Event = field(default_factory=threading.Event)  # set to stop the answer
+
+
+@dataclass(slots=True)
+class Started:
+    response_id: str
+    item_id: str
+
+
+@dataclass(slots=True)
+class TextChunk:
+    text: str
+
+
+@dataclass(slots=True)
+class Finished:
+    response_id: str
+    item_id: str
+    status: Status
+    text: str
+    reason: str | None = None  # client_cancelled | max_output_tokens
+    error: GatewayError | None = None
+    input_tokens: int = 0
+    image_tokens: int = 0
+    image_tokens_total: int = 0
+    text_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    cached_image_tokens: int = 0
+    vision_hits: int = 0
+    vision_misses: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def vision(self) -> str:
+        if self.vision_hits == 0 and self.vision_misses == 0:
+            return "none"
+        if self.vision_misses == 0:
+            return "hit"
+        return "miss" if self.vision_hits == 0 else "partial"
+
+
+ServiceEvent = Started | TextChunk | Finished
+
+
