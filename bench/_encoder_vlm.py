@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from encoder_worker.config import EncoderConfig
 from encoder_worker.pipeline import EncoderPipeline
 from encoder_worker.types import ENCODE_STAGES, EncodedImage, ImageError
-from gateway.engine.interface import ImageInput, Message
 from gateway.engine.batch import SeqKV, Slice, cache_param, install_attention, run_step
+from gateway.engine.interface import ImageInput, Message
 from gateway.engine.prompt import Prompt, embed_positions, render
 from gateway.engine.weights import LoadedModel, load_weights
 
@@ -234,7 +234,7 @@ def _encode(pipe: EncoderPipeline, data: bytes) -> tuple[EncodedImage, float]:
     (result,) = pipe.encode_batch([data])
     ms = (time.perf_counter() - t) * 1e3
     if isinstance(result, ImageError):
-        raise RuntimeError(f"encode failed: {result.code}: {result.message}")  # noqa: TRY004
+        raise RuntimeError(f"encode failed: {result.code}: {result.message}")
     return result, ms
 
 

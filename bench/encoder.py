@@ -43,9 +43,9 @@ from PIL import Image
 from tqdm import tqdm
 
 from encoder_worker.config import PRUNING_MODES, EncoderConfig
+from encoder_worker.patch_rows import pil_preprocess, preprocess_batch
 from encoder_worker.payload import quantize_tokens, to_embeds
 from encoder_worker.pipeline import EncoderPipeline
-from encoder_worker.patch_rows import pil_preprocess, preprocess_batch
 from encoder_worker.pruning import prune
 from encoder_worker.tower import SYNTHETIC_SHAPES, _synthetic_model
 

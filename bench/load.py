@@ -291,7 +291,7 @@ def _fmt_ms(v: float | None) -> str:
 def _effective(gw: GatewayProcess) -> dict[str, Any] | str:
     try:
         return gw.effective_settings()
-    except Exception as exc:  # noqa: BLE001 - the report is still written, with the reason
+    except Exception as exc:
         return f"unavailable: {type(exc).__name__}: {exc}"
 
 
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         status, error = "interrupted", "interrupted"
         log.warning("interrupted")
-    except Exception as exc:  # noqa: BLE001 - stop the gateways, keep what was measured
+    except Exception as exc:
         status, error = "failed", f"{type(exc).__name__}: {exc}"
         log.error("run_failed", error=error)
     finally:

@@ -8,9 +8,9 @@ The gateway codes against `Encoder` / `EncodedImage` / `ImageError` (types.py) a
 from __future__ import annotations
 
 from encoder_worker.config import EncoderConfig
+from encoder_worker.local_encoder import LocalEncoder
 from encoder_worker.payload import TokensHeader, VisualTokens, to_embeds
 from encoder_worker.pipeline import EncoderPipeline, encoder_fingerprint
-from encoder_worker.local_encoder import LocalEncoder
 from encoder_worker.types import EncodedImage, Encoder, ImageError
 
 __all__ = (

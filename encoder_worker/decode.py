@@ -84,7 +84,7 @@ def check_image(data: bytes, max_image_bytes: int, max_pixels: int) -> Image.Ima
         raise ImageError("image_too_large", f"decompression bomb refused: {exc}") from None
     except UnidentifiedImageError:
         raise ImageError("invalid_image", "data is not a recognised image") from None
-    except Exception as exc:  # noqa: BLE001 - malformed headers raise all sorts (SyntaxError, struct.error, ...)
+    except Exception as exc:
         raise ImageError("invalid_image", f"cannot read image header: {exc}") from None
     w, h = img.size
     if w <= 0 or h <= 0:
@@ -147,7 +147,7 @@ def decode_image(
         raise
     except (Image.DecompressionBombError, MemoryError) as exc:
         raise ImageError("image_too_large", f"image too large to decode: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - truncated / corrupt streams surface as OSError, ValueError, ...
+    except Exception as exc:
         raise ImageError("invalid_image", f"cannot decode image: {exc}") from None
     if arr.ndim != 3 or arr.shape[2] != 3:
         raise ImageError("invalid_image", f"decoded to unexpected shape {arr.shape}")
@@ -186,7 +186,7 @@ def torchvision_jpeg_available() -> bool:
         if ok:
             try:
                 import torchvision.io  # noqa: F401
-            except Exception:  # noqa: BLE001 - a torchvision built for another torch fails in many ways
+            except Exception:
                 ok = False
         _TORCHVISION_JPEG = ok
     return _TORCHVISION_JPEG
@@ -220,7 +220,7 @@ def decode_jpeg_cuda(
     if batch:
         try:
             decoded = decode_jpeg([b[1] for b in batch], mode=ImageReadMode.RGB, device=device)
-        except Exception:  # noqa: BLE001 - one bad stream fails the batched call: fall back one by one
+        except Exception:
             decoded = []
             for n, (i, raw, _) in enumerate(batch):
                 try:

@@ -40,8 +40,8 @@ import torch
 
 from encoder_worker.config import EncoderConfig
 from encoder_worker.decode import decode_image, decode_jpeg_cuda, torchvision_jpeg_available
-from encoder_worker.payload import float_tokens, quantize_tokens
 from encoder_worker.patch_rows import preprocess_batch
+from encoder_worker.payload import float_tokens, quantize_tokens
 from encoder_worker.projector import Projector
 from encoder_worker.pruning import prune
 from encoder_worker.tower import TowerOutput, build_tower, describe_tower
@@ -220,7 +220,7 @@ class EncoderPipeline:
         Image.new("RGB", (side + 13, side), (120, 80, 200)).save(buf, "PNG")
         for result in self.encode_batch([buf.getvalue()]):
             if isinstance(result, ImageError):
-                raise RuntimeError(f"warm-up encode failed: {result.message}")  # noqa: TRY004
+                raise RuntimeError(f"warm-up encode failed: {result.message}")
 
     # -- stages -------------------------------------------------------------------------------
 

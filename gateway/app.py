@@ -10,41 +10,38 @@ deterministic pair).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import structlog
-from litestar import Litestar, Response, WebSocket, get, websocket
+from litestar import Litestar, Response, get
 from litestar.datastructures import State
+from litestar.openapi import OpenAPIConfig
 
 from gateway import __version__ as VERSION
 from gateway.auth import Authenticator
+from gateway.caching import make_image_store, make_vision_cache
+from gateway.chat_service import ChatService
 from gateway.engine.interface import Engine
-from gateway.protocol.errors import GatewayError
+from gateway.http import http_route_handlers
+from gateway.ratelimit import make_rate_limiter
+from gateway.realtime_connection import realtime_route
+from gateway.sessions import make_session_store
 from gateway.settings import Settings
+from gateway.state import GatewayState, Serving
+from gateway.telemetry import litestar_plugin, setup_telemetry
+from gateway.vision_resolver import VisionResolver
 
-__all__ = ("GatewayState", "create_app")
+if TYPE_CHECKING:
+    from encoder_worker.config import EncoderConfig
+    from encoder_worker.types import Encoder
+
+__all__ = ("build_encoder", "build_engine", "create_app", "encoder_config")
 
 log = structlog.get_logger("visiongate.app")
-
-
-@dataclass
-class GatewayState:
-    settings: Settings
-    engine: Engine
-    encoder: Any
-    sessions: Any
-    vision: Any
-    service: Any
-    auth: Authenticator
-    rate_limiter: Any = None
-    metrics: Any = None
-    telemetry: Any = None
-    ready: bool = False
-    load_error: str | None = None
-    started_at: float = field(default_factory=time.time)
 
 
 def encoder_threads(settings: Settings) -> int:

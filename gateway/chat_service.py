@@ -14,7 +14,6 @@ import hashlib
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Literal
 
 import structlog
@@ -32,8 +31,8 @@ from gateway.engine.interface import (
     TextDelta,
 )
 from gateway.protocol.errors import ERROR_CODES, GatewayError
-from gateway.sessions.session import Session, SessionStore, StoredItem, StoredPart, new_id
 from gateway.response_trace import ResponseTrace
+from gateway.sessions.session import Session, SessionStore, StoredItem, StoredPart
 from gateway.telemetry import NoopTelemetry, Telemetry
 from gateway.vision_resolver import Resolved, VisionResolver
 
@@ -280,7 +279,7 @@ class ChatService:
         messages: list[Message] = []
         if instructions:
             messages.append(Message("system", [instructions]))
-        device = getattr(self.engine, "device", "cpu")
+        # host tensors: the engine moves each chunk it runs to its own device and dtype
         fingerprint = self.vision.fingerprint[:16]
         embeds_by_digest: dict[str, ImageInput] = {}
         for item in session.items:
@@ -295,7 +294,7 @@ class ChatService:
                     if image is None:
                         # the id names the tokens, not just the bytes: a new encoder config is new content
                         encoded = images[part.digest].image
-                        image = ImageInput(f"{fingerprint}:{part.digest}", encoded.embeds(device),
+                        image = ImageInput(f"{fingerprint}:{part.digest}", encoded.embeds("cpu"),
                                            layout=encoded.layout)
                         embeds_by_digest[part.digest] = image
                     content.append(image)

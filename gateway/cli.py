@@ -61,8 +61,8 @@ def _load_settings(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.app import create_app
-    from gateway.telemetry import configure_logging
     from gateway.server import serve
+    from gateway.telemetry import configure_logging
 
     settings = _load_settings(args)
     configure_logging(settings.log_level)

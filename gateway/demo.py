@@ -73,11 +73,11 @@ async def _conversation(url: str, photo: bytes, max_output_tokens: int, out) -> 
 
 def run_demo(settings: Settings, *, photo: str = "astronaut", max_output_tokens: int = 64,
              out=sys.stdout) -> int:
-    from gateway.app import create_app
-    from gateway.telemetry import configure_logging
-    from gateway.server import ServerThread
-
     import msgspec
+
+    from gateway.app import create_app
+    from gateway.server import ServerThread
+    from gateway.telemetry import configure_logging
 
     # the demo's own output is the conversation; server logs only when something is wrong
     if settings.log_level == "info":

@@ -14,7 +14,6 @@ import hashlib
 import io
 import re
 import warnings
-
 from collections.abc import Iterable, Mapping
 
 from gateway.protocol.errors import GatewayError

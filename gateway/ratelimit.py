@@ -29,7 +29,7 @@ def _limited(owner: str, per_minute: int, retry_s: float) -> GatewayError:
 
 
 class MemoryRateLimiter:
-    __slots__ = ("per_minute", "_buckets", "_clock")
+    __slots__ = ("_buckets", "_clock", "per_minute")
 
     def __init__(self, per_minute: int, *, clock=time.monotonic) -> None:
         self.per_minute = per_minute
@@ -53,7 +53,7 @@ class MemoryRateLimiter:
 
 
 class RedisRateLimiter:
-    __slots__ = ("per_minute", "namespace", "_redis")
+    __slots__ = ("_redis", "namespace", "per_minute")
 
     def __init__(self, per_minute: int, redis_url: str, namespace: str = "vg") -> None:
         import redis.asyncio as aioredis

@@ -18,6 +18,7 @@ from litestar import WebSocket, websocket
 from litestar.handlers import WebsocketRouteHandler
 
 from encoder_worker.types import ENCODE_STAGES
+from gateway.chat_events import Finished, ResponseOptions, Started, TextChunk
 from gateway.image_input import (
     REF_PREFIX,
     ImageRef,
@@ -28,9 +29,8 @@ from gateway.image_input import (
 )
 from gateway.protocol import realtime_events as rt
 from gateway.protocol.errors import GatewayError
-from gateway.chat_events import Finished, ResponseOptions, Started, TextChunk
-from gateway.state import not_ready
 from gateway.sessions.session import Session, StoredItem, StoredPart, new_id
+from gateway.state import not_ready
 
 if TYPE_CHECKING:
     from gateway.state import GatewayState

@@ -23,8 +23,8 @@ from encoder_worker.types import ENCODE_STAGES
 from gateway.telemetry import ATTR, SPAN, Telemetry, log_response, response_span_name, traceparent
 
 if TYPE_CHECKING:
-    from gateway.engine.interface import GenerationResult
     from gateway.chat_events import Finished
+    from gateway.engine.interface import GenerationResult
     from gateway.vision_resolver import Resolved
 
 __all__ = ("ResponseTrace",)

@@ -97,7 +97,7 @@ class _Encoded:
 
 
 class VisionResolver:
-    __slots__ = ("encoder", "cache", "images", "encodes", "_flight", "_metrics")
+    __slots__ = ("_flight", "_metrics", "cache", "encoder", "encodes", "images")
 
     def __init__(self, encoder: Encoder, cache, images, metrics=None) -> None:
         from gateway.caching import SingleFlight

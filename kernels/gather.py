@@ -18,7 +18,7 @@ import torch
 from kernels._triton import Impl, jit, use_triton
 
 if TYPE_CHECKING:
-    import triton.language as tl  # noqa: TC004 (imported lazily by kernels._triton.jit)
+    import triton.language as tl
 
 __all__ = ("gather_tokens", "gather_tokens_ref", "topk_sorted")
 

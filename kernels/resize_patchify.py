@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from kernels._triton import Impl, jit, use_triton
 
 if TYPE_CHECKING:
-    import triton.language as tl  # noqa: TC004 (imported lazily by kernels._triton.jit)
+    import triton.language as tl
 
 __all__ = (
     "Filter",

@@ -214,7 +214,7 @@ class OTLPReceiver:
                 message = request_type()
                 try:
                     message.ParseFromString(body)
-                except Exception:  # noqa: BLE001 - any decode failure is a 400 to the exporter
+                except Exception:
                     self.send_error(400, "body is not an OTLP protobuf request")
                     return
                 with receiver._lock:

@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from encoder_worker.checkpoint import checkpoint_id
+from gateway.engine.batch import cache_param, install_attention
 from gateway.engine.interface import (
     Delta,
     EngineBusy,
@@ -40,7 +41,6 @@ from gateway.engine.interface import (
     Message,
     SamplingParams,
 )
-from gateway.engine.batch import cache_param, install_attention
 from gateway.engine.kvblocks import chain_seed
 from gateway.engine.kvstore import KVStore
 from gateway.engine.scheduler import Scheduler

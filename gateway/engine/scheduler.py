@@ -44,13 +44,13 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
+from gateway.engine.batch import SeqKV, Slice, run_step
+from gateway.engine.generation import StreamDecoder, sample_next
 from gateway.engine.interface import (
     EngineError,
     EngineStats,
     TextDelta,
 )
-from gateway.engine.batch import SeqKV, Slice, run_step
-from gateway.engine.generation import StreamDecoder, sample_next
 from gateway.engine.kvblocks import KVEntry, block_hashes, chain_seed, position_keys
 from gateway.engine.prefix_cache import PrefixCache
 from gateway.engine.prompt import render

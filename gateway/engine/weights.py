@@ -370,7 +370,7 @@ def _safetensors_index(path: Path) -> dict[str, Path]:
     where: dict[str, Path] = {}
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as handle:
-            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+            for key in handle.keys():
                 where.setdefault(key, file)
     return where
 

@@ -19,16 +19,16 @@ import anyio
 import msgspec
 import structlog
 
+from gateway.chat_events import Finished, ResponseOptions, TextChunk
 from gateway.http import protocol as p
 from gateway.http.messages import Conversation, image_urls, parse_messages, reconcile
 from gateway.image_input import fetch_remote_images
 from gateway.protocol.errors import GatewayError
-from gateway.chat_events import Finished, ResponseOptions, TextChunk
 from gateway.sessions.session import Session
 
 if TYPE_CHECKING:
-    from gateway.state import GatewayState
     from gateway.chat_events import ServiceEvent
+    from gateway.state import GatewayState
 
 __all__ = ("ChatCompletionServing", "EventStream")
 

@@ -10,7 +10,6 @@ the reuse (and the per-session bookkeeping) likely.
 from __future__ import annotations
 
 from collections.abc import Mapping
-
 from dataclasses import dataclass, field
 
 from gateway.http.protocol import ImageUrlPart, InputMessage, RefusalPart, TextPart

@@ -14,9 +14,8 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct
 
-from gateway.protocol.report import CacheReport, Timings
-
 from gateway.protocol.errors import ERROR_CODES, GatewayError
+from gateway.protocol.report import CacheReport, Timings
 
 __all__ = (
     "CacheReport",

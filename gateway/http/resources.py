@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 import structlog
 
 from encoder_worker.types import ENCODE_STAGES
+from gateway.chat_service import kv_key_for
 from gateway.http import protocol as p
 from gateway.image_input import REF_PREFIX, digest_of, sniff_image
 from gateway.protocol.errors import GatewayError
-from gateway.chat_service import kv_key_for
 from gateway.sessions.session import StoredItem
 from gateway.state import not_ready
 

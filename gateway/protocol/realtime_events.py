@@ -14,9 +14,8 @@ from typing import Any, Literal
 import msgspec
 from msgspec import Struct
 
-from gateway.protocol.report import CacheReport, Timings
-
 from gateway.protocol.errors import GatewayError
+from gateway.protocol.report import CacheReport, Timings
 
 __all__ = (
     "ClientEvent",
@@ -317,7 +316,7 @@ _PATH = re.compile(r" - at `\$\.?(.*)`$")
 class WireCodec:
     """Decodes client frames and encodes server events, in JSON or msgpack. Made once per format."""
 
-    __slots__ = ("binary", "_decode", "_decode_envelope", "_encode")
+    __slots__ = ("_decode", "_decode_envelope", "_encode", "binary")
 
     def __init__(self, *, binary: bool = False) -> None:
         self.binary = binary

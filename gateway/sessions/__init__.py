@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gateway.sessions.session import Session, SessionStore, StoredItem, StoredPart
 from gateway.sessions.memory import MemorySessionStore
+from gateway.sessions.session import Session, SessionStore, StoredItem, StoredPart
 
 if TYPE_CHECKING:
     from gateway.sessions.redis import RedisSessionStore

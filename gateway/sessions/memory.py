@@ -13,7 +13,7 @@ __all__ = ("MemorySessionStore",)
 
 
 class MemorySessionStore:
-    __slots__ = ("ttl_s", "_sessions", "_clock")
+    __slots__ = ("_clock", "_sessions", "ttl_s")
 
     def __init__(self, ttl_s: float, *, clock=time.monotonic) -> None:
         self.ttl_s = ttl_s

@@ -34,7 +34,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from gateway.protocol.errors import GatewayError
-from gateway.sessions.session import UPDATE_ATTEMPTS, T, Session, not_found
+from gateway.sessions.session import UPDATE_ATTEMPTS, Session, T, not_found
 
 if TYPE_CHECKING:
     from redis.commands.core import AsyncScript
@@ -110,8 +110,8 @@ _FAILURES = (redis.exceptions.RedisError, OSError, TimeoutError)
 class RedisSessionStore:
     __slots__ = (
         "_client",
-        "_create",
         "_count",
+        "_create",
         "_delete",
         "_index",
         "_replace",

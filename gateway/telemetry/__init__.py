@@ -10,7 +10,6 @@ response's trace.
 
 from __future__ import annotations
 
-from gateway.telemetry._otel_config import OTLPTarget, TelemetryConfig, config_from_env
 from gateway.telemetry._litestar import EXCLUDED_PATHS, litestar_plugin
 from gateway.telemetry._logging import add_trace_ids, configure_logging, log_response
 from gateway.telemetry._metrics import (
@@ -20,6 +19,7 @@ from gateway.telemetry._metrics import (
     SchedulerStats,
     metric_views,
 )
+from gateway.telemetry._otel_config import OTLPTarget, TelemetryConfig, config_from_env
 from gateway.telemetry._telemetry import NoopTelemetry, Telemetry, setup_telemetry
 from gateway.telemetry._tracing import (
     ATTR,

@@ -26,9 +26,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.telemetry._otel_config import OTLPTarget, TelemetryConfig, config_from_env
 from gateway.telemetry._logging import configure_logging
 from gateway.telemetry._metrics import GatewayMetrics, metric_views
+from gateway.telemetry._otel_config import OTLPTarget, TelemetryConfig, config_from_env
 from gateway.telemetry._tracing import ATTR, record_stage_spans, response_span_name
 
 if TYPE_CHECKING:
@@ -189,7 +189,7 @@ class NoopTelemetry(Telemetry):
     meter, an empty ``/metrics``. For parts built without a gateway around them (unit tests,
     scripts), so serving code never checks whether telemetry exists."""
 
-    def __init__(self) -> None:  # noqa: D107 - no providers, no exporters, no registry
+    def __init__(self) -> None:
         self.config = TelemetryConfig()
         self.instance_id = "noop"
         self.tracer = trace.NoOpTracer()

@@ -16,9 +16,9 @@ from PIL import Image
 
 from encoder_worker import EncodedImage, EncoderConfig, EncoderPipeline, ImageError, LocalEncoder
 from encoder_worker.payload import FloatTokens
-from gateway.redis_encoder import RedisEncoder
 from encoder_worker.types import ImageLayout
 from encoder_worker.worker import EncoderWorker
+from gateway.redis_encoder import RedisEncoder
 from gateway.vision_resolver import pack_encoded, unpack_encoded
 from tests.encoder_worker.test_family_llava import hf_image_features
 from tests.encoder_worker.test_worker import serving

@@ -41,9 +41,9 @@ from encoder_worker.jobs import (
     image_key,
     vision_key,
 )
-from gateway.redis_encoder import RedisEncoder
 from encoder_worker.worker import EncoderWorker
 from gateway.protocol.errors import GatewayError
+from gateway.redis_encoder import RedisEncoder
 from gateway.worker_cli import DEFAULT_HIDDEN_SIZE, DEFAULT_TARGET_RMS, TEST_DIE_AFTER_READ_ENV
 from tests.conftest import photo_bytes
 

@@ -32,7 +32,7 @@ class PhotoServer:
         from tests.conftest import photo_bytes
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 path = self.path
                 if path.startswith(("/allowed/", "/private/")) and path.endswith(".jpg"):
                     body, kind = photo_bytes(path.rsplit("/", 1)[1][:-4], size=256), "image/jpeg"

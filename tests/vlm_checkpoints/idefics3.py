@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tests.vlm_checkpoints import smollm2_dir
+
 __all__ = (
     "CHAT_TEMPLATE",
     "IMAGE_SEQ_LEN",
     "SPECIAL_TOKENS",
     "TILE",
     "build",
-    "smollm2_tokenizer_dir",
 )
 
 TILE = 64  # px: the vision tower's image_size and the processor's max_image_size
@@ -62,20 +63,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def smollm2_tokenizer_dir() -> Path:
-    """Where the converted SmolLM2 tokenizer lives (written by `visiongate convert`)."""
-    from gateway.engine.weights import cache_root
-
-    return Path(cache_root()) / "models" / "smollm2-135m-instruct"
-
-
 def _tokenizer():
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
-    source = smollm2_tokenizer_dir()
-    if not (source / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{source}: no SmolLM2 tokenizer (run `visiongate convert`)")
+    source = smollm2_dir()
     tok = AutoTokenizer.from_pretrained(source)
     tok.add_tokens(
         [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ("IMAGE_SIZE", "PATCH_SIZE", "SMOLLM2_TOKENIZER", "build")
+from tests.vlm_checkpoints import smollm2_dir
 
-SMOLLM2_TOKENIZER = Path.home() / ".cache" / "visiongate" / "models" / "smollm2-135m-instruct"
+__all__ = ("IMAGE_SIZE", "PATCH_SIZE", "build")
+
 IMAGE_SIZE = 64
 PATCH_SIZE = 8
 
@@ -64,7 +65,7 @@ def build(target: Path, *, seed: int = 0, feature_layer: int | list[int] = -2,
 
     target = Path(target)
     target.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_TOKENIZER, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
 

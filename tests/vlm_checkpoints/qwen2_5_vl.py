@@ -25,17 +25,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tests.vlm_checkpoints import smollm2_dir
+
 __all__ = (
     "CHAT_TEMPLATE",
     "MAX_PIXELS",
     "MIN_PIXELS",
-    "SMOLLM2_TOKENIZER",
     "SPECIAL_TOKENS",
     "build",
     "load_processor",
 )
 
-SMOLLM2_TOKENIZER = Path.home() / ".cache" / "visiongate" / "models" / "smollm2-135m-instruct"
 PATCH = 14
 MERGE = 2
 MIN_PIXELS = (PATCH * MERGE) ** 2 * 4  # at least 4 visual tokens
@@ -99,7 +99,7 @@ def build(target: Path, *, seed: int = 0, module_keys: bool = False) -> Path:
 
     target = Path(target)
     target.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2_TOKENIZER, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
     tokenizer.chat_template = CHAT_TEMPLATE
     ids = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))))

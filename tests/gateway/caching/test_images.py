@@ -6,7 +6,6 @@ import asyncio
 import os
 
 import pytest
-import redis
 from structlog.testing import capture_logs
 
 from gateway.caching import (

@@ -9,7 +9,6 @@ import zlib
 
 import msgspec
 import pytest
-import redis
 from structlog.testing import capture_logs
 
 from gateway.caching import (

@@ -7,7 +7,6 @@ import time
 
 import msgspec
 import pytest
-import redis
 from structlog.testing import capture_logs
 
 from gateway.protocol.errors import GatewayError

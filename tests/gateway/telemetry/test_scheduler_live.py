@@ -43,8 +43,8 @@ def _number(result: list[dict[str, Any]]) -> float:
 
 
 def test_scheduler_rules_on_real_prometheus(
-    prometheus: str,  # noqa: F811
-    metrics_server: tuple[Telemetry, int],  # noqa: F811
+    prometheus: str,
+    metrics_server: tuple[Telemetry, int],
 ) -> None:
     telemetry, _ = metrics_server
     scheduler = Scheduler()

@@ -1,0 +1,174 @@
+"""A deterministic, instant engine and encoder for the fast tests.
+
+These stand in for the real language model and vision tower only where a test is about the
+gateway's own logic (request checks, sessions, the Realtime state machine, HTTP shaping): they
+speak the same `Engine` / `Encoder` protocols, so `create_app(settings, engine=FakeEngine(),
+encoder=FakeEncoder())` runs every other part for real (Litestar, uvicorn, the stores, the
+vision cache, the wire codecs). The slow suite keeps the real SmolLM2 engine and encoder.
+
+`FakeEngine` answers with the words of the last user message, one word per text delta, then
+`[n images]`; it honours max_output_tokens, stop strings, cancel and a context limit the way the
+real scheduler does (same codes). `FakeEncoder` decodes the image header for real (so bad
+images fail with the real codes) and returns `tokens` rows derived from the bytes' digest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator
+
+import torch
+
+from encoder_worker.decode import check_image
+from encoder_worker.payload import float_tokens
+from encoder_worker.types import EncodedImage
+from gateway.engine.interface import (
+    Delta,
+    EngineBusy,
+    EngineError,
+    EngineStats,
+    GenerationRequest,
+    GenerationResult,
+    ImageInput,
+    TextDelta,
+)
+
+__all__ = ("FakeEncoder", "FakeEngine")
+
+
+class FakeEngine:
+    """Echoes the last user message word by word. `delay_s` spaces the deltas (for cancel and
+    disconnect tests); `busy=True` refuses like a full queue; `context_tokens` is the limit."""
+
+    model_id = "fake-echo"
+
+    def __init__(self, *, hidden_size: int = 32, delay_s: float = 0.0, busy: bool = False,
+                 context_tokens: int = 8192, start_delay_s: float = 0.0) -> None:
+        self.hidden_size = hidden_size
+        self.delay_s = delay_s
+        self.busy = busy
+        self.context_tokens = context_tokens
+        self.start_delay_s = start_delay_s
+        self.requests: list[GenerationRequest] = []  # every request seen, in order
+        self.forgotten: list[str] = []
+        self.running = 0
+        self._ready = False
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    async def start(self) -> None:
+        if self.start_delay_s:
+            await asyncio.sleep(self.start_delay_s)
+        self._ready = True
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def _prompt_tokens(self, request: GenerationRequest) -> tuple[int, int]:
+        text = images = 0
+        for message in request.messages:
+            for part in message.content:
+                if isinstance(part, ImageInput):
+                    if part.embeds.ndim != 2 or part.embeds.shape[1] != self.hidden_size:
+                        raise EngineError("image embeds have the wrong shape", code="invalid_image")
+                    images += part.num_tokens
+                else:
+                    text += self.count_tokens(part) + 1
+        return text + images, images
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        if self.busy:
+            raise EngineBusy("the engine queue is full", retry_after_s=1.0)
+        self.requests.append(request)
+        input_tokens, image_tokens = self._prompt_tokens(request)
+        if input_tokens > self.context_tokens:
+            raise EngineError(f"the prompt has {input_tokens} tokens; the context holds "
+                              f"{self.context_tokens}", code="context_length_exceeded")
+        last = next((m for m in reversed(request.messages) if m.role == "user"), None)
+        words = [p for p in (last.content if last else []) if isinstance(p, str)]
+        n_images = sum(isinstance(p, ImageInput) for p in (last.content if last else []))
+        tokens = " ".join(words).split() + [f"[{n_images} images]"]
+        sampling = request.sampling
+        text, emitted, finish = "", 0, "stop"
+        self.running += 1
+        try:
+            for word in tokens:
+                if request.cancel.is_set():
+                    finish = "cancelled"
+                    break
+                if emitted >= sampling.max_output_tokens:
+                    finish = "length"
+                    break
+                piece = word if not text else " " + word
+                candidate = text + piece
+                stop_at = min((candidate.find(s) for s in sampling.stop if s in candidate),
+                              default=-1)
+                if stop_at >= 0:
+                    if stop_at > len(text):
+                        yield TextDelta(candidate[len(text):stop_at])
+                    text = candidate[:stop_at]
+                    break
+                text = candidate
+                emitted += 1
+                yield TextDelta(piece)
+                await asyncio.sleep(self.delay_s)
+        finally:
+            self.running -= 1
+        yield GenerationResult(text=text, finish_reason=finish, input_tokens=input_tokens,
+                               image_tokens=image_tokens, output_tokens=emitted)
+
+    def forget(self, kv_key: str) -> None:
+        self.forgotten.append(kv_key)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=self.running)
+
+    async def aclose(self) -> None:
+        self._ready = False
+
+
+class FakeEncoder:
+    """Checks the image header for real, then returns `tokens` deterministic rows per image."""
+
+    remote = False
+
+    def __init__(self, *, hidden_size: int = 32, tokens: int = 4, delay_s: float = 0.0,
+                 max_image_bytes: int = 20 * 1024 * 1024, max_pixels: int = 40_000_000) -> None:
+        self.hidden_size = hidden_size
+        self.tokens = tokens
+        self.delay_s = delay_s
+        self.max_image_bytes = max_image_bytes
+        self.max_pixels = max_pixels
+        self.fingerprint = hashlib.sha256(f"fake-encoder:{hidden_size}:{tokens}".encode()).hexdigest()
+        self.encoded: list[str] = []  # digests, in encode order
+        self._waiting = 0
+
+    async def start(self) -> None:
+        return None
+
+    async def encode(self, data: bytes, *, traceparent: str | None = None) -> EncodedImage:
+        digest = hashlib.sha256(data).hexdigest()
+        self._waiting += 1
+        try:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            check_image(data, self.max_image_bytes, self.max_pixels)  # ImageError: real codes
+            seed = int(digest[:8], 16)
+            rows = torch.Generator().manual_seed(seed)
+            embeds = torch.randn(self.tokens, self.hidden_size, generator=rows) * 0.1
+            payload = float_tokens(embeds, torch.arange(self.tokens), self.tokens, "fp32")
+        finally:
+            self._waiting -= 1
+        self.encoded.append(digest)
+        return EncodedImage(digest=digest, fingerprint=self.fingerprint, tokens_kept=self.tokens,
+                            tokens_total=self.tokens, hidden_size=self.hidden_size,
+                            payload=payload, timings_ms={"decode": 0.0, "tower": 0.0})
+
+    async def queue_depth(self) -> int:
+        return self._waiting
+
+    async def aclose(self) -> None:
+        return None
