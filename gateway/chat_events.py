@@ -28,6 +28,7 @@ class ResponseOptions:
     top_p: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    truncation: Literal["auto", "disabled"] | None = None  # None: the session's
     store: bool = True  # append the answer to the conversation
     response_id: str = field(default_factory=lambda: new_id("resp"))
     item_id: str = field(default_factory=lambda: new_id("item"))
@@ -65,6 +66,9 @@ class Finished:
     vision_hits: int = 0
     vision_misses: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    truncated_items: int = 0  # oldest conversation items left out to fit the context
+    # the answer went out but its record in the session could not be written
+    store_error: GatewayError | None = None
 
     @property
     def vision(self) -> str:

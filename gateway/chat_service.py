@@ -13,7 +13,8 @@ import asyncio
 import hashlib
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import structlog
@@ -68,6 +69,7 @@ class ChatService:
         if options.session_load_ns is not None:
             trace.span("session.load", *options.session_load_ns)
         finished = False
+        partial: list[str] = []  # text sent so far, kept if the consumer goes away
 
         def finish(done: Finished, stream_start_ns: int | None = None) -> Finished:
             nonlocal finished
@@ -76,7 +78,8 @@ class ChatService:
             return done
 
         try:
-            async for event in self._respond(session, options, pending or {}, t0, trace, finish):
+            async for event in self._respond(session, options, pending or {}, t0, trace, finish,
+                                             partial):
                 yield event
         except Exception as exc:  # any fault ends the response as failed, never silently
             log.exception("response_failed", response_id=options.response_id)
@@ -89,10 +92,18 @@ class ChatService:
             if not finished:  # the consumer went away before the end
                 trace.root.set_attribute("visiongate.abandoned", True)
                 trace.root.end()
+                options.cancel.set()
+                # what was streamed stays in the conversation, as an incomplete answer; the
+                # write runs to its end even though the caller is being cancelled
+                keep = asyncio.ensure_future(
+                    self._finish_placeholder(session, options, "".join(partial), "incomplete")
+                    if partial else self._drop_placeholder(session, options))
+                _background.add(keep)
+                keep.add_done_callback(_background.discard)
 
     async def _respond(self, session: Session, options: ResponseOptions,
                        pending: dict[str, asyncio.Task[Resolved]], t0: float, trace: ResponseTrace,
-                       finish) -> AsyncIterator[ServiceEvent]:
+                       finish, partial: list[str]) -> AsyncIterator[ServiceEvent]:
         # The answer's place in the conversation is taken now, as the Realtime API does at
         # response.output_item.added: items the client adds while it streams come after it.
         if options.store:
@@ -125,7 +136,7 @@ class ChatService:
                                   reason="client_cancelled", timings={"total_ms": _ms(t0)}))
             return
 
-        # 2. the prompt
+        # 2. the prompt, fitted to the model's context
         messages = self._messages(session, options, images)
         sampling = SamplingParams(
             max_output_tokens=min(options.max_output_tokens or session.max_output_tokens,
@@ -135,6 +146,15 @@ class ChatService:
             seed=session.seed if options.seed is None else options.seed,
             stop=options.stop,
         )
+        truncation = options.truncation or session.truncation
+        try:
+            messages, dropped = await self._fit(messages, sampling.max_output_tokens, truncation)
+        except GatewayError as exc:
+            await self._drop_placeholder(session, options)
+            yield finish(Finished(options.response_id, options.item_id, "failed", "", error=exc,
+                                  vision_hits=hits, vision_misses=misses,
+                                  timings={"total_ms": _ms(t0)}))
+            return
         # KV is kept per (owner, session): a session id reused by another key never meets it;
         # an answer kept out of the conversation leaves nothing worth keeping
         kv_key = kv_key_for(session.owner, session.id) if options.store else None
@@ -158,6 +178,7 @@ class ChatService:
                         ttft_ms, first_ns = _ms(t0), time.time_ns()
                         trace.first_token(ttft_ms)
                     text_parts.append(delta.text)
+                    partial.append(delta.text)
                     yield TextChunk(delta.text)
                 else:
                     result = delta
@@ -194,8 +215,8 @@ class ChatService:
         timings.update(queue_ms=result.queue_ms, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms)
 
         # 4. the answer fills its place in the conversation (a cancelled one too, as incomplete)
-        await self._finish_placeholder(session, options, result.text,
-                                       "completed" if status == "completed" else "incomplete")
+        store_error = await self._finish_placeholder(
+            session, options, result.text, "completed" if status == "completed" else "incomplete")
 
         yield finish(Finished(
             options.response_id, options.item_id, status, result.text, reason=reason,
@@ -204,13 +225,66 @@ class ChatService:
             text_tokens=result.input_tokens - result.image_tokens,
             output_tokens=result.output_tokens, cached_tokens=result.cached_tokens,
             cached_image_tokens=result.cached_image_tokens,
-            vision_hits=hits, vision_misses=misses, timings=timings,
+            vision_hits=hits, vision_misses=misses, timings=timings, truncated_items=dropped,
+            store_error=store_error,
         ), first_ns)
 
+    async def _fit(self, messages: list[Message], max_output_tokens: int,
+                   truncation: Literal["auto", "disabled"]) -> tuple[list[Message], int]:
+        """The messages that fit the model's context with room for the answer, and how many
+        conversation messages were left out. "auto" leaves out the oldest turns (the
+        instructions and the latest message always stay); "disabled" refuses instead.
+        Token counts are upper bounds (template overhead included), taken off the event loop."""
+        context = self.engine.context_tokens
+        room = context - min(max_output_tokens, context // 4)
+
+        def cost(message: Message, count: Callable[[str], int]) -> int:
+            n = MESSAGE_OVERHEAD_TOKENS
+            for part in message.content:
+                if isinstance(part, str):
+                    n += count(part) if part else 0
+                else:
+                    n += part.num_tokens + IMAGE_OVERHEAD_TOKENS
+            return n
+
+        # a byte-level tokenizer never makes more tokens than the text has UTF-8 bytes: most
+        # turns fit by that bound alone and are never tokenized here
+        if sum(cost(m, lambda text: len(text.encode())) for m in messages) <= room:
+            return messages, 0
+        loop = asyncio.get_running_loop()
+        costs = await loop.run_in_executor(
+            _counting, lambda: [cost(m, self.engine.count_tokens) for m in messages])
+        total = sum(costs)
+        if total <= room:
+            return messages, 0
+        head = 1 if messages and messages[0].role == "system" else 0
+        if truncation == "disabled" or len(messages) - head <= 1:
+            raise GatewayError(
+                "context_length_exceeded", f"the conversation needs about {total} tokens and "
+                f"the model takes {context}, {context - room} of them kept for the answer; "
+                + ("delete older items or set truncation to \"auto\""
+                   if truncation == "disabled" else "shorten the latest message"),
+                param="messages")
+        # drop whole turns from the oldest on; a turn never starts with an assistant message
+        start = head
+        while start < len(messages) - 1 and (
+                total > room or messages[start].role == "assistant"):
+            total -= costs[start]
+            start += 1
+        if total > room:
+            raise GatewayError("context_length_exceeded", f"the latest message needs about "
+                               f"{total} tokens; the model takes {context}, {context - room} of "
+                               "them kept for the answer", param="messages")
+        kept = messages[:head] + messages[start:]
+        log.info("context_truncated", dropped=start - head, kept_tokens=total, context=context)
+        return kept, start - head
+
     async def _finish_placeholder(self, session: Session, options: ResponseOptions, text: str,
-                                  status: Literal["completed", "incomplete"]) -> None:
+                                  status: Literal["completed", "incomplete"]
+                                  ) -> GatewayError | None:
+        """Write the answer into its place; the error if the record could not be written."""
         if not options.store:
-            return
+            return None
 
         def fill(stored: Session) -> None:
             for item in stored.items:
@@ -222,6 +296,9 @@ class ChatService:
             await self.sessions.update(session.id, session.owner, fill)
         except GatewayError as exc:  # the answer went out; only its record is lost
             log.error("answer_not_stored", response_id=options.response_id, code=exc.code)
+            return GatewayError("answer_not_stored", f"the answer was sent but could not be "
+                                f"stored in the session ({exc.code}); resend it to keep it")
+        return None
 
     async def _drop_placeholder(self, session: Session, options: ResponseOptions) -> None:
         if not options.store:
@@ -301,6 +378,17 @@ class ChatService:
             if content:
                 messages.append(Message(item.role, content))
         return messages
+
+
+# writes that must outlive the response that started them (a strong reference until done)
+_background: set[asyncio.Future[object]] = set()
+# one thread counts tokens for every response: a tokenizer is not shared across threads
+_counting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="count-tokens")
+
+# conservative per-part costs of the chat template around the content, in tokens: role markers
+# and separators per message; image wrappers (and a VLM's tile and row markers) per image
+MESSAGE_OVERHEAD_TOKENS = 8
+IMAGE_OVERHEAD_TOKENS = 32
 
 
 def kv_key_for(owner: str, session_id: str) -> str:

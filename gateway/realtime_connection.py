@@ -3,7 +3,10 @@
 A connection owns one session (new, or resumed with `?session_id=`), at most one response in
 progress, and the pre-encodes of the images it has sent. Every client frame is decoded by one
 made-once decoder; anything wrong with a frame becomes an `error` event echoing the client's
-`event_id`, and the connection stays open. Images start encoding the moment their item arrives.
+`event_id`, and the connection stays open. The codec refuses frames of the wrong shape
+(`invalid_event`); the values in them are checked by the request layer
+(`gateway.chat_requests`), with the same codes as over HTTP. Images start encoding the moment
+their item arrives.
 """
 
 from __future__ import annotations
@@ -18,18 +21,28 @@ from litestar import WebSocket, websocket
 from litestar.handlers import WebsocketRouteHandler
 
 from encoder_worker.types import ENCODE_STAGES
+from gateway.auth import QUERY_KEY_REFUSED, public_subprotocol
 from gateway.chat_events import Finished, ResponseOptions, Started, TextChunk
-from gateway.image_input import (
-    REF_PREFIX,
-    ImageRef,
-    digest_of,
-    fetch_remote_images,
-    parse_image_url,
-    sniff_image,
+from gateway.chat_requests import (
+    ContentPart,
+    RequestLimits,
+    add_inline_images,
+    check_image_count,
+    check_instructions,
+    check_item_count,
+    check_max_tokens,
+    check_output_modalities,
+    check_sampling,
+    fetch_remote,
+    parse_content,
+    refuse_unsupported,
+    resolve_references,
+    response_options,
 )
+from gateway.image_input import REF_PREFIX
 from gateway.protocol import realtime_events as rt
 from gateway.protocol.errors import GatewayError
-from gateway.sessions.session import Session, StoredItem, StoredPart, new_id
+from gateway.sessions.session import Session, StoredItem, new_id
 from gateway.state import not_ready
 
 if TYPE_CHECKING:
@@ -57,17 +70,24 @@ def wire_item(item: StoredItem) -> rt.Item:
             parts.append(rt.ContentPart("output_text", text=part.text))
         else:
             parts.append(rt.ContentPart("input_text", text=part.text))
-    return rt.Item(role=item.role, content=parts, id=item.id, object="realtime.item",
-                   status=item.status)
+    return rt.Item(
+        role=item.role, content=parts, id=item.id, object="realtime.item", status=item.status
+    )
 
 
 def session_state(session: Session, model: str, *, resumed: bool = False) -> rt.SessionState:
     return rt.SessionState(
-        id=session.id, model=model, instructions=session.instructions,
+        id=session.id,
+        model=model,
+        instructions=session.instructions,
         max_output_tokens=session.max_output_tokens,
-        visiongate={"temperature": session.temperature, "top_p": session.top_p,
-                    "seed": session.seed, "resumed": resumed,
-                    "items": [wire_item(i) for i in session.items]},
+        visiongate={
+            "temperature": session.temperature,
+            "top_p": session.top_p,
+            "seed": session.seed,
+            "resumed": resumed,
+            "items": [wire_item(i) for i in session.items],
+        },
     )
 
 
@@ -77,8 +97,15 @@ def realtime_route(state: GatewayState) -> WebsocketRouteHandler:
     @websocket("/v1/realtime")
     async def realtime(socket: WebSocket) -> None:
         query = socket.query_params
+        offered = socket.scope.get("subprotocols") or []
+        if "api_key" in query:
+            # accepted only to say why: a refusal before the handshake reaches a browser as a
+            # bare 403 with no reason
+            await socket.accept(subprotocols=public_subprotocol(offered))
+            await socket.close(code=1008, reason=QUERY_KEY_REFUSED)
+            return
         try:
-            owner = state.auth.owner(socket.headers, query)
+            owner = state.auth.owner(socket.headers, offered)
         except GatewayError as exc:
             await socket.close(code=1008, reason=exc.message)
             return
@@ -96,6 +123,7 @@ class RealtimeConnection:
         self.owner = owner
         self.conn_state = ConnState.CONNECTING
         self.codec = rt.WireCodec()
+        self.limits = RequestLimits.of(state.settings)
         self.session: Session | None = None
         self.response_task: asyncio.Task[None] | None = None
         self.response_options: ResponseOptions | None = None
@@ -108,10 +136,10 @@ class RealtimeConnection:
     # ------------------------------------------------------------ lifecycle
 
     async def run(self, session_id: str | None) -> None:
-        offered = self.socket.scope.get("subprotocols") or []
-        binary = rt.MSGPACK_SUBPROTOCOL in offered
-        self.codec = rt.WireCodec(binary=binary)
-        await self.socket.accept(subprotocols=rt.MSGPACK_SUBPROTOCOL if binary else None)
+        # answer with a subprotocol that carries no key: never echo `openai-insecure-api-key.*`
+        chosen = public_subprotocol(self.socket.scope.get("subprotocols") or [])
+        self.codec = rt.WireCodec(binary=chosen == rt.MSGPACK_SUBPROTOCOL)
+        await self.socket.accept(subprotocols=chosen)
         self._transition(ConnState.OPEN)
         if not self.state.ready:  # in the negotiated codec, then "try again later"
             await self._send_error(not_ready(), None)
@@ -130,8 +158,11 @@ class RealtimeConnection:
             await self._shutdown()
 
     def _transition(self, new: ConnState) -> None:
-        legal = {ConnState.CONNECTING: {ConnState.OPEN, ConnState.CLOSED},
-                 ConnState.OPEN: {ConnState.CLOSED}, ConnState.CLOSED: {ConnState.CLOSED}}
+        legal = {
+            ConnState.CONNECTING: {ConnState.OPEN, ConnState.CLOSED},
+            ConnState.OPEN: {ConnState.CLOSED},
+            ConnState.CLOSED: {ConnState.CLOSED},
+        }
         assert new in legal[self.conn_state], f"illegal transition {self.conn_state} -> {new}"
         self.conn_state = new
 
@@ -144,15 +175,23 @@ class RealtimeConnection:
                 await self._send_error(exc, None)
                 await self.socket.close(code=1008, reason="session_not_found")
                 return False
-            await self._send(rt.SessionCreated(self._eid(), session_state(
-                self.session, self.state.engine.model_id, resumed=True)))
+            await self._send(
+                rt.SessionCreated(
+                    self._eid(),
+                    session_state(self.session, self.state.engine.model_id, resumed=True),
+                )
+            )
             log.info("session_resumed", session_id=self.session.id, items=len(self.session.items))
             return True
-        self.session = Session.new(self.owner, instructions=settings.default_instructions,
-                                   max_output_tokens=settings.max_output_tokens)
+        self.session = Session.new(
+            self.owner,
+            instructions=settings.default_instructions,
+            max_output_tokens=settings.max_output_tokens,
+        )
         await self.state.sessions.save(self.session)
-        await self._send(rt.SessionCreated(self._eid(), session_state(
-            self.session, self.state.engine.model_id)))
+        await self._send(
+            rt.SessionCreated(self._eid(), session_state(self.session, self.state.engine.model_id))
+        )
         log.info("session_created", session_id=self.session.id)
         return True
 
@@ -198,26 +237,22 @@ class RealtimeConnection:
             await self._send_error(exc, getattr(exc, "event_id", None) or event_id)
         except Exception as exc:  # a bug must not take the connection down with it
             log.exception("realtime_event_failed")
-            await self._send_error(GatewayError("internal_error", f"internal error: {type(exc).__name__}"),
-                                   event_id)
+            await self._send_error(
+                GatewayError("internal_error", f"internal error: {type(exc).__name__}"), event_id
+            )
 
     async def _session_update(self, event: rt.SessionUpdate) -> None:
         assert self.session is not None
-        cfg, settings = event.session, self.state.settings
-        if cfg.temperature is not None and not 0.0 <= cfg.temperature <= 2.0:
-            raise GatewayError("invalid_event", "temperature must be in [0, 2]", param="session.temperature")
-        if cfg.top_p is not None and not 0.0 < cfg.top_p <= 1.0:
-            raise GatewayError("invalid_event", "top_p must be in (0, 1]", param="session.top_p")
-        if cfg.seed is not None and not 0 <= cfg.seed < 2**63:
-            raise GatewayError("invalid_event", "seed must be in [0, 2^63)", param="session.seed")
-        if cfg.output_modalities is not None and "audio" in cfg.output_modalities:
-            raise GatewayError("invalid_event", "only text output is supported",
-                               param="session.output_modalities")
-        max_tokens = _max_tokens(cfg.max_output_tokens, settings.max_output_tokens_limit,
-                                 "session.max_output_tokens")
-        if cfg.instructions is not None and len(cfg.instructions) > settings.max_text_chars:
-            raise GatewayError("input_too_large", f"instructions are over {settings.max_text_chars} "
-                               "characters", param="session.instructions")
+        cfg, limits = event.session, self.limits
+        check_sampling(cfg.temperature, cfg.top_p, cfg.seed, where="session.")
+        check_output_modalities(cfg.output_modalities, "session.output_modalities")
+        max_tokens = check_max_tokens(
+            cfg.max_output_tokens,
+            limits.max_output_tokens_limit,
+            "session.max_output_tokens",
+            allow_inf=True,
+        )
+        check_instructions(cfg.instructions, limits, "session.instructions")
 
         def apply(session: Session) -> None:
             if cfg.instructions is not None:
@@ -230,83 +265,50 @@ class RealtimeConnection:
                 session.top_p = cfg.top_p
             if cfg.seed is not None:
                 session.seed = cfg.seed
+            if cfg.truncation is not None:
+                session.truncation = cfg.truncation
 
         self.session, _ = await self.state.sessions.update(self.session.id, self.owner, apply)
-        await self._send(rt.SessionUpdated(self._eid(), session_state(
-            self.session, self.state.engine.model_id)))
+        await self._send(
+            rt.SessionUpdated(self._eid(), session_state(self.session, self.state.engine.model_id))
+        )
 
     async def _item_create(self, event: rt.ConversationItemCreate) -> None:
         assert self.session is not None
-        item, settings = event.item, self.state.settings
-        if not item.content:
-            raise GatewayError("invalid_event", "a message needs at least one content part",
-                               param="item.content")
+        item, limits = event.item, self.limits
         item_id = item.id or new_id("item")
-        if len(item.content) > settings.max_images_per_session + 16:
-            raise GatewayError("input_too_large", f"a message holds at most "
-                               f"{settings.max_images_per_session + 16} parts", param="item.content")
-        image_urls = [p.image_url for p in item.content if p.type == "input_image" and p.image_url]
-        if len(set(image_urls)) > settings.max_images_per_session:  # before fetching anything
-            raise GatewayError("too_many_images",
-                               f"a session holds at most {settings.max_images_per_session} images")
-        fetched = await fetch_remote_images(image_urls, allowlist=settings.image_url_allowlist,
-                                            max_bytes=settings.max_image_bytes)
-        parts: list[StoredPart] = []
-        new_images: list[tuple[int, str, bytes | None]] = []  # (content index, digest, bytes)
-        for index, part in enumerate(item.content):
-            param = f"item.content[{index}]"
-            if part.type == "input_image":
-                if item.role != "user":
-                    raise GatewayError("invalid_event", "only user messages may hold images", param=param)
-                if not part.image_url:
-                    raise GatewayError("invalid_event", "input_image needs image_url",
-                                       param=f"{param}.image_url")
-                ref = parse_image_url(part.image_url, max_bytes=settings.max_image_bytes,
-                                      param=f"{param}.image_url", fetched=fetched)
-                if isinstance(ref, ImageRef):
-                    if not await self.state.require().vision.known(ref):
-                        raise GatewayError("image_not_found", f"no image with digest {ref}",
-                                           param=f"{param}.image_url")
-                    digest, data = str(ref), None
-                else:
-                    sniff_image(ref, max_bytes=settings.max_image_bytes,
-                                max_pixels=settings.max_pixels, param=f"{param}.image_url")
-                    digest, data = digest_of(ref), bytes(ref)
-                parts.append(StoredPart("image", digest=digest))
-                new_images.append((index, digest, data))
-            else:
-                if part.text is None:
-                    raise GatewayError("invalid_event", f"{part.type} needs text", param=f"{param}.text")
-                if len(part.text) > settings.max_text_chars:
-                    raise GatewayError("input_too_large", f"text parts hold at most "
-                                       f"{settings.max_text_chars} characters", param=f"{param}.text")
-                parts.append(StoredPart("text", text=part.text))
-        for _, digest, data in new_images:
-            if data is not None:
-                await self.state.require().vision.add(digest, data)
-
-        stored = StoredItem(id=item_id, role=item.role, parts=parts)
-        new_digests = {d for _, d, _ in new_images}
+        parts = _content_parts(item)
+        fetched = await fetch_remote(parts, limits, param="item.content")
+        parsed = parse_content(item.role, parts, limits, fetched, param="item.content")
+        vision = self.state.require().vision
+        await resolve_references(parsed.refs, vision)
+        await add_inline_images(parsed.inline, vision)
+        # (content index, digest) of each image, for its pre-encode and its report
+        new_images = [
+            (i, p.digest) for i, p in enumerate(parsed.parts) if p.kind == "image" and p.digest
+        ]
+        stored = StoredItem(id=item_id, role=item.role, parts=parsed.parts)
+        new_digests = parsed.digests
 
         def insert(session: Session) -> str | None:
             if any(i.id == item_id for i in session.items):
-                raise GatewayError("invalid_event", f"item id {item_id!r} already exists", param="item.id")
-            if len(session.items) >= settings.max_items_per_session:
-                raise GatewayError("input_too_large", f"a session holds at most "
-                                   f"{settings.max_items_per_session} items")
-            if len(set(session.image_digests) | new_digests) > settings.max_images_per_session:
-                raise GatewayError("too_many_images",
-                                   f"a session holds at most {settings.max_images_per_session} images")
+                raise GatewayError(
+                    "invalid_request", f"item id {item_id!r} already exists", param="item.id"
+                )
+            check_item_count(len(session.items) + 1, limits, None)
+            check_image_count(set(session.image_digests) | new_digests, limits, None)
             return _insert(session.items, stored, event.previous_item_id)
 
-        self.session, previous = await self.state.sessions.update(self.session.id, self.owner, insert)
+        self.session, previous = await self.state.sessions.update(
+            self.session.id, self.owner, insert
+        )
         await self._send(rt.ConversationItemAdded(self._eid(), wire_item(stored), previous))
         if not new_images:
             await self._send(rt.ConversationItemDone(self._eid(), wire_item(stored), previous))
             return
         # pre-encode now, before the question arrives; a response joins these tasks
         tasks: list[tuple[int, str, asyncio.Task[Resolved]]] = []
-        for index, digest, _ in new_images:
+        for index, digest in new_images:
             task = self.pending.get(digest)
             if task is None:
                 task = self.pending[digest] = self.state.require().vision.start(digest)
@@ -315,9 +317,13 @@ class RealtimeConnection:
         self.watchers[watcher] = [task for _, _, task in tasks]
         watcher.add_done_callback(lambda w: self.watchers.pop(w, None))
 
-    async def _watch_encodes(self, stored: StoredItem, previous: str | None,
-                             tasks: list[tuple[int, str, asyncio.Task[Resolved]]],
-                             event_id: str | None) -> None:
+    async def _watch_encodes(
+        self,
+        stored: StoredItem,
+        previous: str | None,
+        tasks: list[tuple[int, str, asyncio.Task[Resolved]]],
+        event_id: str | None,
+    ) -> None:
         assert self.session is not None
         failed: GatewayError | None = None
         for index, digest, task in tasks:
@@ -333,20 +339,32 @@ class RealtimeConnection:
                     self.pending.pop(digest, None)
                 break
             encoded = resolved.source in ("encoded", "joined")
-            await self._send(rt.ImageEncoded(
-                self._eid(), item_id=stored.id, content_index=index, digest=digest,
-                tokens_kept=resolved.image.tokens_kept, tokens_total=resolved.image.tokens_total,
-                encode_ms=round(sum(v for k, v in resolved.image.timings_ms.items()
-                                    if k in ENCODE_STAGES), 3)
-                if encoded else 0.0,
-                cache="miss" if encoded else "hit"))
+            await self._send(
+                rt.ImageEncoded(
+                    self._eid(),
+                    item_id=stored.id,
+                    content_index=index,
+                    digest=digest,
+                    tokens_kept=resolved.image.tokens_kept,
+                    tokens_total=resolved.image.tokens_total,
+                    encode_ms=round(
+                        sum(v for k, v in resolved.image.timings_ms.items() if k in ENCODE_STAGES),
+                        3,
+                    )
+                    if encoded
+                    else 0.0,
+                    cache="miss" if encoded else "hit",
+                )
+            )
         if failed is not None:
             # the item never becomes part of the conversation
             def remove(session: Session) -> None:
                 session.items[:] = [i for i in session.items if i.id != stored.id]
 
             try:
-                self.session, _ = await self.state.sessions.update(self.session.id, self.owner, remove)
+                self.session, _ = await self.state.sessions.update(
+                    self.session.id, self.owner, remove
+                )
             except GatewayError:
                 log.warning("failed_item_not_removed", item_id=stored.id)
             failed.message = f"item {stored.id}: {failed.message}"
@@ -358,9 +376,32 @@ class RealtimeConnection:
         received = time.perf_counter()
         assert self.session is not None
         if self.response_task is not None and not self.response_task.done():
-            raise GatewayError("response_in_progress",
-                               f"response {self.response_options.response_id} is still in progress; "
-                               "cancel it or wait for response.done")
+            raise GatewayError(
+                "response_in_progress",
+                f"response {self.response_options.response_id} is still in progress; "
+                "cancel it or wait for response.done",
+            )
+        params = event.response or rt.ResponseParams()
+        refuse_unsupported(
+            params.input,
+            "response.input",
+            "response.input (a custom context) "
+            "is not supported; responses read the session's conversation",
+            allow_empty=False,
+        )
+        refuse_unsupported(params.tools, "response.tools", "tools are not supported")
+        check_output_modalities(params.output_modalities, "response.output_modalities")
+        options = response_options(
+            self.limits,
+            where="response.",
+            max_tokens=params.max_output_tokens,
+            allow_inf=True,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+            instructions=params.instructions,
+            store=params.conversation != "none",
+        )
         await self.state.rate_limiter.acquire(self.owner)
         # watchers whose encodes are over are about to report (and drop a failed image's item):
         # let them, so this response sees the conversation the client was told about
@@ -370,57 +411,41 @@ class RealtimeConnection:
         # the stored session is the truth (another connection may have added to it)
         load_start = time.time_ns()
         self.session = await self.state.sessions.load(self.session.id, self.owner)
-        load_ns = (load_start, time.time_ns())
-        params = event.response or rt.ResponseParams()
-        if params.input is not None:
-            raise GatewayError("invalid_event", "response.input (a custom context) is not supported; "
-                               "responses read the session's conversation", param="response.input")
-        if params.tools:
-            raise GatewayError("invalid_event", "tools are not supported", param="response.tools")
-        if params.output_modalities is not None and "audio" in params.output_modalities:
-            raise GatewayError("invalid_event", "only text output is supported",
-                               param="response.output_modalities")
-        settings = self.state.settings
-        options = ResponseOptions(
-            instructions=params.instructions,
-            max_output_tokens=_max_tokens(params.max_output_tokens,
-                                          self.state.settings.max_output_tokens_limit,
-                                          "response.max_output_tokens"),
-            temperature=params.temperature, top_p=params.top_p, seed=params.seed,
-            store=params.conversation != "none", session_load_ns=load_ns,
-        )
-        if options.temperature is not None and not 0.0 <= options.temperature <= 2.0:
-            raise GatewayError("invalid_event", "temperature must be in [0, 2]",
-                               param="response.temperature")
-        if options.top_p is not None and not 0.0 < options.top_p <= 1.0:
-            raise GatewayError("invalid_event", "top_p must be in (0, 1]", param="response.top_p")
-        if options.seed is not None and not 0 <= options.seed < 2**63:
-            raise GatewayError("invalid_event", "seed must be in [0, 2^63)", param="response.seed")
-        if params.instructions is not None and len(params.instructions) > settings.max_text_chars:
-            raise GatewayError("input_too_large", f"instructions are over {settings.max_text_chars} "
-                               "characters", param="response.instructions")
+        options.session_load_ns = (load_start, time.time_ns())
         self.response_options = options
         self.response_task = asyncio.create_task(
             self._run_response(options, params, event.event_id, received),
-            name=f"response {options.response_id}")
+            name=f"response {options.response_id}",
+        )
 
     async def _response_cancel(self, event: rt.ResponseCancel) -> None:
         active = self.response_task is not None and not self.response_task.done()
-        if not active or (event.response_id and event.response_id != self.response_options.response_id):
-            raise GatewayError("response_not_found", "no response in progress"
-                               + (f" with id {event.response_id!r}" if event.response_id else ""),
-                               param="response_id")
+        if not active or (
+            event.response_id and event.response_id != self.response_options.response_id
+        ):
+            raise GatewayError(
+                "response_not_found",
+                "no response in progress"
+                + (f" with id {event.response_id!r}" if event.response_id else ""),
+                param="response_id",
+            )
         self.response_options.cancel.set()
 
-    async def _run_response(self, options: ResponseOptions, params: rt.ResponseParams,
-                            event_id: str | None, received: float) -> None:
+    async def _run_response(
+        self,
+        options: ResponseOptions,
+        params: rt.ResponseParams,
+        event_id: str | None,
+        received: float,
+    ) -> None:
         assert self.session is not None
         rid, iid = options.response_id, options.item_id
         conversation = None if not options.store else self.session.id
         finished = False
         try:
-            async for ev in self.state.require().service.respond(self.session, options, pending=self.pending,
-                                                       received_at=received):
+            async for ev in self.state.require().service.respond(
+                self.session, options, pending=self.pending, received_at=received
+            ):
                 finished |= isinstance(ev, Finished)
                 await self._on_service_event(ev, options, params, conversation, event_id)
         except asyncio.CancelledError:
@@ -429,18 +454,35 @@ class RealtimeConnection:
             log.exception("response_failed", response_id=rid)
             if not finished:
                 error = GatewayError("internal_error", f"the response failed: {type(exc).__name__}")
-                await self._finish(Finished(rid, iid, "failed", "", error=error), params,
-                                   conversation, event_id)
+                await self._finish(
+                    Finished(rid, iid, "failed", "", error=error), params, conversation, event_id
+                )
 
-    async def _on_service_event(self, ev: object, options: ResponseOptions, params: rt.ResponseParams,
-                                conversation: str | None, event_id: str | None) -> None:
+    async def _on_service_event(
+        self,
+        ev: object,
+        options: ResponseOptions,
+        params: rt.ResponseParams,
+        conversation: str | None,
+        event_id: str | None,
+    ) -> None:
         rid, iid = options.response_id, options.item_id
         if isinstance(ev, Started):
-            await self._send(rt.ResponseCreated(self._eid(), rt.ResponseState(
-                id=rid, status="in_progress", conversation_id=conversation,
-                max_output_tokens=options.max_output_tokens, metadata=params.metadata)))
-            item = rt.Item(role="assistant", content=[], id=iid, object="realtime.item",
-                           status="in_progress")
+            await self._send(
+                rt.ResponseCreated(
+                    self._eid(),
+                    rt.ResponseState(
+                        id=rid,
+                        status="in_progress",
+                        conversation_id=conversation,
+                        max_output_tokens=options.max_output_tokens,
+                        metadata=params.metadata,
+                    ),
+                )
+            )
+            item = rt.Item(
+                role="assistant", content=[], id=iid, object="realtime.item", status="in_progress"
+            )
             await self._send(rt.OutputItemAdded(self._eid(), rid, 0, item))
             await self._send(rt.ContentPartAdded(self._eid(), rid, iid, 0, 0, rt.Part()))
         elif isinstance(ev, TextChunk):
@@ -448,12 +490,21 @@ class RealtimeConnection:
         elif isinstance(ev, Finished):
             await self._finish(ev, params, conversation, event_id)
 
-    async def _finish(self, ev: Finished, params: rt.ResponseParams, conversation: str | None,
-                      event_id: str | None) -> None:
+    async def _finish(
+        self,
+        ev: Finished,
+        params: rt.ResponseParams,
+        conversation: str | None,
+        event_id: str | None,
+    ) -> None:
         rid, iid = ev.response_id, ev.item_id
-        item = rt.Item(role="assistant", content=[rt.ContentPart("output_text", text=ev.text)],
-                       id=iid, object="realtime.item",
-                       status="completed" if ev.status == "completed" else "incomplete")
+        item = rt.Item(
+            role="assistant",
+            content=[rt.ContentPart("output_text", text=ev.text)],
+            id=iid,
+            object="realtime.item",
+            status="completed" if ev.status == "completed" else "incomplete",
+        )
         if ev.status != "failed":
             await self._send(rt.OutputTextDone(self._eid(), rid, iid, 0, 0, ev.text))
             await self._send(rt.ContentPartDone(self._eid(), rid, iid, 0, 0, rt.Part(text=ev.text)))
@@ -464,27 +515,52 @@ class RealtimeConnection:
         elif ev.status == "incomplete":
             details = rt.StatusDetails(type="incomplete", reason="max_output_tokens")
         elif ev.status == "failed" and ev.error is not None:
-            details = rt.StatusDetails(type="failed", error=rt.StatusError(
-                type=ev.error.type, code=ev.error.code, message=ev.error.message))
+            details = rt.StatusDetails(
+                type="failed",
+                error=rt.StatusError(
+                    type=ev.error.type, code=ev.error.code, message=ev.error.message
+                ),
+            )
             await self._send_error(ev.error, event_id)
         usage = rt.Usage(
-            total_tokens=ev.input_tokens + ev.output_tokens, input_tokens=ev.input_tokens,
+            total_tokens=ev.input_tokens + ev.output_tokens,
+            input_tokens=ev.input_tokens,
             output_tokens=ev.output_tokens,
             input_token_details=rt.InputTokenDetails(
-                text_tokens=ev.text_tokens, image_tokens=ev.image_tokens,
+                text_tokens=ev.text_tokens,
+                image_tokens=ev.image_tokens,
                 cached_tokens=ev.cached_tokens,
                 cached_tokens_details=rt.CachedTokensDetails(
                     image_tokens=ev.cached_image_tokens,
-                    text_tokens=ev.cached_tokens - ev.cached_image_tokens)),
-            output_token_details=rt.OutputTokenDetails(text_tokens=ev.output_tokens))
+                    text_tokens=ev.cached_tokens - ev.cached_image_tokens,
+                ),
+            ),
+            output_token_details=rt.OutputTokenDetails(text_tokens=ev.output_tokens),
+        )
         ext = rt.ResponseExtension(
-            timings=rt.Timings.of(ev), cache=rt.CacheReport.of(ev),
-            image_tokens_total=ev.image_tokens_total, model=self.state.engine.model_id)
-        await self._send(rt.ResponseDone(self._eid(), rt.ResponseState(
-            id=rid, status=ev.status, conversation_id=conversation,
-            output=[item] if ev.status != "failed" else [],
-            max_output_tokens=self.response_options.max_output_tokens if self.response_options else None,
-            metadata=params.metadata, status_details=details, usage=usage, visiongate=ext)))
+            timings=rt.Timings.of(ev),
+            cache=rt.CacheReport.of(ev),
+            image_tokens_total=ev.image_tokens_total,
+            model=self.state.engine.model_id,
+        )
+        await self._send(
+            rt.ResponseDone(
+                self._eid(),
+                rt.ResponseState(
+                    id=rid,
+                    status=ev.status,
+                    conversation_id=conversation,
+                    output=[item] if ev.status != "failed" else [],
+                    max_output_tokens=self.response_options.max_output_tokens
+                    if self.response_options
+                    else None,
+                    metadata=params.metadata,
+                    status_details=details,
+                    usage=usage,
+                    visiongate=ext,
+                ),
+            )
+        )
 
     # ------------------------------------------------------------ sending
 
@@ -508,11 +584,23 @@ class RealtimeConnection:
     async def _send_error(self, exc: GatewayError, event_id: str | None) -> None:
         self.state.metrics.record_error(code=exc.code, api="realtime")
         log.info("client_error", code=exc.code, message=exc.message, event_id=event_id)
-        await self._send(rt.ErrorEvent(self._eid(), rt.ErrorBody(
-            type=exc.type, code=exc.code, message=exc.message, param=exc.param, event_id=event_id)))
+        await self._send(
+            rt.ErrorEvent(
+                self._eid(),
+                rt.ErrorBody(
+                    type=exc.type,
+                    code=exc.code,
+                    message=exc.message,
+                    param=exc.param,
+                    event_id=event_id,
+                ),
+            )
+        )
 
 
-def _insert(items: list[StoredItem], stored: StoredItem, previous_item_id: str | None) -> str | None:
+def _insert(
+    items: list[StoredItem], stored: StoredItem, previous_item_id: str | None
+) -> str | None:
     """Place `stored` after `previous_item_id` ("root": first; None: last); returns the id of
     the item now before it."""
     if previous_item_id is None:
@@ -526,15 +614,22 @@ def _insert(items: list[StoredItem], stored: StoredItem, previous_item_id: str |
         if existing.id == previous_item_id:
             items.insert(index + 1, stored)
             return previous_item_id
-    raise GatewayError("invalid_event", f"previous_item_id {previous_item_id!r} not found",
-                       param="previous_item_id")
+    raise GatewayError(
+        "invalid_request",
+        f"previous_item_id {previous_item_id!r} not found",
+        param="previous_item_id",
+    )
 
 
-def _max_tokens(value: int | str | None, limit: int, param: str) -> int | None:
-    if value is None:
-        return None
-    if value == "inf":
-        return limit
-    if not isinstance(value, int) or not 1 <= value <= limit:
-        raise GatewayError("invalid_event", f"max_output_tokens must be 1..{limit} or \"inf\"", param=param)
-    return value
+def _content_parts(item: rt.Item) -> list[ContentPart]:
+    """An item's content as the request layer's parts, named in Realtime terms."""
+    parts: list[ContentPart] = []
+    for index, part in enumerate(item.content):
+        at = f"item.content[{index}]"
+        if part.type == "input_image":
+            parts.append(
+                ContentPart("image", f"{at}.image_url", url=part.image_url, type_param=f"{at}.type")
+            )
+        else:
+            parts.append(ContentPart("text", f"{at}.text", text=part.text, type_param=f"{at}.type"))
+    return parts

@@ -146,6 +146,7 @@ class Engine(Protocol):
 
     model_id: str
     hidden_size: int  # width of the visual tokens it accepts
+    context_tokens: int  # positions the model takes: prompt and answer together
 
     @property
     def ready(self) -> bool: ...

@@ -1,5 +1,8 @@
 """Chat Completions messages <-> a session's stored items.
 
+`message_parts` translates a message's wire shape to the request layer's `ContentPart`s;
+`parse_messages` checks them there (`gateway.chat_requests`) and gathers the conversation.
+
 OpenAI clients send the whole conversation on every request. With a session, the gateway
 keeps the conversation too; `reconcile` appends only what is new when the stored items are a
 prefix of the request's messages, and otherwise replaces them with the request's. Either way
@@ -12,12 +15,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gateway.chat_requests import (
+    ContentPart,
+    RequestLimits,
+    check_image_count,
+    check_instructions,
+    parse_content,
+)
 from gateway.http.protocol import ImageUrlPart, InputMessage, RefusalPart, TextPart
-from gateway.image_input import ImageRef, digest_of, parse_image_url, sniff_image
 from gateway.protocol.errors import GatewayError
-from gateway.sessions.session import Session, StoredItem, StoredPart, new_id
+from gateway.sessions.session import Session, StoredItem, new_id
 
-__all__ = ("Conversation", "parse_messages", "reconcile", "same_item")
+__all__ = ("Conversation", "all_parts", "message_parts", "parse_messages", "reconcile", "same_item")
 
 
 @dataclass(slots=True)
@@ -30,90 +39,75 @@ class Conversation:
     refs: dict[str, str] = field(default_factory=dict)  # digest -> param, for images sent by digest
 
 
-def image_urls(messages: list[InputMessage]) -> list[str]:
-    """Every image URL the messages hold, in order."""
-    return [part.image_url.url for m in messages if isinstance(m.content, list)
-            for part in m.content if isinstance(part, ImageUrlPart)]
+def message_parts(message: InputMessage, param: str) -> list[ContentPart]:
+    """One message's content as the request layer's parts (`param`: "messages[i]")."""
+    content, where = message.content, f"{param}.content"
+    if content is None:
+        # an assistant turn may be empty (it called tools); the request layer refuses the rest
+        return [ContentPart("text", where, text="")] if message.role == "assistant" else []
+    if isinstance(content, str):
+        return [ContentPart("text", where, text=content)]
+    parts: list[ContentPart] = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if isinstance(part, TextPart):
+            parts.append(ContentPart("text", f"{at}.text", text=part.text, type_param=f"{at}.type"))
+        elif isinstance(part, RefusalPart):
+            if message.role != "assistant":
+                raise GatewayError(
+                    "invalid_request", "only assistant messages hold refusals", param=f"{at}.type"
+                )
+            parts.append(
+                ContentPart("text", f"{at}.refusal", text=part.refusal, type_param=f"{at}.type")
+            )
+        elif isinstance(part, ImageUrlPart):
+            parts.append(
+                ContentPart(
+                    "image", f"{at}.image_url.url", url=part.image_url.url, type_param=f"{at}.type"
+                )
+            )
+    return parts
 
 
-def parse_messages(messages: list[InputMessage], *, max_image_bytes: int, max_pixels: int,
-                   max_images: int, fetched: Mapping[str, bytes] | None = None,
-                   max_text_chars: int = 65536) -> Conversation:
-    """Validate and convert. Images are checked from their header only (format, size); remote
+def all_parts(messages: list[InputMessage]) -> list[ContentPart]:
+    """Every part of every message, in order (to count and fetch the images first)."""
+    return [p for i, m in enumerate(messages) for p in message_parts(m, f"messages[{i}]")]
+
+
+def parse_messages(
+    messages: list[InputMessage], limits: RequestLimits, fetched: Mapping[str, bytes] | None = None
+) -> Conversation:
+    """Check and convert. Images are checked from their header only (format, size); remote
     URLs resolve only through `fetched` (the allow-listed ones already downloaded)."""
     if not messages:
-        raise GatewayError("invalid_request", "messages must hold at least one message",
-                           param="messages")
+        raise GatewayError(
+            "invalid_request", "messages must hold at least one message", param="messages"
+        )
     conv = Conversation(instructions=None, items=[])
     leading: list[str] = []
     for index, message in enumerate(messages):
         param = f"messages[{index}]"
         role = "system" if message.role == "developer" else message.role
-        parts = _parts(message, param, conv, max_image_bytes=max_image_bytes, max_pixels=max_pixels,
-                       fetched=fetched)
-        for part in parts:
-            if part.text is not None and len(part.text) > max_text_chars:
-                raise GatewayError("input_too_large", f"text parts hold at most {max_text_chars} "
-                                   "characters", param=f"{param}.content")
+        parsed = parse_content(
+            role, message_parts(message, param), limits, fetched, param=f"{param}.content"
+        )
+        for digest, data in parsed.inline.items():
+            conv.inline.setdefault(digest, data)
+        for digest, where in parsed.refs.items():
+            conv.refs.setdefault(digest, where)
         if role == "system" and not conv.items:
             # system messages before the conversation are its instructions
-            leading.append("\n".join(p.text or "" for p in parts))
+            leading.append("\n".join(p.text or "" for p in parsed.parts))
             continue
-        conv.items.append(StoredItem(id=new_id("item"), role=role, parts=parts))
+        conv.items.append(StoredItem(id=new_id("item"), role=role, parts=parsed.parts))
     if leading:
-        conv.instructions = "\n\n".join(leading)
+        conv.instructions = check_instructions("\n\n".join(leading), limits, "messages")
     if not conv.items:
-        raise GatewayError("invalid_request", "messages must hold at least one user message",
-                           param="messages")
-    if len(set(conv.inline) | set(conv.refs)) > max_images:
-        raise GatewayError("too_many_images", f"a conversation holds at most {max_images} images",
-                           param="messages")
+        raise GatewayError(
+            "invalid_request", "messages must hold at least one user message", param="messages"
+        )
+    check_image_count(set(conv.inline) | set(conv.refs), limits, "messages")
     return conv
-
-
-def _parts(message: InputMessage, param: str, conv: Conversation, *, max_image_bytes: int,
-           max_pixels: int, fetched: Mapping[str, bytes] | None) -> list[StoredPart]:
-    content = message.content
-    if content is None:
-        if message.role != "assistant":
-            raise GatewayError("invalid_request", f"{message.role} messages need content",
-                               param=f"{param}.content")
-        return [StoredPart("text", text="")]
-    if isinstance(content, str):
-        return [StoredPart("text", text=content)]
-    if not content:
-        raise GatewayError("invalid_request", "content must hold at least one part",
-                           param=f"{param}.content")
-    parts: list[StoredPart] = []
-    for j, part in enumerate(content):
-        where = f"{param}.content[{j}]"
-        if isinstance(part, TextPart):
-            parts.append(StoredPart("text", text=part.text))
-        elif isinstance(part, RefusalPart):
-            if message.role != "assistant":
-                raise GatewayError("invalid_request", "only assistant messages hold refusals",
-                                   param=f"{where}.type")
-            parts.append(StoredPart("text", text=part.refusal))
-        elif isinstance(part, ImageUrlPart):
-            if message.role != "user":
-                raise GatewayError("invalid_request", "only user messages may hold images",
-                                   param=f"{where}.type")
-            parts.append(StoredPart("image", digest=_image(part.image_url.url, f"{where}.image_url.url",
-                                                           conv, max_image_bytes, max_pixels, fetched)))
-    return parts
-
-
-def _image(url: str, param: str, conv: Conversation, max_image_bytes: int, max_pixels: int,
-           fetched: Mapping[str, bytes] | None) -> str:
-    ref = parse_image_url(url, max_bytes=max_image_bytes, param=param, fetched=fetched)
-    if isinstance(ref, ImageRef):
-        conv.refs.setdefault(str(ref), param)
-        return str(ref)
-    digest = digest_of(ref)
-    if digest not in conv.inline:  # a repeated image is checked once
-        sniff_image(ref, max_bytes=max_image_bytes, max_pixels=max_pixels, param=param)
-        conv.inline[digest] = bytes(ref)
-    return digest
 
 
 def same_item(stored: StoredItem, sent: StoredItem) -> bool:

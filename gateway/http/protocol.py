@@ -97,6 +97,9 @@ class ChatCompletionRequest(Struct):
     tools: list[dict[str, Any]] | None = None
     # visiongate extension: join this session's cache (also `X-Session-Id`)
     session_id: str | None = None
+    # visiongate extension: a conversation longer than the context is refused ("disabled", the
+    # default, as OpenAI does) or sent without its oldest turns ("auto")
+    truncation: Literal["auto", "disabled"] = "disabled"
 
 
 # ---------------------------------------------------------------- response
@@ -110,6 +113,8 @@ class CompletionExtension(Struct):
     image_tokens: int = 0  # visual tokens the model saw (after patch dropping)
     image_tokens_total: int = 0  # visual tokens before patch dropping
     session_id: str | None = None
+    truncated_items: int = 0  # oldest messages left out to fit the context (truncation "auto")
+    stored: bool | None = None  # with a session: whether the answer was stored in it
 
 
 class PromptTokensDetails(Struct):

@@ -15,22 +15,27 @@ from typing import TYPE_CHECKING
 import structlog
 
 from encoder_worker.types import ENCODE_STAGES
+from gateway.chat_requests import RequestLimits, check_image_bytes
 from gateway.chat_service import kv_key_for
 from gateway.http import protocol as p
-from gateway.image_input import REF_PREFIX, digest_of, sniff_image
+from gateway.image_input import REF_PREFIX, digest_of
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import StoredItem
-from gateway.state import not_ready
 
 if TYPE_CHECKING:
     from gateway.state import GatewayState
     from gateway.vision_resolver import Resolved
 
-__all__ = ("SYNTHETIC_VISION_LABEL", "ImageServing", "ModelServing", "SessionServing",
-           "session_view", "vision_label")
+__all__ = (
+    "SYNTHETIC_VISION_LABEL",
+    "ImageServing",
+    "ModelServing",
+    "SessionServing",
+    "session_view",
+    "vision_label",
+)
 
 log = structlog.get_logger("visiongate.http")
-
 
 
 SYNTHETIC_VISION_LABEL = "synthetic seeded tower, answers not grounded"
@@ -47,8 +52,9 @@ def vision_label(state: GatewayState) -> str:
     config = getattr(state.serving.encoder, "config", None) if state.serving else None
     tower = config.tower if config is not None else settings.vision_tower
     try:
-        family = tower_family(tower) or (tower_family(settings.model_path)
-                                         if config is None and settings.model_path else None)
+        family = tower_family(tower) or (
+            tower_family(settings.model_path) if config is None and settings.model_path else None
+        )
     except ValueError:
         family = None
     if family is not None:
@@ -56,8 +62,10 @@ def vision_label(state: GatewayState) -> str:
         return f"{family} checkpoint {name}: its own vision tower and projector"
     if tower in SYNTHETIC_TOWERS:
         return SYNTHETIC_VISION_LABEL
-    return (f"vision checkpoint {os.path.basename(os.path.normpath(tower))} with a seeded "
-            "projector, answers not grounded")
+    return (
+        f"vision checkpoint {os.path.basename(os.path.normpath(tower))} with a seeded "
+        "projector, answers not grounded"
+    )
 
 
 class ModelServing:
@@ -68,16 +76,20 @@ class ModelServing:
     def _card(self) -> p.ModelCard:
         if self._vision is None or not self.state.ready:
             self._vision = vision_label(self.state)
-        return p.ModelCard(id=self.state.engine.model_id, created=int(self.state.started_at),
-                           vision=self._vision)
+        return p.ModelCard(
+            id=self.state.engine.model_id, created=int(self.state.started_at), vision=self._vision
+        )
 
     def list(self) -> p.ModelList:
         return p.ModelList(data=[self._card()])
 
     def get(self, model: str) -> p.ModelCard | p.ErrorResponse:
         if model != self.state.engine.model_id:
-            return p.error_response(GatewayError("model_not_found",
-                                                 f"the model {model!r} does not exist", param="model"))
+            return p.error_response(
+                GatewayError(
+                    "model_not_found", f"the model {model!r} does not exist", param="model"
+                )
+            )
         return self._card()
 
 
@@ -88,19 +100,13 @@ class ImageServing:
 
     def __init__(self, state: GatewayState) -> None:
         self.state = state
+        self.limits = RequestLimits.of(state.settings)
         self._encodes: OrderedDict[str, asyncio.Task[Resolved]] = OrderedDict()
 
     async def upload(self, data: bytes) -> p.ImageStatus | p.ErrorResponse:
-        state, settings = self.state, self.state.settings
-        if not state.ready:
-            return p.error_response(not_ready())
-        vision = state.require().vision
-        if not data:
-            return p.error_response(GatewayError("invalid_image", "the request holds no image bytes",
-                                                 param="file"))
         try:
-            fmt, width, height = sniff_image(data, max_bytes=settings.max_image_bytes,
-                                             max_pixels=settings.max_pixels, param="file")
+            vision = self.state.require().vision
+            fmt, width, height = check_image_bytes(data, self.limits, "file")
         except GatewayError as exc:
             return p.error_response(exc)
         digest = digest_of(data)
@@ -114,29 +120,39 @@ class ImageServing:
         return status
 
     async def status(self, digest: str) -> p.ImageStatus | p.ErrorResponse:
-        state = self.state
         digest = digest.lower().removeprefix(REF_PREFIX)
-        if not state.ready:
-            return p.error_response(not_ready())
-        vision = state.require().vision
+        try:
+            vision = self.state.require().vision
+        except GatewayError as exc:
+            return p.error_response(exc)
         ref = REF_PREFIX + digest
         task = self._encodes.get(digest)
         if task is not None and not task.done():
             return p.ImageStatus(id=digest, ref=ref, status="encoding")
         if task is not None and not task.cancelled() and task.exception() is not None:
             exc = task.exception()
-            error = exc if isinstance(exc, GatewayError) else GatewayError("internal_error", str(exc))
-            return p.ImageStatus(id=digest, ref=ref, status="failed",
-                                 error=p.error_response(error).error)
+            error = (
+                exc if isinstance(exc, GatewayError) else GatewayError("internal_error", str(exc))
+            )
+            return p.ImageStatus(
+                id=digest, ref=ref, status="failed", error=p.error_response(error).error
+            )
         image = await vision.cached(digest)
         if image is not None:
             encode_ms = sum(v for k, v in image.timings_ms.items() if k in ENCODE_STAGES)
-            return p.ImageStatus(id=digest, ref=ref, status="ready", tokens_kept=image.tokens_kept,
-                                 tokens_total=image.tokens_total, encode_ms=round(encode_ms, 3))
+            return p.ImageStatus(
+                id=digest,
+                ref=ref,
+                status="ready",
+                tokens_kept=image.tokens_kept,
+                tokens_total=image.tokens_total,
+                encode_ms=round(encode_ms, 3),
+            )
         if await vision.known(digest):
             return p.ImageStatus(id=digest, ref=ref, status="stored")
-        return p.error_response(GatewayError("image_not_found", f"no image with digest {digest}",
-                                             param="digest"))
+        return p.error_response(
+            GatewayError("image_not_found", f"no image with digest {digest}", param="digest")
+        )
 
     def _track(self, digest: str, task: asyncio.Task[Resolved]) -> None:
         # a failed pre-encode is reported by status(); retrieve it so asyncio does not warn
@@ -156,17 +172,26 @@ class ImageServing:
 
 def session_view(session) -> p.SessionView:
     return p.SessionView(
-        id=session.id, created_at=session.created_at, updated_at=session.updated_at,
-        instructions=session.instructions, max_output_tokens=session.max_output_tokens,
-        temperature=session.temperature, top_p=session.top_p, seed=session.seed,
-        items=[_item_view(i) for i in session.items], images=session.image_digests)
+        id=session.id,
+        created_at=session.created_at,
+        updated_at=session.updated_at,
+        instructions=session.instructions,
+        max_output_tokens=session.max_output_tokens,
+        temperature=session.temperature,
+        top_p=session.top_p,
+        seed=session.seed,
+        items=[_item_view(i) for i in session.items],
+        images=session.image_digests,
+    )
 
 
 def _item_view(item: StoredItem) -> p.SessionItemView:
     content: list[dict[str, object]] = []
     for part in item.parts:
         if part.kind == "image":
-            content.append({"type": "image_url", "image_url": {"url": REF_PREFIX + (part.digest or "")}})
+            content.append(
+                {"type": "image_url", "image_url": {"url": REF_PREFIX + (part.digest or "")}}
+            )
         else:
             content.append({"type": "text", "text": part.text or ""})
     return p.SessionItemView(id=item.id, role=item.role, content=content, status=item.status)
@@ -185,8 +210,13 @@ class SessionServing:
 
     async def delete(self, session_id: str, owner: str) -> p.SessionDeleted | p.ErrorResponse:
         if not await self.state.sessions.delete(session_id, owner):
-            return p.error_response(GatewayError(
-                "session_not_found", f"no session {session_id!r} for this API key", param="session_id"))
+            return p.error_response(
+                GatewayError(
+                    "session_not_found",
+                    f"no session {session_id!r} for this API key",
+                    param="session_id",
+                )
+            )
         # its KV goes too: nothing of a deleted conversation is left to be matched
         self.state.engine.forget(kv_key_for(owner, session_id))
         log.info("session_deleted", session_id=session_id, api="http")

@@ -63,6 +63,9 @@ class SessionConfig(Struct, omit_defaults=True):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    # when the conversation outgrows the context: "auto" leaves out the oldest turns for the
+    # model (the session keeps them), "disabled" refuses with context_length_exceeded
+    truncation: Literal["auto", "disabled"] | None = None
 
 
 class ResponseParams(Struct, omit_defaults=True):
@@ -220,6 +223,7 @@ class ResponseExtension(Struct):
     cache: CacheReport
     image_tokens_total: int = 0  # visual tokens before patch dropping
     model: str = ""
+    truncated_items: int = 0  # oldest items left out to fit the context (truncation "auto")
 
 
 class ResponseState(Struct, omit_defaults=True):

@@ -1,4 +1,7 @@
-"""In-process SessionStore: a dict with an idle TTL. The embedded default; nothing survives a restart."""
+"""In-process SessionStore: a dict with an idle TTL. The embedded default; nothing survives a restart.
+
+Session ids are per owner: two API keys may both have a session "my-chat", and neither can tell
+whether the other's exists."""
 
 from __future__ import annotations
 
@@ -18,24 +21,25 @@ class MemorySessionStore:
     def __init__(self, ttl_s: float, *, clock=time.monotonic) -> None:
         self.ttl_s = ttl_s
         self._clock = clock
-        # id -> (expires_at, encoded session). Stored encoded so callers never share mutable state.
-        self._sessions: dict[str, tuple[float, bytes]] = {}
+        # (owner, id) -> (expires_at, encoded session): ids are per owner, and stored encoded so
+        # callers never share mutable state
+        self._sessions: dict[tuple[str, str], tuple[float, bytes]] = {}
 
     async def load(self, session_id: str, owner: str) -> Session:
-        entry = self._sessions.get(session_id)
+        key = (owner, session_id)
+        entry = self._sessions.get(key)
         if entry is None or entry[0] <= self._clock():
-            self._sessions.pop(session_id, None)
+            self._sessions.pop(key, None)
             raise not_found(session_id)
         session = msgspec.msgpack.decode(entry[1], type=Session)
-        if session.owner != owner:
-            raise not_found(session_id)
         # An idle TTL: reading the session refreshes it, as saving does.
-        self._sessions[session_id] = (self._clock() + self.ttl_s, entry[1])
+        self._sessions[key] = (self._clock() + self.ttl_s, entry[1])
         return session
 
     async def save(self, session: Session) -> None:
         session.updated_at = time.time()
-        self._sessions[session.id] = (self._clock() + self.ttl_s, msgspec.msgpack.encode(session))
+        self._sessions[(session.owner, session.id)] = (self._clock() + self.ttl_s,
+                                                       msgspec.msgpack.encode(session))
         self._expire()
 
     async def update(self, session_id: str, owner: str, mutate: Callable[[Session], T]
@@ -48,7 +52,7 @@ class MemorySessionStore:
 
     async def create(self, session: Session) -> bool:
         self._expire()
-        if session.id in self._sessions:
+        if (session.owner, session.id) in self._sessions:
             return False
         await self.save(session)
         return True
@@ -58,7 +62,7 @@ class MemorySessionStore:
             await self.load(session_id, owner)
         except Exception:
             return False
-        del self._sessions[session_id]
+        del self._sessions[(owner, session_id)]
         return True
 
     async def count(self) -> int:

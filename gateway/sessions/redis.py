@@ -139,31 +139,37 @@ class RedisSessionStore:
         self._delete: AsyncScript = self._client.register_script(_DELETE)
         self._count: AsyncScript = self._client.register_script(_COUNT)
 
-    def key(self, session_id: str) -> str:
-        return f"{self.namespace}:session:{session_id}"
+    def key(self, owner: str, session_id: str) -> str:
+        """Ids are per owner: the owner (a hash of the API key, or "anonymous") is in the key."""
+        return f"{self.namespace}:session:{owner}:{session_id}"
+
+    @staticmethod
+    def _member(owner: str, session_id: str) -> str:  # the expiry index's entry
+        return f"{owner}:{session_id}"
 
     async def load(self, session_id: str, owner: str) -> Session:
-        key = self.key(session_id)
+        key = self.key(owner, session_id)
         session, _ = await self._read(key, session_id, owner)
         await self._call("load", self._touch(keys=[key, self._index],
-                                             args=[self._ttl_ms, session_id]))
+                                             args=[self._ttl_ms, self._member(owner, session_id)]))
         return session
 
     async def save(self, session: Session) -> None:
         session.updated_at = time.time()
-        await self._call("save", self._save(keys=[self.key(session.id), self._index],
-                                            args=[_encoder.encode(session), self._ttl_ms,
-                                                  session.id]))
+        await self._call("save", self._save(
+            keys=[self.key(session.owner, session.id), self._index],
+            args=[_encoder.encode(session), self._ttl_ms, self._member(session.owner, session.id)]))
 
     async def update(self, session_id: str, owner: str, mutate: Callable[[Session], T]
                      ) -> tuple[Session, T]:
-        key = self.key(session_id)
+        key = self.key(owner, session_id)
         for _ in range(UPDATE_ATTEMPTS):
             session, raw = await self._read(key, session_id, owner)
             result = mutate(session)
             session.updated_at = time.time()
             done = await self._call("update", self._replace(
-                keys=[key, self._index], args=[raw, _encoder.encode(session), self._ttl_ms, session_id]))
+                keys=[key, self._index], args=[raw, _encoder.encode(session), self._ttl_ms,
+                                               self._member(owner, session_id)]))
             if done:
                 return session, result
         raise GatewayError("busy", f"session {session_id!r} is being changed by too many writers at once")
@@ -171,11 +177,12 @@ class RedisSessionStore:
     async def create(self, session: Session) -> bool:
         session.updated_at = time.time()
         return bool(await self._call("create", self._create(
-            keys=[self.key(session.id), self._index],
-            args=[_encoder.encode(session), self._ttl_ms, session.id])))
+            keys=[self.key(session.owner, session.id), self._index],
+            args=[_encoder.encode(session), self._ttl_ms,
+                  self._member(session.owner, session.id)])))
 
     async def delete(self, session_id: str, owner: str) -> bool:
-        key = self.key(session_id)
+        key = self.key(owner, session_id)
         for _ in range(3):  # the value changed between read and delete: check the owner again
             try:
                 _, raw = await self._read(key, session_id, owner)
@@ -183,8 +190,8 @@ class RedisSessionStore:
                 if exc.code == "session_not_found":
                     return False
                 raise
-            deleted = await self._call("delete", self._delete(keys=[key, self._index],
-                                                              args=[raw, session_id]))
+            deleted = await self._call("delete", self._delete(
+                keys=[key, self._index], args=[raw, self._member(owner, session_id)]))
             if deleted:
                 return True
         return False

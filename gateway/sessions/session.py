@@ -52,6 +52,9 @@ class Session(msgspec.Struct, omit_defaults=True):
     top_p: float = 1.0
     seed: int | None = None
     items: list[StoredItem] = msgspec.field(default_factory=list)
+    # when the conversation outgrows the model's context: "auto" leaves out the oldest turns
+    # (the stored items stay), "disabled" refuses with context_length_exceeded
+    truncation: Literal["auto", "disabled"] = "auto"
 
     @property
     def image_digests(self) -> list[str]:

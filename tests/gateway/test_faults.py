@@ -120,13 +120,13 @@ async def test_oversized_text_and_bad_sampling_values_are_refused(gateway_server
         ({"type": "conversation.item.create", "event_id": "big", "item": {
             "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x" * (limit + 1)}]}},
          "input_too_large"),
-        ({"type": "response.create", "event_id": "p0", "response": {"top_p": 0}}, "invalid_event"),
-        ({"type": "response.create", "event_id": "s-", "response": {"seed": -1}}, "invalid_event"),
-        ({"type": "session.update", "event_id": "t9", "session": {"temperature": 9}}, "invalid_event"),
-        ({"type": "response.create", "event_id": "in", "response": {"input": []}}, "invalid_event"),
+        ({"type": "response.create", "event_id": "p0", "response": {"top_p": 0}}, "invalid_request"),
+        ({"type": "response.create", "event_id": "s-", "response": {"seed": -1}}, "invalid_request"),
+        ({"type": "session.update", "event_id": "t9", "session": {"temperature": 9}}, "invalid_request"),
+        ({"type": "response.create", "event_id": "in", "response": {"input": []}}, "invalid_request"),
         ({"type": "response.create", "event_id": "tl", "response": {"tools": [{"type": "function",
                                                                            "name": "f"}]}},
-         "invalid_event"),
+         "invalid_request"),
     ]
     for frame, code in cases:
         await peer.send(frame)

@@ -89,11 +89,23 @@ async def test_create_only_takes_a_free_id(make_store) -> None:
     store = make_store()
     session = conversation()
     assert await store.create(session) is True
-    rival = Session.new(BOB, instructions="mine now", max_output_tokens=8, session_id=session.id)
-    assert await store.create(rival) is False  # taken, whoever owns it
-    loaded = await store.load(session.id, ALICE)
-    assert loaded.instructions == session.instructions
-    await expect_not_found(store, session.id, BOB)
+    again = Session.new(ALICE, instructions="mine now", max_output_tokens=8, session_id=session.id)
+    assert await store.create(again) is False  # taken by the same owner
+
+
+async def test_session_ids_are_per_owner(make_store) -> None:
+    # two keys may both name a session "my-chat": neither squats nor sees the other's
+    store = make_store()
+    alice = conversation()
+    alice.id = "my-chat"
+    assert await store.create(alice) is True
+    bob = Session.new(BOB, instructions="bob's", max_output_tokens=8, session_id="my-chat")
+    assert await store.create(bob) is True  # not taken: ids are per owner
+    assert (await store.load("my-chat", ALICE)).instructions == alice.instructions
+    assert (await store.load("my-chat", BOB)).instructions == "bob's"
+    assert await store.delete("my-chat", BOB) is True
+    assert (await store.load("my-chat", ALICE)).instructions == alice.instructions
+    await expect_not_found(store, "my-chat", BOB)
 
 
 async def test_concurrent_updates_lose_nothing(make_store) -> None:
@@ -219,10 +231,10 @@ async def test_key_layout_and_ttl(redis_store, raw_redis) -> None:
     store = redis_store(ttl_s=30)
     session = conversation()
     await store.save(session)
-    key = f"vg:session:{session.id}"
+    key = f"vg:session:{session.owner}:{session.id}"
     assert msgspec.msgpack.decode(raw_redis.get(key), type=Session) == session
     assert 25_000 < raw_redis.pttl(key) <= 30_000
-    expiry_ms = raw_redis.zscore("vg:sessions", session.id)
+    expiry_ms = raw_redis.zscore("vg:sessions", f"{session.owner}:{session.id}")
     assert abs(expiry_ms - (time.time() * 1000 + 30_000)) < 5_000
     await redis_store(namespace="blue").save(conversation())
     assert raw_redis.zcard("blue:sessions") == 1 and raw_redis.zcard("vg:sessions") == 1
@@ -232,7 +244,7 @@ async def test_load_refreshes_ttl_but_not_for_a_foreign_owner(redis_store, raw_r
     store = redis_store(ttl_s=30)
     session = conversation()
     await store.save(session)
-    key = f"vg:session:{session.id}"
+    key = f"vg:session:{session.owner}:{session.id}"
     raw_redis.pexpire(key, 5_000)
     await expect_not_found(store, session.id, BOB)
     assert raw_redis.pttl(key) <= 5_000
@@ -254,7 +266,7 @@ async def test_vanished_key_leaves_the_count_within_one_ttl(redis_store, raw_red
     store = redis_store(ttl_s=0.3)
     session = conversation()
     await store.save(session)
-    raw_redis.delete(f"vg:session:{session.id}")  # e.g. evicted under maxmemory
+    raw_redis.delete(f"vg:session:{session.owner}:{session.id}")  # e.g. evicted under maxmemory
     await expect_not_found(store, session.id, ALICE)  # the failed refresh adds nothing back
     await asyncio.sleep(0.4)
     assert await store.count() == 0
@@ -264,7 +276,7 @@ async def test_corrupted_value_is_not_found(redis_store, raw_redis) -> None:
     store = redis_store()
     session = conversation()
     await store.save(session)
-    key = f"vg:session:{session.id}"
+    key = f"vg:session:{session.owner}:{session.id}"
     for garbage in (b"\xc1\xc1\xc1", msgspec.msgpack.encode({"id": session.id, "owner": 7}), b""):
         raw_redis.set(key, garbage)
         with capture_logs() as logs:
@@ -281,7 +293,8 @@ async def test_value_stored_under_another_id_is_not_found(redis_store, raw_redis
     store = redis_store()
     session = conversation()
     await store.save(session)
-    raw_redis.copy(f"vg:session:{session.id}", "vg:session:sess_other")
+    raw_redis.copy(f"vg:session:{session.owner}:{session.id}",
+                   f"vg:session:{session.owner}:sess_other")
     await expect_not_found(store, "sess_other", ALICE)
 
 

@@ -1,0 +1,358 @@
+"""The request layer: every check of a chat request's values, written once for both transports.
+
+The WebSocket layer (`realtime_connection`) and the HTTP layer (`http/chat`, `http/messages`)
+decode their own wire shapes, then hand the values here: sampling ranges, output-token limits,
+stop strings, the lengths of instructions and text, item and image counts, image parts (data
+URLs, allow-listed remote URLs, `visiongate:sha256:` references) and the image bytes
+themselves. What comes back are gateway types (`StoredPart`, `ResponseOptions`); what goes
+wrong is a `GatewayError` whose code is the same on both transports, with `param` naming the
+field in the caller's own terms (`response.temperature` on the WebSocket, `temperature` over
+HTTP), which the caller passes in.
+
+Not here: the shape of a frame or body (unknown fields, wrong types; each transport's decoder
+refuses those), sessions and their storage, and readiness (`GatewayState.require()` raises the
+one `busy` answer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from gateway.chat_events import ResponseOptions
+from gateway.engine.sequence import MAX_STOP_CHARS, MAX_STOPS
+from gateway.image_input import (
+    ImageRef,
+    digest_of,
+    fetch_remote_images,
+    parse_image_url,
+    sniff_image,
+)
+from gateway.protocol.errors import GatewayError
+from gateway.sessions.session import StoredPart
+
+if TYPE_CHECKING:
+    from gateway.settings import Settings
+    from gateway.vision_resolver import VisionResolver
+
+__all__ = (
+    "EXTRA_PARTS",
+    "MAX_SEED",
+    "ContentPart",
+    "ParsedContent",
+    "RequestLimits",
+    "add_inline_images",
+    "check_image_bytes",
+    "check_image_count",
+    "check_instructions",
+    "check_item_count",
+    "check_max_tokens",
+    "check_output_modalities",
+    "check_sampling",
+    "check_stop",
+    "check_text",
+    "fetch_remote",
+    "parse_content",
+    "refuse_unsupported",
+    "resolve_references",
+    "response_options",
+)
+
+MAX_SEED = 2**63  # seeds are 0 <= seed < 2**63 (a torch.Generator takes them all)
+EXTRA_PARTS = 16  # parts a message may hold beside a full session's worth of images
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """The limits a request is checked against, read once from `Settings`."""
+
+    max_output_tokens_limit: int
+    max_text_chars: int
+    max_images_per_session: int
+    max_items_per_session: int
+    max_image_bytes: int
+    max_pixels: int
+    image_url_allowlist: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, settings: Settings) -> RequestLimits:
+        return cls(
+            max_output_tokens_limit=settings.max_output_tokens_limit,
+            max_text_chars=settings.max_text_chars,
+            max_images_per_session=settings.max_images_per_session,
+            max_items_per_session=settings.max_items_per_session,
+            max_image_bytes=settings.max_image_bytes,
+            max_pixels=settings.max_pixels,
+            image_url_allowlist=tuple(settings.image_url_allowlist),
+        )
+
+    @property
+    def max_parts_per_message(self) -> int:
+        return self.max_images_per_session + EXTRA_PARTS
+
+
+def _invalid(message: str, param: str | None) -> GatewayError:
+    return GatewayError("invalid_request", message, param=param)
+
+
+# ---------------------------------------------------------------- scalar values
+
+
+def check_sampling(
+    temperature: float | None, top_p: float | None, seed: int | None, *, where: str = ""
+) -> None:
+    """Refuse sampling values out of range; `where` prefixes each param ("response.")."""
+    # written so that NaN fails too
+    if temperature is not None and not 0.0 <= temperature <= 2.0:
+        raise _invalid("temperature must be in [0, 2]", f"{where}temperature")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise _invalid("top_p must be in (0, 1]", f"{where}top_p")
+    if seed is not None and (isinstance(seed, bool) or not 0 <= seed < MAX_SEED):
+        raise _invalid("seed must be an integer in [0, 2^63)", f"{where}seed")
+
+
+def check_max_tokens(
+    value: int | str | None, limit: int, param: str, *, allow_inf: bool = False
+) -> int | None:
+    """The checked token limit (None: not given). With `allow_inf`, "inf" means `limit`."""
+    if value is None:
+        return None
+    if allow_inf and value == "inf":
+        return limit
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        name = param.rsplit(".", 1)[-1]
+        allowed = f'1..{limit} or "inf"' if allow_inf else f"1..{limit}"
+        raise _invalid(f"{name} must be {allowed}", param)
+    return value
+
+
+def check_stop(stop: str | Sequence[str] | None, param: str = "stop") -> tuple[str, ...]:
+    """Stop strings as a tuple. Their number and length are the engine's own bounds, so a
+    request the gateway admits is never refused by the engine after its stream started."""
+    if isinstance(stop, str):
+        stops, params = (stop,), [param]
+    else:
+        stops = tuple(stop or ())
+        params = [f"{param}[{i}]" for i in range(len(stops))]
+    if len(stops) > MAX_STOPS:
+        raise _invalid(f"stop takes at most {MAX_STOPS} strings, got {len(stops)}", param)
+    for text, where in zip(stops, params, strict=True):
+        if not isinstance(text, str) or not text:
+            raise _invalid("stop strings must be non-empty strings", where)
+        if len(text) > MAX_STOP_CHARS:
+            raise _invalid(
+                f"stop strings hold at most {MAX_STOP_CHARS} characters, got {len(text)}", where
+            )
+    return stops
+
+
+def check_instructions(text: str | None, limits: RequestLimits, param: str) -> str | None:
+    if text is not None and len(text) > limits.max_text_chars:
+        raise GatewayError(
+            "input_too_large",
+            f"instructions hold at most {limits.max_text_chars} characters, got {len(text)}",
+            param=param,
+        )
+    return text
+
+
+def check_text(text: str, limits: RequestLimits, param: str) -> str:
+    if len(text) > limits.max_text_chars:
+        raise GatewayError(
+            "input_too_large",
+            f"text parts hold at most {limits.max_text_chars} characters, got {len(text)}",
+            param=param,
+        )
+    return text
+
+
+def check_output_modalities(modalities: Iterable[str] | None, param: str) -> None:
+    if modalities is not None and any(m != "text" for m in modalities):
+        raise _invalid("only text output is supported", param)
+
+
+def refuse_unsupported(
+    value: object, param: str, message: str, *, allow_empty: bool = True
+) -> None:
+    """Refuse a feature the wire shape holds only so that it can be refused clearly: given
+    (and, with `allow_empty`, not empty), it is an `invalid_request` with `message`."""
+    if value is not None and not (allow_empty and not value):
+        raise _invalid(message, param)
+
+
+def check_item_count(count: int, limits: RequestLimits, param: str | None) -> None:
+    if count > limits.max_items_per_session:
+        raise GatewayError(
+            "input_too_large",
+            f"a conversation holds at most {limits.max_items_per_session} items",
+            param=param,
+        )
+
+
+def check_image_count(images: Iterable[str], limits: RequestLimits, param: str | None) -> None:
+    """Refuse more distinct images (URLs or digests) than a session may hold."""
+    if len(set(images)) > limits.max_images_per_session:
+        raise GatewayError(
+            "too_many_images",
+            f"a conversation holds at most {limits.max_images_per_session} images",
+            param=param,
+        )
+
+
+def response_options(
+    limits: RequestLimits,
+    *,
+    where: str = "",
+    max_tokens: int | str | None = None,
+    max_tokens_param: str = "max_output_tokens",
+    allow_inf: bool = False,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    instructions: str | None = None,
+    truncation: Literal["auto", "disabled"] | None = None,
+    store: bool = True,
+    api: str = "realtime",
+) -> ResponseOptions:
+    """Check one response's values and build its `ResponseOptions`; params are `where` + name."""
+    check_sampling(temperature, top_p, seed, where=where)
+    checked_max = check_max_tokens(
+        max_tokens, limits.max_output_tokens_limit, where + max_tokens_param, allow_inf=allow_inf
+    )
+    stops = check_stop(stop, where + "stop")
+    check_instructions(instructions, limits, where + "instructions")
+    return ResponseOptions(
+        instructions=instructions,
+        max_output_tokens=checked_max,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop=stops,
+        truncation=truncation,
+        store=store,
+        api=api,
+    )
+
+
+# ---------------------------------------------------------------- content and images
+
+
+@dataclass(frozen=True, slots=True)
+class ContentPart:
+    """One part of a message, whatever the transport called it.
+
+    `param` names where the part's value sits (`item.content[0].image_url`,
+    `messages[1].content[0].image_url.url`); `type_param` where its type sits, for refusals of
+    the part itself (an image in an assistant message).
+    """
+
+    kind: Literal["text", "image"]
+    param: str
+    text: str | None = None
+    url: str | None = None
+    type_param: str | None = None
+
+
+@dataclass(slots=True)
+class ParsedContent:
+    """A message's parts as the gateway stores them, and the images they bring."""
+
+    parts: list[StoredPart] = field(default_factory=list)  # one per ContentPart, in order
+    inline: dict[str, bytes] = field(default_factory=dict)  # digest -> bytes sent in the request
+    refs: dict[str, str] = field(default_factory=dict)  # digest -> param, images sent by digest
+
+    @property
+    def digests(self) -> set[str]:
+        return set(self.inline) | set(self.refs)
+
+
+def check_image_bytes(data: bytes, limits: RequestLimits, param: str) -> tuple[str, int, int]:
+    """(format, width, height) of image bytes, read from the header; GatewayError for anything
+    empty, unreadable, of a format the encoder does not take, or over the size limits."""
+    if not data:
+        raise GatewayError("invalid_image", "the image holds no bytes", param=param)
+    return sniff_image(
+        data, max_bytes=limits.max_image_bytes, max_pixels=limits.max_pixels, param=param
+    )
+
+
+async def fetch_remote(
+    parts: Iterable[ContentPart], limits: RequestLimits, *, param: str | None
+) -> dict[str, bytes]:
+    """Bytes of the parts' allow-listed remote image URLs. The images are counted first, so a
+    request with too many of them fetches nothing."""
+    urls = [p.url for p in parts if p.kind == "image" and p.url]
+    check_image_count(urls, limits, param)
+    return await fetch_remote_images(
+        urls, allowlist=limits.image_url_allowlist, max_bytes=limits.max_image_bytes
+    )
+
+
+def parse_content(
+    role: str,
+    parts: Sequence[ContentPart],
+    limits: RequestLimits,
+    fetched: Mapping[str, bytes] | None = None,
+    *,
+    param: str,
+) -> ParsedContent:
+    """Check one message's parts and turn them into stored parts (`param`: where the content
+    list sits). Inline images are checked from their header once per digest; references are
+    collected for `resolve_references`; remote URLs resolve only through `fetched`."""
+    if not parts:
+        raise _invalid("a message needs at least one content part", param)
+    if len(parts) > limits.max_parts_per_message:
+        raise GatewayError(
+            "input_too_large",
+            f"a message holds at most {limits.max_parts_per_message} parts",
+            param=param,
+        )
+    out = ParsedContent()
+    for part in parts:
+        if part.kind == "text":
+            if part.text is None:
+                raise _invalid("a text part needs text", part.param)
+            out.parts.append(StoredPart("text", text=check_text(part.text, limits, part.param)))
+            continue
+        if role != "user":
+            raise _invalid("only user messages may hold images", part.type_param or part.param)
+        if not part.url:
+            raise _invalid("an image part needs an image URL", part.param)
+        out.parts.append(
+            StoredPart("image", digest=_image(part.url, part.param, limits, fetched, out))
+        )
+    check_image_count(out.digests, limits, param)
+    return out
+
+
+def _image(
+    url: str,
+    param: str,
+    limits: RequestLimits,
+    fetched: Mapping[str, bytes] | None,
+    out: ParsedContent,
+) -> str:
+    ref = parse_image_url(url, max_bytes=limits.max_image_bytes, param=param, fetched=fetched)
+    if isinstance(ref, ImageRef):
+        out.refs.setdefault(str(ref), param)
+        return str(ref)
+    digest = digest_of(ref)
+    if digest not in out.inline:  # a repeated image is checked once
+        check_image_bytes(ref, limits, param)
+        out.inline[digest] = bytes(ref)
+    return digest
+
+
+async def resolve_references(refs: Mapping[str, str], vision: VisionResolver) -> None:
+    """Refuse a reference to an image the gateway does not hold (`refs`: digest -> param)."""
+    for digest, param in refs.items():
+        if not await vision.known(digest):
+            raise GatewayError("image_not_found", f"no image with digest {digest}", param=param)
+
+
+async def add_inline_images(inline: Mapping[str, bytes], vision: VisionResolver) -> None:
+    """Store the bytes of the images a request sent, so they can be encoded and referenced."""
+    for digest, data in inline.items():
+        await vision.add(digest, data)
