@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt 2>/
 # pip prints a warning per package for local index paths that do not exist; keep the output readable
 QUIET  := 2>&1 | sed '/^WARNING: Location/d'
 
-.PHONY: install demo test test-fast bench clean system-deps
+.PHONY: install demo test test-fast test-unit bench clean system-deps
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ demo: install
 
 test: install system-deps
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# the fast suite: the real gateway over a fake engine and encoder, no model loaded (seconds)
+test-unit: install system-deps
+	$(PY) -m pytest -q -p no:cacheprovider -m unit tests/unit
 
 test-fast: install system-deps
 	$(PY) -m pytest -q -m "not slow"

@@ -30,7 +30,7 @@ from gateway.image_input import (
     sniff_image,
 )
 from gateway.protocol.errors import GatewayError
-from gateway.sessions.session import StoredPart
+from gateway.sessions.session import StoredItem, StoredPart
 
 if TYPE_CHECKING:
     from gateway.settings import Settings
@@ -44,6 +44,7 @@ __all__ = (
     "RequestLimits",
     "add_inline_images",
     "check_image_bytes",
+    "check_conversation_size",
     "check_image_count",
     "check_instructions",
     "check_item_count",
@@ -52,6 +53,7 @@ __all__ = (
     "check_sampling",
     "check_stop",
     "check_text",
+    "conversation_chars",
     "fetch_remote",
     "parse_content",
     "refuse_unsupported",
@@ -74,6 +76,7 @@ class RequestLimits:
     max_image_bytes: int
     max_pixels: int
     image_url_allowlist: tuple[str, ...] = ()
+    max_conversation_chars: int = 1024 * 1024
 
     @classmethod
     def of(cls, settings: Settings) -> RequestLimits:
@@ -85,6 +88,7 @@ class RequestLimits:
             max_image_bytes=settings.max_image_bytes,
             max_pixels=settings.max_pixels,
             image_url_allowlist=tuple(settings.image_url_allowlist),
+            max_conversation_chars=settings.max_conversation_chars,
         )
 
     @property
@@ -186,6 +190,24 @@ def check_item_count(count: int, limits: RequestLimits, param: str | None) -> No
         raise GatewayError(
             "input_too_large",
             f"a conversation holds at most {limits.max_items_per_session} items",
+            param=param,
+        )
+
+
+def conversation_chars(instructions: str | None, items: Iterable[StoredItem]) -> int:
+    """Text characters of a conversation: its instructions and every text part."""
+    return len(instructions or "") + sum(
+        len(part.text or "") for item in items for part in item.parts if part.kind == "text")
+
+
+def check_conversation_size(chars: int, limits: RequestLimits, param: str | None) -> None:
+    """Refuse a conversation whose text is over `max_conversation_chars` (cheap: no tokenizing;
+    what fits the model's context is decided later, from token counts)."""
+    if chars > limits.max_conversation_chars:
+        raise GatewayError(
+            "input_too_large",
+            f"a conversation holds at most {limits.max_conversation_chars} characters of text; "
+            f"this one would hold {chars}",
             param=param,
         )
 

@@ -10,6 +10,7 @@ into their own wire events; neither talks to the engine directly.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import threading
 import time
@@ -77,9 +78,9 @@ class ChatService:
             trace.finish(done, stream_start_ns=stream_start_ns)
             return done
 
+        inner = self._respond(session, options, pending or {}, t0, trace, finish, partial)
         try:
-            async for event in self._respond(session, options, pending or {}, t0, trace, finish,
-                                             partial):
+            async for event in inner:
                 yield event
         except Exception as exc:  # any fault ends the response as failed, never silently
             log.exception("response_failed", response_id=options.response_id)
@@ -93,6 +94,9 @@ class ChatService:
                 trace.root.set_attribute("visiongate.abandoned", True)
                 trace.root.end()
                 options.cancel.set()
+                # close the engine's stream now, not when the generator is collected
+                with contextlib.suppress(BaseException):
+                    await inner.aclose()
                 # what was streamed stays in the conversation, as an incomplete answer; the
                 # write runs to its end even though the caller is being cancelled
                 keep = asyncio.ensure_future(

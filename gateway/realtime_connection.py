@@ -27,12 +27,14 @@ from gateway.chat_requests import (
     ContentPart,
     RequestLimits,
     add_inline_images,
+    check_conversation_size,
     check_image_count,
     check_instructions,
     check_item_count,
     check_max_tokens,
     check_output_modalities,
     check_sampling,
+    conversation_chars,
     fetch_remote,
     parse_content,
     refuse_unsupported,
@@ -75,19 +77,42 @@ def wire_item(item: StoredItem) -> rt.Item:
     )
 
 
-def session_state(session: Session, model: str, *, resumed: bool = False) -> rt.SessionState:
+# session events stay small however long the conversation: the latest items, each text clipped;
+# the whole history is paged from GET /v1/sessions/{id}
+EVENT_ITEMS = 32
+EVENT_TEXT_CHARS = 2048
+
+
+def _summary_item(item: StoredItem) -> rt.Item:
+    wired = wire_item(item)
+    for part in wired.content:
+        if part.text is not None and len(part.text) > EVENT_TEXT_CHARS:
+            part.text = part.text[:EVENT_TEXT_CHARS] + f"... ({len(part.text)} chars)"
+    return wired
+
+
+def session_state(
+    session: Session, model: str, *, resumed: bool = False, with_items: bool = True
+) -> rt.SessionState:
+    """The session as its events show it: settings, the item count and (on session.created)
+    the latest `EVENT_ITEMS` items with clipped texts; never the whole history."""
+    ext: dict[str, object] = {
+        "temperature": session.temperature,
+        "top_p": session.top_p,
+        "seed": session.seed,
+        "truncation": session.truncation,
+        "resumed": resumed,
+        "item_count": len(session.items),
+    }
+    if with_items:
+        ext["items"] = [_summary_item(i) for i in session.items[-EVENT_ITEMS:]]
+        ext["items_omitted"] = max(len(session.items) - EVENT_ITEMS, 0)
     return rt.SessionState(
         id=session.id,
         model=model,
         instructions=session.instructions,
         max_output_tokens=session.max_output_tokens,
-        visiongate={
-            "temperature": session.temperature,
-            "top_p": session.top_p,
-            "seed": session.seed,
-            "resumed": resumed,
-            "items": [wire_item(i) for i in session.items],
-        },
+        visiongate=ext,
     )
 
 
@@ -173,7 +198,8 @@ class RealtimeConnection:
                 self.session = await self.state.sessions.load(session_id, self.owner)
             except GatewayError as exc:
                 await self._send_error(exc, None)
-                await self.socket.close(code=1008, reason="session_not_found")
+                not_found = exc.code == "session_not_found"
+                await self.socket.close(code=1008 if not_found else 1013, reason=exc.code)
                 return False
             await self._send(
                 rt.SessionCreated(
@@ -188,7 +214,12 @@ class RealtimeConnection:
             instructions=settings.default_instructions,
             max_output_tokens=settings.max_output_tokens,
         )
-        await self.state.sessions.save(self.session)
+        try:
+            await self.state.sessions.save(self.session)
+        except GatewayError as exc:  # the session store is down: "try again later"
+            await self._send_error(exc, None)
+            await self.socket.close(code=1013, reason=exc.code)
+            return False
         await self._send(
             rt.SessionCreated(self._eid(), session_state(self.session, self.state.engine.model_id))
         )
@@ -203,8 +234,10 @@ class RealtimeConnection:
         if self.response_task is not None and not self.response_task.done():
             self.response_task.cancel()
             await asyncio.gather(self.response_task, return_exceptions=True)
-        for task in list(self.watchers):
-            task.cancel()
+        # image watchers run to their end (bounded by the encode): one whose image fails still
+        # removes the item from the session; their events go nowhere now
+        if self.watchers:
+            await asyncio.gather(*list(self.watchers), return_exceptions=True)
 
     async def _receive_loop(self) -> None:
         while True:
@@ -270,7 +303,7 @@ class RealtimeConnection:
 
         self.session, _ = await self.state.sessions.update(self.session.id, self.owner, apply)
         await self._send(
-            rt.SessionUpdated(self._eid(), session_state(self.session, self.state.engine.model_id))
+            rt.SessionUpdated(self._eid(), session_state(self.session, self.state.engine.model_id, with_items=False))
         )
 
     async def _item_create(self, event: rt.ConversationItemCreate) -> None:
@@ -297,6 +330,8 @@ class RealtimeConnection:
                 )
             check_item_count(len(session.items) + 1, limits, None)
             check_image_count(set(session.image_digests) | new_digests, limits, None)
+            check_conversation_size(
+                conversation_chars(session.instructions, [*session.items, stored]), limits, None)
             return _insert(session.items, stored, event.previous_item_id)
 
         self.session, previous = await self.state.sessions.update(
@@ -542,6 +577,7 @@ class RealtimeConnection:
             cache=rt.CacheReport.of(ev),
             image_tokens_total=ev.image_tokens_total,
             model=self.state.engine.model_id,
+            truncated_items=ev.truncated_items,
         )
         await self._send(
             rt.ResponseDone(
@@ -561,6 +597,8 @@ class RealtimeConnection:
                 ),
             )
         )
+        if ev.store_error is not None:  # the answer went out; its record in the session did not
+            await self._send_error(ev.store_error, event_id)
 
     # ------------------------------------------------------------ sending
 

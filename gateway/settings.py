@@ -42,6 +42,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # HTTP 429), tokens per step (prefill chunks beside the decodes), KV reuse by content
     engine_max_batch: int = 16
     engine_max_queue: int = 256
+    # requests of one API key waiting beyond the batch's free slots (past that: busy / HTTP
+    # 429), so one key cannot fill the queue; 0: automatic (a quarter of engine_max_queue, at
+    # least 4; the whole queue when no api_keys are set, since every caller is then one owner)
+    engine_max_queue_per_key: int = 0
     prefill_chunk_tokens: int = 256
     prefix_caching: bool = True
     # the cores split between the in-process encoder's thread and the engine's thread, so that
@@ -61,6 +65,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_images_per_session: int = 16
     max_text_chars: int = 65536  # per text part or instructions
     max_items_per_session: int = 512
+    # text characters of a whole conversation: an HTTP request's messages, or a session's stored
+    # items and instructions (refused past it with input_too_large, before any tokenizing)
+    max_conversation_chars: int = 1024 * 1024
     # URL prefixes (e.g. https://images.example.com/) whose images the gateway may fetch; empty:
     # remote image URLs are refused and images come as data URLs or uploads
     image_url_allowlist: list[str] = []
@@ -88,6 +95,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         need(self.lm_dtype in ("auto", "float32", "bfloat16", "float16", "int8"), "lm_dtype",
              f"must be auto, float32, bfloat16, float16 or int8, got {self.lm_dtype!r}")
         need(self.engine_max_queue >= 1, "engine_max_queue", "must be >= 1")
+        need(self.engine_max_queue_per_key >= 0, "engine_max_queue_per_key",
+             "must be >= 0 (0: automatic)")
         need(1 <= self.engine_max_batch <= 1024, "engine_max_batch", "must be 1..1024")
         need(self.encoder_threads >= 0, "encoder_threads", "must be >= 0 (0: automatic)")
         need(self.engine_threads >= 0, "engine_threads", "must be >= 0 (0: automatic)")
@@ -104,6 +113,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
              "entries must be URL prefixes with a host and a path, e.g. https://img.example.com/")
         need(self.max_text_chars >= 1, "max_text_chars", "must be >= 1")
         need(self.max_items_per_session >= 2, "max_items_per_session", "must be >= 2")
+        need(self.max_conversation_chars >= self.max_text_chars, "max_conversation_chars",
+             "must be >= max_text_chars")
         need(self.max_images_per_session >= 1, "max_images_per_session", "must be >= 1")
         need(self.session_ttl_s >= 1, "session_ttl_s", "must be >= 1 second")
         need(self.vision_cache_bytes >= 0, "vision_cache_bytes", "must be >= 0")

@@ -7,15 +7,18 @@ encoder=FakeEncoder())` runs every other part for real (Litestar, uvicorn, the s
 vision cache, the wire codecs). The slow suite keeps the real SmolLM2 engine and encoder.
 
 `FakeEngine` answers with the words of the last user message, one word per text delta, then
-`[n images]`; it honours max_output_tokens, stop strings, cancel and a context limit the way the
-real scheduler does (same codes). `FakeEncoder` decodes the image header for real (so bad
-images fail with the real codes) and returns `tokens` rows derived from the bytes' digest.
+`[n images]`; it runs the real engine's request check (`check_request`: sampling ranges, stop
+strings, image embeds) and honours max_output_tokens, stop strings (held back, never leaked),
+cancel and a context limit the way the real scheduler does (same codes). `FakeEncoder` decodes
+the image header for real (so bad images fail with the real codes) and returns `tokens` rows
+derived from the bytes' digest.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 from collections.abc import AsyncIterator
 
 import torch
@@ -33,23 +36,41 @@ from gateway.engine.interface import (
     ImageInput,
     TextDelta,
 )
+from gateway.engine.sequence import check_request
 
 __all__ = ("FakeEncoder", "FakeEngine")
 
 
 class FakeEngine:
     """Echoes the last user message word by word. `delay_s` spaces the deltas (for cancel and
-    disconnect tests); `busy=True` refuses like a full queue; `context_tokens` is the limit."""
+    disconnect tests); `busy=True` refuses like a full queue; `context_tokens` is the limit;
+    `start_delay_s` keeps it loading that long, `loaded` (a threading.Event) until the test
+    sets it; `refuse` is an EngineError raised on the first step of every request (a refusal of
+    the engine's own, whatever the gateway checked before); `fail_after=n` raises an
+    `engine_error` after n text deltas (a fault mid-stream)."""
 
     model_id = "fake-echo"
 
-    def __init__(self, *, hidden_size: int = 32, delay_s: float = 0.0, busy: bool = False,
-                 context_tokens: int = 8192, start_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        hidden_size: int = 32,
+        delay_s: float = 0.0,
+        busy: bool = False,
+        context_tokens: int = 8192,
+        start_delay_s: float = 0.0,
+        refuse: EngineError | None = None,
+        fail_after: int | None = None,
+        loaded: threading.Event | None = None,
+    ) -> None:
         self.hidden_size = hidden_size
         self.delay_s = delay_s
         self.busy = busy
         self.context_tokens = context_tokens
         self.start_delay_s = start_delay_s
+        self.refuse = refuse
+        self.fail_after = fail_after
+        self.loaded = loaded
         self.requests: list[GenerationRequest] = []  # every request seen, in order
         self.forgotten: list[str] = []
         self.running = 0
@@ -62,6 +83,9 @@ class FakeEngine:
     async def start(self) -> None:
         if self.start_delay_s:
             await asyncio.sleep(self.start_delay_s)
+        # set from the test's thread, not this loop's: polled, so shutting down still cancels it
+        while self.loaded is not None and not self.loaded.is_set():  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
         self._ready = True
 
     def count_tokens(self, text: str) -> int:
@@ -72,8 +96,6 @@ class FakeEngine:
         for message in request.messages:
             for part in message.content:
                 if isinstance(part, ImageInput):
-                    if part.embeds.ndim != 2 or part.embeds.shape[1] != self.hidden_size:
-                        raise EngineError("image embeds have the wrong shape", code="invalid_image")
                     images += part.num_tokens
                 else:
                     text += self.count_tokens(part) + 1
@@ -83,16 +105,26 @@ class FakeEngine:
         if self.busy:
             raise EngineBusy("the engine queue is full", retry_after_s=1.0)
         self.requests.append(request)
+        if self.refuse is not None:
+            raise self.refuse
+        # the real engine's refusals (empty prompt, embeds of the wrong width or not finite,
+        # sampling out of range, too many stops), with their codes
+        check_request(request, self.hidden_size)
         input_tokens, image_tokens = self._prompt_tokens(request)
         if input_tokens > self.context_tokens:
-            raise EngineError(f"the prompt has {input_tokens} tokens; the context holds "
-                              f"{self.context_tokens}", code="context_length_exceeded")
+            raise EngineError(
+                f"the prompt has {input_tokens} tokens; the context holds {self.context_tokens}",
+                code="context_length_exceeded",
+            )
         last = next((m for m in reversed(request.messages) if m.role == "user"), None)
         words = [p for p in (last.content if last else []) if isinstance(p, str)]
         n_images = sum(isinstance(p, ImageInput) for p in (last.content if last else []))
-        tokens = " ".join(words).split() + [f"[{n_images} images]"]
+        tokens = [*" ".join(words).split(), f"[{n_images} images]"]
         sampling = request.sampling
-        text, emitted, finish = "", 0, "stop"
+        # `text` is the answer so far, `sent` how much of it went out: like the real detokenizer,
+        # a tail that could begin a stop string is held back, so no stop string ever leaks and
+        # the deltas always add up to the result's text
+        text, sent, emitted, finish = "", 0, 0, "stop"
         self.running += 1
         try:
             for word in tokens:
@@ -102,23 +134,35 @@ class FakeEngine:
                 if emitted >= sampling.max_output_tokens:
                     finish = "length"
                     break
-                piece = word if not text else " " + word
-                candidate = text + piece
-                stop_at = min((candidate.find(s) for s in sampling.stop if s in candidate),
-                              default=-1)
-                if stop_at >= 0:
-                    if stop_at > len(text):
-                        yield TextDelta(candidate[len(text):stop_at])
-                    text = candidate[:stop_at]
-                    break
-                text = candidate
+                text = f"{text} {word}" if text else word
                 emitted += 1
-                yield TextDelta(piece)
+                stop_at = min((text.find(s) for s in sampling.stop if s in text), default=-1)
+                if stop_at >= 0:
+                    text = text[:stop_at]
+                    if len(text) > sent:
+                        yield TextDelta(text[sent:])
+                    sent = len(text)
+                    break
+                end = len(text) - _held_back(text, sampling.stop)
+                if end > sent:
+                    yield TextDelta(text[sent:end])
+                    sent = end
+                if self.fail_after is not None and emitted >= self.fail_after:
+                    raise EngineError("the fake engine failed as asked", code="engine_error")
                 await asyncio.sleep(self.delay_s)
+            if finish == "cancelled":
+                text = text[:sent]  # what went out is the answer
+            elif len(text) > sent:
+                yield TextDelta(text[sent:])
         finally:
             self.running -= 1
-        yield GenerationResult(text=text, finish_reason=finish, input_tokens=input_tokens,
-                               image_tokens=image_tokens, output_tokens=emitted)
+        yield GenerationResult(
+            text=text,
+            finish_reason=finish,
+            input_tokens=input_tokens,
+            image_tokens=image_tokens,
+            output_tokens=emitted,
+        )
 
     def forget(self, kv_key: str) -> None:
         self.forgotten.append(kv_key)
@@ -130,19 +174,43 @@ class FakeEngine:
         self._ready = False
 
 
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that is the start of a stop string."""
+    return max(
+        (
+            n
+            for s in stops
+            for n in range(min(len(s) - 1, len(text)), 0, -1)
+            if s.startswith(text[-n:])
+        ),
+        default=0,
+    )
+
+
 class FakeEncoder:
-    """Checks the image header for real, then returns `tokens` deterministic rows per image."""
+    """Checks the image header for real, then returns `tokens` deterministic rows per image.
+    `delay_s` spaces encodes; with `gate` (a threading.Event) each encode waits until it is set."""
 
     remote = False
 
-    def __init__(self, *, hidden_size: int = 32, tokens: int = 4, delay_s: float = 0.0,
-                 max_image_bytes: int = 20 * 1024 * 1024, max_pixels: int = 40_000_000) -> None:
+    def __init__(
+        self,
+        *,
+        hidden_size: int = 32,
+        tokens: int = 4,
+        delay_s: float = 0.0,
+        max_image_bytes: int = 20 * 1024 * 1024,
+        max_pixels: int = 40_000_000,
+        gate: threading.Event | None = None,
+    ) -> None:
         self.hidden_size = hidden_size
         self.tokens = tokens
         self.delay_s = delay_s
         self.max_image_bytes = max_image_bytes
         self.max_pixels = max_pixels
-        self.fingerprint = hashlib.sha256(f"fake-encoder:{hidden_size}:{tokens}".encode()).hexdigest()
+        self.gate = gate
+        identity = f"fake-encoder:{hidden_size}:{tokens}".encode()
+        self.fingerprint = hashlib.sha256(identity).hexdigest()
         self.encoded: list[str] = []  # digests, in encode order
         self._waiting = 0
 
@@ -155,6 +223,8 @@ class FakeEncoder:
         try:
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
+            while self.gate is not None and not self.gate.is_set():  # noqa: ASYNC110
+                await asyncio.sleep(0.01)  # set from any thread (see FakeEngine.start)
             check_image(data, self.max_image_bytes, self.max_pixels)  # ImageError: real codes
             seed = int(digest[:8], 16)
             rows = torch.Generator().manual_seed(seed)
@@ -163,9 +233,15 @@ class FakeEncoder:
         finally:
             self._waiting -= 1
         self.encoded.append(digest)
-        return EncodedImage(digest=digest, fingerprint=self.fingerprint, tokens_kept=self.tokens,
-                            tokens_total=self.tokens, hidden_size=self.hidden_size,
-                            payload=payload, timings_ms={"decode": 0.0, "tower": 0.0})
+        return EncodedImage(
+            digest=digest,
+            fingerprint=self.fingerprint,
+            tokens_kept=self.tokens,
+            tokens_total=self.tokens,
+            hidden_size=self.hidden_size,
+            payload=payload,
+            timings_ms={"decode": 0.0, "tower": 0.0},
+        )
 
     async def queue_depth(self) -> int:
         return self._waiting

@@ -316,6 +316,8 @@ class ChatCompletionServing:
             image_tokens=ev.image_tokens,
             image_tokens_total=ev.image_tokens_total,
             session_id=prepared.session.id if prepared.stored else None,
+            truncated_items=ev.truncated_items,
+            stored=(ev.store_error is None) if prepared.stored else None,
         )
 
     def _finished(self, ev: ServiceEvent | None, prepared: _Prepared) -> None:

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from gateway.chat_requests import (
     ContentPart,
     RequestLimits,
+    check_conversation_size,
     check_image_count,
     check_instructions,
+    conversation_chars,
     parse_content,
 )
 from gateway.http.protocol import ImageUrlPart, InputMessage, RefusalPart, TextPart
@@ -107,6 +109,7 @@ def parse_messages(
             "invalid_request", "messages must hold at least one user message", param="messages"
         )
     check_image_count(set(conv.inline) | set(conv.refs), limits, "messages")
+    check_conversation_size(conversation_chars(conv.instructions, conv.items), limits, "messages")
     return conv
 
 

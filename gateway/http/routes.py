@@ -146,6 +146,8 @@ def as_gateway_error(exc: Exception) -> GatewayError:
     """Anything raised under /v1 -> a GatewayError with a stable code."""
     if isinstance(exc, GatewayError):
         return exc
+    if isinstance(exc, RecursionError) or isinstance(exc.__cause__, RecursionError):
+        return GatewayError("invalid_json", "the body is nested too deeply")
     if isinstance(exc, ValidationException):
         problems = exc.extra if isinstance(exc.extra, list) else []
         if problems and isinstance(problems[0], dict):

@@ -367,6 +367,10 @@ class WireCodec:
             err = GatewayError("invalid_json", f"frame is not valid {fmt}: {exc}")
             err.event_id = None  # type: ignore[attr-defined]
             raise err from None
+        except RecursionError:  # arrays or maps nested deeper than any event has
+            err = GatewayError("invalid_json", "frame is nested too deeply")
+            err.event_id = None  # type: ignore[attr-defined]
+            raise err from None
 
     def _envelope(self, frame: bytes | str) -> _Envelope:
         try:

@@ -1,0 +1,314 @@
+"""The OpenAI-compatible HTTP API through the real app, over the fake engine and encoder: the
+official `openai` client (plain and SSE), sessions, models, image upload, readiness, metrics."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from gateway.chat_service import kv_key_for
+from tests.conftest import photo_bytes, unique_photo
+from tests.fakes import FakeEngine
+from tests.gateway.realtime_helpers import data_url
+from tests.unit.conftest import FakeGateway, GatewayFactory
+
+TIMEOUT = 10.0
+MODEL = "fake-echo"
+
+
+@pytest.fixture(scope="module")
+def client(fake_gateway: FakeGateway) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=f"{fake_gateway.http_url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0
+    ) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(fake_gateway: FakeGateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=fake_gateway.http_url, timeout=TIMEOUT) as c:
+        yield c
+
+
+def image_part(data: bytes) -> dict:
+    return {"type": "image_url", "image_url": {"url": data_url(data)}}
+
+
+def test_chat_completion(client: openai.OpenAI, fake_gateway: FakeGateway) -> None:
+    completion = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "hello there"},
+        ],
+        temperature=0.3,
+        seed=5,
+    )
+    assert completion.object == "chat.completion" and completion.model == MODEL
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "stop"
+    assert choice.message.content == "hello there [0 images]"
+    usage = completion.usage
+    assert usage is not None and usage.completion_tokens == 3
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert completion.system_fingerprint == "fp_" + fake_gateway.encoder.fingerprint[:12]
+    request = next(
+        r for r in fake_gateway.engine.requests if r.messages[0].content == ["Be terse."]
+    )
+    assert (request.sampling.temperature, request.sampling.seed) == (0.3, 5)
+    assert request.kv_key is None  # no session: nothing kept
+
+
+def test_chat_completion_with_an_image(client: openai.OpenAI, fake_gateway: FakeGateway) -> None:
+    photo = unique_photo("chelsea")
+    completion = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": [image_part(photo), {"type": "text", "text": "a cat?"}]}
+        ],
+    )
+    assert completion.choices[0].message.content == "a cat? [1 images]"
+    details = completion.usage.prompt_tokens_details
+    assert details is not None and details.image_tokens == fake_gateway.encoder.tokens
+    extension = completion.model_extra["visiongate"]
+    assert extension["cache"]["vision"] == "miss" and extension["image_tokens"] == 4
+    assert hashlib.sha256(photo).hexdigest() in fake_gateway.encoder.encoded
+
+
+def test_max_tokens_ends_with_length(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "one two three four"}], max_tokens=2
+    )
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.choices[0].message.content == "one two"
+    assert completion.usage.completion_tokens == 2
+
+
+def test_streamed_completion(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "stream these words please"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "stream these words please [0 images]"
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish[-1] == "stop" and set(finish[:-1]) == {None}
+    assert len({c.id for c in chunks}) == 1
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == 5
+
+
+def test_stream_ends_with_done_and_a_fault_mid_stream_is_an_error_frame(
+    make_gateway: GatewayFactory,
+) -> None:
+    gateway = make_gateway(engine=FakeEngine(fail_after=2))
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "a b c d"}]}
+    with (
+        httpx.Client(base_url=gateway.http_url, timeout=TIMEOUT) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status_code == 200  # text went out before the fault
+        assert r.headers["content-type"].startswith("text/event-stream")
+        frames = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "data: [DONE]"
+    assert '"code":"engine_error"' in frames[-2]
+
+
+def test_sessions_api(client: openai.OpenAI, http: httpx.Client, fake_gateway: FakeGateway) -> None:
+    session_id = "sess-unit-http-1"
+    history = [{"role": "user", "content": "first question"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=history, extra_headers={"X-Session-Id": session_id}
+    )
+    assert raw.headers["x-session-id"] == session_id
+    first = raw.parse()
+    assert first.model_extra["visiongate"]["session_id"] == session_id
+
+    view = http.get(f"/v1/sessions/{session_id}").json()
+    assert view["id"] == session_id
+    # a completed item's status is left out (the default)
+    assert [(i["role"], i.get("status", "completed")) for i in view["items"]] == [
+        ("user", "completed"),
+        ("assistant", "completed"),
+    ]
+    assert view["items"][1]["content"] == [
+        {"type": "text", "text": first.choices[0].message.content}
+    ]
+    first_ids = [i["id"] for i in view["items"]]
+
+    # the next turn resends the history: the stored items are kept, the new one appended
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "second question"},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL, messages=history, extra_body={"session_id": session_id}
+    )
+    view = http.get(f"/v1/sessions/{session_id}").json()
+    assert [i["id"] for i in view["items"][:2]] == first_ids
+    assert len(view["items"]) == 4
+    assert view["items"][3]["content"][0]["text"] == second.choices[0].message.content
+    request = fake_gateway.engine.requests[-1]
+    assert request.kv_key == kv_key_for("anonymous", session_id)
+    assert [m.role for m in request.messages] == ["system", "user", "assistant", "user"]
+
+    deleted = http.delete(f"/v1/sessions/{session_id}")
+    assert deleted.status_code == 200 and deleted.json()["id"] == session_id
+    assert kv_key_for("anonymous", session_id) in fake_gateway.engine.forgotten
+    gone = http.get(f"/v1/sessions/{session_id}")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "session_not_found"
+    assert http.delete(f"/v1/sessions/{session_id}").status_code == 404
+
+
+def test_sessions_belong_to_their_api_key(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(settings={"api_keys": ["key-a", "key-b"]})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "mine"}]}
+    with httpx.Client(base_url=gateway.http_url, timeout=TIMEOUT) as http:
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+        a = {"Authorization": "Bearer key-a", "X-Session-Id": "shared-name"}
+        assert http.post("/v1/chat/completions", json=body, headers=a).status_code == 200
+        assert http.get("/v1/sessions/shared-name", headers=a).status_code == 200
+        b = {"Authorization": "Bearer key-b"}
+        r = http.get("/v1/sessions/shared-name", headers=b)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+
+
+def test_models(client: openai.OpenAI, http: httpx.Client) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    r = http.get("/v1/models/no-such-model")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+        )
+
+
+def poll_ready(http: httpx.Client, digest: str) -> dict:
+    for _ in range(500):
+        status = http.get(f"/v1/images/{digest}").json()
+        if status["status"] != "encoding":
+            return status
+        threading.Event().wait(0.01)
+    raise AssertionError(f"image {digest} never finished encoding")
+
+
+def test_image_upload_status_and_reference(
+    client: openai.OpenAI, http: httpx.Client, fake_gateway: FakeGateway
+) -> None:
+    photo = unique_photo("astronaut")
+    digest = hashlib.sha256(photo).hexdigest()
+    r = http.post("/v1/images", content=photo, headers={"Content-Type": "image/jpeg"})
+    assert r.status_code == 200, r.text
+    uploaded = r.json()
+    assert uploaded["id"] == digest and uploaded["ref"] == f"visiongate:sha256:{digest}"
+    assert uploaded["status"] in ("encoding", "ready")
+    assert (uploaded["format"], uploaded["bytes"]) == ("JPEG", len(photo))
+    status = poll_ready(http, digest)
+    assert status["status"] == "ready"
+    assert status["tokens_kept"] == fake_gateway.encoder.tokens
+
+    # referenced by digest: the cached tokens, no second encode
+    completion = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": uploaded["ref"]}},
+                    {"type": "text", "text": "this one"},
+                ],
+            }
+        ],
+    )
+    assert completion.choices[0].message.content == "this one [1 images]"
+    assert completion.model_extra["visiongate"]["cache"]["vision"] == "hit"
+    assert fake_gateway.encoder.encoded.count(digest) == 1
+
+    # a multipart upload of the same bytes is the same image
+    r = http.post("/v1/images", files={"file": ("photo.jpg", photo, "image/jpeg")})
+    assert r.status_code == 200 and r.json()["id"] == digest and r.json()["status"] == "ready"
+
+
+def test_unknown_image_and_bad_upload(http: httpx.Client) -> None:
+    r = http.get(f"/v1/images/{'cd' * 32}")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "image_not_found"
+    r = http.post("/v1/images", content=b"not an image", headers={"Content-Type": "image/png"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_image"
+    body = {
+        "model": MODEL,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": f"visiongate:sha256:{'ef' * 32}"}}
+                ],
+            }
+        ],
+    }
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "image_not_found"
+
+
+def test_malformed_json_body(http: httpx.Client) -> None:
+    r = http.post(
+        "/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_readyz_before_and_after_load(make_gateway: GatewayFactory) -> None:
+    loaded = threading.Event()
+    gateway = make_gateway(engine=FakeEngine(loaded=loaded), wait=False)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "too early"}]}
+    with httpx.Client(base_url=gateway.http_url, timeout=TIMEOUT) as http:
+        try:
+            assert http.get("/healthz").status_code == 200  # alive while loading
+            r = http.get("/readyz")
+            assert r.status_code == 503 and r.json()["status"] == "loading"
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "busy"
+            r = http.post("/v1/images", content=photo_bytes("coffee", size=32))
+            assert r.status_code == 503 and r.json()["error"]["code"] == "busy"
+        finally:
+            loaded.set()
+        gateway.server.wait_ready(timeout=TIMEOUT)
+        r = http.get("/readyz")
+        assert r.status_code == 200 and r.json() == {"status": "ready", "model": MODEL}
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_busy_engine_is_429_with_retry_after(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(engine=FakeEngine(busy=True))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+    with httpx.Client(base_url=gateway.http_url, timeout=TIMEOUT) as http:
+        r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "busy"
+    assert float(r.headers["retry-after"]) > 0
+
+
+def test_metrics_answer_prometheus_text(client: openai.OpenAI, http: httpx.Client) -> None:
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count me"}])
+    r = http.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain")
+    lines = r.text.splitlines()
+    assert any(line.startswith("# TYPE visiongate_responses_total counter") for line in lines)
+    completed = [
+        line
+        for line in lines
+        if line.startswith("visiongate_responses_total{") and "completed" in line
+    ]
+    assert completed and float(completed[0].rsplit(" ", 1)[1]) >= 1
