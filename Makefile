@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt 2>/
 # pip prints a warning per package for local index paths that do not exist; keep the output readable
 QUIET  := 2>&1 | sed '/^WARNING: Location/d'
 
-.PHONY: install demo test test-fast test-unit bench clean system-deps
+.PHONY: install lint demo test test-fast test-unit bench clean system-deps
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,7 +35,11 @@ system-deps:
 demo: install
 	$(VENV)/bin/visiongate demo
 
-test: install system-deps
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: install system-deps lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # the fast suite: the real gateway over a fake engine and encoder, no model loaded (seconds)

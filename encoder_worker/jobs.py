@@ -1,22 +1,11 @@
-"""What travels between gateways and `visiongate worker` processes through Redis.
+"""What travels between gateways and encoder workers through Redis: jobs and their results.
 
-Keys (namespace `vg`):
-
-    vg:encode:jobs              stream of jobs, read by the consumer group `encoders`;
-                                entry field `job` = msgpack `EncodeJob`
-    vg:encode:dead              dead-letter stream; fields `job`, `reason`, `consumer`, `attempts`
-    vg:encode:result:{job_id}   list the worker RPUSHes one msgpack `EncodeResult` onto (short TTL);
-                                the caller BLPOPs it
-    vg:image:{digest}           the image bytes (the gateway's image store), written before the job
-    vg:vision:{fingerprint}:{digest}
-                                the visual tokens (the gateway's vision cache), written by the worker
-                                before it notifies and acks
-
+The keys they travel under and the vision-cache entry a worker writes are in `storage.py`.
 A job carries no image bytes and no tensors: a digest, the fingerprint the caller expects, and
 what the worker must agree with to produce it. Results say only how the job ended; the tokens
-are read from the vision cache, in the format the gateway's `TieredVisionCache` reads
-(`gateway.vision_resolver.pack_encoded`: the payload in its INT4 or float form and, for a real VLM
-checkpoint, the image's `ImageLayout`), so the layout travels with the tokens.
+are read from the vision cache (`storage.pack_encoded`: the payload in its INT4 or float form
+and, for a real VLM checkpoint, the image's `ImageLayout`), so the layout travels with the
+tokens.
 
 For a VLM checkpoint the fingerprint comes from the checkpoint alone (`hidden_size` is its
 language model's, `target_rms` is None): its projector is real, nothing is rescaled.
@@ -27,10 +16,7 @@ from __future__ import annotations
 import msgspec
 
 __all__ = (
-    "DEAD_STREAM",
-    "GROUP",
     "IMAGE_ERROR_CODES",
-    "JOBS_STREAM",
     "EncodeDone",
     "EncodeFailed",
     "EncodeJob",
@@ -39,30 +25,10 @@ __all__ = (
     "decode_result",
     "encode_job",
     "encode_result",
-    "image_key",
-    "result_key",
-    "vision_key",
 )
 
-JOBS_STREAM = "vg:encode:jobs"
-DEAD_STREAM = "vg:encode:dead"
-GROUP = "encoders"
 # ImageError codes: the caller's image is bad; never retried, never dead-lettered
 IMAGE_ERROR_CODES = ("invalid_image", "image_too_large", "unsupported_image_format")
-
-
-def result_key(job_id: str) -> str:
-    return f"vg:encode:result:{job_id}"
-
-
-def image_key(digest: str) -> str:
-    """The gateway's image store key (`RedisImageStore.key`)."""
-    return f"vg:image:{digest}"
-
-
-def vision_key(fingerprint: str, digest: str) -> str:
-    """The gateway's vision cache key (`TieredVisionCache.key`)."""
-    return f"vg:vision:{fingerprint}:{digest}"
 
 
 class EncodeJob(msgspec.Struct, frozen=True, array_like=True):
@@ -71,13 +37,12 @@ class EncodeJob(msgspec.Struct, frozen=True, array_like=True):
     are counted by the stream's delivery counter instead."""
 
     job_id: str  # uuid4 hex; names the result key
-    digest: str  # sha256 hex of the image bytes in vg:image:{digest}
+    digest: str  # sha256 hex of the image bytes, stored under storage.image_key(digest)
     fingerprint: str  # the encoder fingerprint the caller will read the tokens under
     hidden_size: int  # the caller's LM hidden size ...
     target_rms: float | None  # ... and embedding RMS: a worker built for others refuses the job
-    traceparent: (
-        str | None
-    )  # W3C traceparent of the caller's span; worker spans become its children
+    # W3C traceparent of the caller's span: the worker's spans become its children
+    traceparent: str | None
     enqueued_ns: int  # time.time_ns() when the caller enqueued it
     attempt: int = 0
 

@@ -1,4 +1,4 @@
-"""`EncoderWorker`: one `visiongate worker` process's loop over the Redis Streams job queue.
+"""`EncoderWorker`: one encoder worker process's loop over the Redis Streams job queue.
 
 Each turn of the loop takes a batch of jobs (stale jobs of dead workers first, then new ones),
 loads their bytes from the image store, runs `EncoderPipeline.encode_batch` on a worker thread,
@@ -20,7 +20,8 @@ A dead letter goes to `vg:encode:dead` with its reason, and the caller (if known
 `failed` with the same reason. The worker itself keeps serving.
 
 It does not decide what to encode (the gateway does), and it serves one encoder fingerprint:
-jobs for another are refused, not re-routed.
+jobs for another are refused, not re-routed. Keys and stored values: `storage.py`; the process
+around it (flags, signals): `process.py`.
 """
 
 from __future__ import annotations
@@ -29,45 +30,70 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import signal
 import socket
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import structlog
+from opentelemetry import trace
 
 from encoder_worker.jobs import (
-    DEAD_STREAM,
-    GROUP,
-    JOBS_STREAM,
     EncodeDone,
     EncodeFailed,
     EncodeJob,
     decode_job,
     encode_job,
     encode_result,
+)
+from encoder_worker.spans import (
+    ENCODE_ATTR,
+    ENCODE_SPAN,
+    has_parent,
+    lay_spans,
+    parent_context,
+    stage_span_name,
+)
+from encoder_worker.storage import (
+    DEAD_STREAM,
+    GROUP,
+    JOBS_STREAM,
     image_key,
+    pack_encoded,
+    redis_value,
     result_key,
     vision_key,
 )
 from encoder_worker.types import ENCODE_STAGES, EncodedImage, ImageError
-from gateway.caching.vision_cache import redis_value
-from gateway.vision_resolver import pack_encoded
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
     from redis.asyncio import Redis
 
     from encoder_worker.pipeline import EncoderPipeline
 
-__all__ = ("EncoderWorker", "ensure_group")
+__all__ = ("EncodeMetrics", "EncoderWorker", "ensure_group")
 
 log = structlog.get_logger("encoder_worker.worker")
 
-JOB_SPAN = "encode.job"  # a worker-side root span, for jobs that came without a traceparent
 _DEAD_MAXLEN = 10_000
+
+
+class EncodeMetrics(Protocol):
+    """Where the worker records each encoded image (the gateway's `GatewayMetrics` is one)."""
+
+    def record_encode(
+        self,
+        *,
+        timings_ms: Mapping[str, float],
+        batch_size: int,
+        queue_ms: float,
+        tokens_kept: int,
+        tokens_total: int,
+    ) -> None: ...
 
 
 class _CorruptBytes(Exception):
@@ -121,9 +147,8 @@ class _Commit:
 
     def store(self, entry: _Entry, image: EncodedImage) -> None:
         assert entry.job is not None
-        payload = pack_encoded(image)
-        # exactly what TieredVisionCache.put writes, so the gateway's reads find it
-        value = redis_value(payload)
+        # the value and key the gateway's vision cache reads (storage.py)
+        value = redis_value(pack_encoded(image))
         self._pipe.set(
             vision_key(entry.job.fingerprint, entry.job.digest), value, px=self._vision_ttl_ms
         )
@@ -161,6 +186,9 @@ class EncoderWorker:
     `run_once()` handles at most one batch (returns how many jobs it took, 0 when the read timed
     out); `run_until(stop)` loops until `stop` is set, finishing the batch in hand. The pipeline
     is passed in, built by the caller (the CLI builds one from its flags; tests share one).
+
+    Each encoded job's spans go to `tracer` (default: the process's global tracer provider) and
+    its measurements to `metrics` (default: none recorded).
     """
 
     def __init__(
@@ -175,8 +203,8 @@ class EncoderWorker:
         max_attempts: int = 3,
         vision_ttl_s: float = 86400.0,
         result_ttl_s: int = 300,
-        telemetry: Any = None,
-        test_die_after_read: bool = False,
+        tracer: Tracer | None = None,
+        metrics: EncodeMetrics | None = None,
     ) -> None:
         if claim_idle_ms < 1 or max_attempts < 1 or block_ms < 1:
             raise ValueError("claim_idle_ms, max_attempts and block_ms must be >= 1")
@@ -190,9 +218,8 @@ class EncoderWorker:
         self.max_attempts = max_attempts
         self.vision_ttl_ms = max(1, int(vision_ttl_s * 1000))
         self.result_ttl_s = result_ttl_s
-        self.telemetry = telemetry
-        # test hook: SIGKILL this process right after it reads a job, before encoding it
-        self.test_die_after_read = test_die_after_read
+        self.tracer = tracer if tracer is not None else trace.get_tracer("encoder_worker")
+        self.metrics = metrics
         self.client: Redis | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._claim_cursor: bytes | str = "0-0"
@@ -297,9 +324,6 @@ class EncoderWorker:
             return 0
         if not entries:
             return 0
-        if self.test_die_after_read:
-            log.warning("worker.test_die_after_read", consumer=self.consumer, jobs=len(entries))
-            os.kill(os.getpid(), signal.SIGKILL)
         await self._handle(entries)
         return len(entries)
 
@@ -357,7 +381,9 @@ class EncoderWorker:
         while True:
             await asyncio.sleep(max(self.claim_idle_ms / 3000, 0.05))
             try:
-                await self.client.xclaim(JOBS_STREAM, GROUP, self.consumer, 0, entry_ids, justid=True)
+                await self.client.xclaim(
+                    JOBS_STREAM, GROUP, self.consumer, 0, entry_ids, justid=True
+                )
             except Exception as exc:  # a missed heartbeat costs at most a duplicate encode
                 log.warning("worker.heartbeat_failed", error=str(exc))
 
@@ -385,7 +411,7 @@ class EncoderWorker:
         if runnable:
             datas = await self.client.mget([image_key(e.job.digest) for e in runnable])  # type: ignore[union-attr]
             kept = []
-            for entry, data in zip(runnable, datas):
+            for entry, data in zip(runnable, datas, strict=True):
                 if data is None:
                     self._dead(
                         commit,
@@ -407,7 +433,7 @@ class EncoderWorker:
             finally:
                 heartbeat.cancel()
         encoded: list[tuple[_Entry, EncodedImage]] = []
-        for entry, outcome in zip(runnable, outcomes):
+        for entry, outcome in zip(runnable, outcomes, strict=True):
             job = entry.job
             assert job is not None
             if isinstance(outcome, EncodedImage):
@@ -527,12 +553,14 @@ class EncoderWorker:
         for i, entry in enumerate(entries):
             assert entry.data is not None and entry.job is not None
             if hashlib.sha256(entry.data).hexdigest() != entry.job.digest:
+                key = image_key(entry.job.digest)
                 outcomes[i] = _CorruptBytes(
-                    f"image bytes corrupt: {image_key(entry.job.digest)} does not hash to its digest"
+                    f"image bytes corrupt: {key} does not hash to its digest"
                 )
             else:
                 todo.append(i)
-        for i, outcome in zip(todo, self._encode_datas([entries[i].data for i in todo])):  # type: ignore[misc]
+        done = self._encode_datas([entries[i].data for i in todo])  # type: ignore[misc]
+        for i, outcome in zip(todo, done, strict=True):
             outcomes[i] = outcome
         return outcomes  # type: ignore[return-value]
 
@@ -552,54 +580,43 @@ class EncoderWorker:
 
     def _observe(self, job: EncodeJob, image: EncodedImage, started_ns: int, put_ms: float) -> None:
         """Stage spans under the caller's span (or a worker root span) and encode metrics."""
-        telemetry = self.telemetry
-        if telemetry is None:
-            return
-        from opentelemetry import trace
-
-        from gateway.telemetry import ATTR, SPAN, context_from_traceparent
-
         timings = image.timings_ms
-        stages = {f"encode.{k}": float(timings[k]) for k in ENCODE_STAGES if k in timings}
+        stages = {k: float(timings[k]) for k in ENCODE_STAGES if k in timings}
         batch_size = int(timings.get("batch_size", 1))
         queue_ms = max((started_ns - job.enqueued_ns) / 1e6, 0.0)
-        attrs = {ATTR.BATCH_SIZE: batch_size, ATTR.IMAGE_DIGEST: job.digest[:12]}
+        attrs = {ENCODE_ATTR.BATCH_SIZE: batch_size, ENCODE_ATTR.IMAGE_DIGEST: job.digest[:12]}
+        tracer = self.tracer
         root = None
-        parent = context_from_traceparent(job.traceparent)
-        if not trace.get_current_span(parent).get_span_context().is_valid:  # none, or malformed
-            root = telemetry.tracer.start_span(
-                JOB_SPAN,
+        parent = parent_context(job.traceparent)
+        if not has_parent(parent):  # none, or malformed
+            root = tracer.start_span(
+                ENCODE_SPAN.JOB,
                 context=parent,
                 start_time=min(job.enqueued_ns, started_ns),
-                attributes={**attrs, "visiongate.encode.attempt": job.attempt},
+                attributes={**attrs, ENCODE_ATTR.ATTEMPT: job.attempt},
             )
             parent = trace.set_span_in_context(root)
         if job.enqueued_ns < started_ns:
-            span = telemetry.tracer.start_span(
-                SPAN.ENCODE_QUEUE, context=parent, start_time=job.enqueued_ns, attributes=attrs
-            )
-            span.end(end_time=started_ns)
-        cursor = telemetry.stage_spans(
+            lay_spans(tracer, parent, job.enqueued_ns, {ENCODE_SPAN.QUEUE: queue_ms}, attrs)
+        cursor = lay_spans(
+            tracer,
             parent,
             started_ns,
-            stages,
-            attributes={
+            {stage_span_name(k): ms for k, ms in stages.items()},
+            {
                 **attrs,
-                ATTR.TOKENS_KEPT: image.tokens_kept,
-                ATTR.TOKENS_TOTAL: image.tokens_total,
+                ENCODE_ATTR.TOKENS_KEPT: image.tokens_kept,
+                ENCODE_ATTR.TOKENS_TOTAL: image.tokens_total,
             },
         )
-        end = cursor + int(put_ms * 1e6)
-        put = telemetry.tracer.start_span(
-            SPAN.CACHE_PUT, context=parent, start_time=cursor, attributes=attrs
-        )
-        put.end(end_time=end)
+        end = lay_spans(tracer, parent, cursor, {ENCODE_SPAN.CACHE_PUT: put_ms}, attrs)
         if root is not None:
             root.end(end_time=end)
-        telemetry.metrics.record_encode(
-            timings_ms={k.removeprefix("encode."): v for k, v in stages.items()},
-            batch_size=batch_size,
-            queue_ms=queue_ms,
-            tokens_kept=image.tokens_kept,
-            tokens_total=image.tokens_total,
-        )
+        if self.metrics is not None:
+            self.metrics.record_encode(
+                timings_ms=stages,
+                batch_size=batch_size,
+                queue_ms=queue_ms,
+                tokens_kept=image.tokens_kept,
+                tokens_total=image.tokens_total,
+            )

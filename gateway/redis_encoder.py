@@ -1,12 +1,12 @@
-"""`RedisEncoder`: the gateway's `Encoder` when the encoding runs in `visiongate worker` processes.
+"""`RedisEncoder`: the gateway's `Encoder` when the encoding runs in encoder worker processes.
 
 No model is loaded here. `encode()` makes sure the bytes are in the image store
 (`vg:image:{digest}`), XADDs an `EncodeJob` to `vg:encode:jobs`, and waits with BLPOP on the
 job's result list `vg:encode:result:{job_id}`; on `done` it reads the tokens the worker put in
-the vision cache. A list rather than pub/sub because a notice pushed before the caller starts
-waiting (or while its connection is being re-established) is kept, not lost; the price is one
-Redis connection per image being waited for, which the gateway's single-flight per digest
-keeps to the number of distinct images in flight.
+the vision cache (keys and stored values: `encoder_worker.storage`). A list rather than pub/sub
+because a notice pushed before the caller starts waiting (or while its connection is being
+re-established) is kept, not lost; the price is one Redis connection per image being waited for,
+which the gateway's single-flight per digest keeps to the number of distinct images in flight.
 
 Errors: a bad image raises `ImageError` with the worker's code; no answer within `timeout_s`,
 or Redis unreachable, raises `GatewayError("busy")`; a job the workers gave up on (it is in
@@ -22,17 +22,9 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from encoder_worker.jobs import (
-    IMAGE_ERROR_CODES,
-    JOBS_STREAM,
-    EncodeDone,
-    EncodeJob,
-    decode_result,
-    encode_job,
-    image_key,
-    result_key,
-)
+from encoder_worker.jobs import IMAGE_ERROR_CODES, EncodeDone, EncodeJob, decode_result, encode_job
 from encoder_worker.pipeline import encoder_fingerprint
+from encoder_worker.storage import JOBS_STREAM, image_key, result_key, unpack_encoded
 from encoder_worker.types import EncodedImage, ImageError
 
 if TYPE_CHECKING:
@@ -52,13 +44,12 @@ class RedisEncoder:
     `config`, `hidden_size` and `target_rms` must be the workers' (they make the fingerprint
     the tokens are cached under; for a VLM checkpoint only `config` counts, see
     `encoder_fingerprint`); a worker started with others dead-letters the job and says
-    which differs. `max_stream_len` caps the job stream (past it, encode answers busy): a safety valve for a
-    queue no worker drains, not a tuning knob.
+    which differs. `max_stream_len` caps the job stream (past it, encode answers busy): a
+    safety valve for a queue no worker drains, not a tuning knob.
     """
 
-    # the worker records the encode stage spans under the job's traceparent itself
-    # encodes in worker processes, which record their own stage spans and write the vision
-    # cache themselves
+    # encodes in worker processes, which record their own stage spans (under the job's
+    # traceparent) and write the vision cache themselves
     remote = True
 
     def __init__(
@@ -130,7 +121,8 @@ class RedisEncoder:
             return 0
 
     async def encode(self, data: bytes, *, traceparent: str | None = None) -> EncodedImage:
-        """Queue the image for a worker and wait for its tokens. Raises ImageError / GatewayError."""
+        """Queue the image for a worker and wait for its tokens; raises ImageError or
+        GatewayError."""
         from redis.exceptions import RedisError
 
         from gateway.caching import sha256_hex
@@ -161,8 +153,9 @@ class RedisEncoder:
                 await client.set(key, bytes(data), px=self._image_ttl_ms)
             # a full queue answers busy; trimming the stream would silently drop waiting jobs
             if await client.xlen(JOBS_STREAM) >= self.max_stream_len:
-                raise GatewayError("busy", f"the encoder queue holds {self.max_stream_len} jobs; "
-                                   "retry shortly")
+                raise GatewayError(
+                    "busy", f"the encoder queue holds {self.max_stream_len} jobs; retry shortly"
+                )
             await client.xadd(JOBS_STREAM, {"job": encode_job(job)})
             self.jobs += 1
             reply = await client.blpop([result_key(job.job_id)], timeout=self.timeout_s)
@@ -189,7 +182,6 @@ class RedisEncoder:
 
     async def _tokens(self, digest: str, job_id: str) -> EncodedImage:
         from gateway.protocol.errors import GatewayError
-        from gateway.vision_resolver import unpack_encoded
 
         assert self._cache is not None
         hit = await self._cache.get(self.fingerprint, digest)
@@ -208,7 +200,9 @@ class RedisEncoder:
                 "internal_error", "vision-cache entry belongs to another image or encoder"
             )
         if self._vlm and image.layout is None:
-            raise GatewayError("internal_error", "vision-cache entry of a VLM checkpoint has no layout")
+            raise GatewayError(
+                "internal_error", "vision-cache entry of a VLM checkpoint has no layout"
+            )
         return image
 
     async def aclose(self) -> None:

@@ -10,74 +10,22 @@ changes. It does not decide what a response needs; the chat service asks it.
 from __future__ import annotations
 
 import asyncio
-import struct
 import time
 from dataclasses import dataclass
 from typing import Literal
 
-import msgspec
 import structlog
 
-from encoder_worker.types import ENCODE_STAGES, EncodedImage, Encoder, ImageError, ImageLayout
+from encoder_worker.storage import pack_encoded, unpack_encoded
+from encoder_worker.types import ENCODE_STAGES, EncodedImage, Encoder, ImageError
 from gateway.protocol.errors import GatewayError
 from gateway.telemetry import NoopTelemetry
 
-__all__ = ("Resolved", "VisionResolver", "pack_encoded", "unpack_encoded")
+__all__ = ("Resolved", "VisionResolver")
 
 log = structlog.get_logger("visiongate.vision")
 
 Source = Literal["memory", "redis", "encoded", "joined"]
-
-
-class _CachedHeader(msgspec.Struct, array_like=True):
-    digest: str
-    fingerprint: str
-    tokens_kept: int
-    tokens_total: int
-    hidden_size: int
-    timings_ms: dict[str, float]
-    # real VLM checkpoints: where the rows go in the prompt; entries written before layouts
-    # existed end after timings_ms and read as None
-    layout: ImageLayout | None = None
-
-
-_MAGIC = b"VGV1"
-_header_encoder = msgspec.msgpack.Encoder()
-_header_decoder = msgspec.msgpack.Decoder(_CachedHeader)
-
-
-def pack_encoded(image: EncodedImage) -> bytes:
-    """EncodedImage -> bytes for the vision cache: magic, header length, msgpack header (with
-    the layout, if any), payload (INT4 or float form)."""
-    header = _header_encoder.encode(_CachedHeader(
-        image.digest, image.fingerprint, image.tokens_kept, image.tokens_total, image.hidden_size,
-        {k: float(v) for k, v in image.timings_ms.items()}, image.layout))
-    return b"".join((_MAGIC, struct.pack("<I", len(header)), header, image.payload.to_bytes()))
-
-
-def unpack_encoded(data: bytes) -> EncodedImage:
-    """Inverse of pack_encoded; ValueError on anything malformed (never unpickles)."""
-    from encoder_worker.payload import payload_from_bytes
-
-    if len(data) < 8 or data[:4] != _MAGIC:
-        raise ValueError("not a visiongate vision-cache entry")
-    (n,) = struct.unpack_from("<I", data, 4)
-    if 8 + n > len(data):
-        raise ValueError("truncated vision-cache entry")
-    try:
-        header = _header_decoder.decode(data[8:8 + n])
-    except msgspec.MsgspecError as exc:
-        raise ValueError(f"bad vision-cache header: {exc}") from None
-    payload = payload_from_bytes(data[8 + n:])
-    if payload.header.n_tokens != header.tokens_kept or payload.header.hidden != header.hidden_size:
-        raise ValueError("vision-cache entry header does not match its tokens")
-    if header.layout is not None and header.layout.rows != header.tokens_kept:
-        raise ValueError(f"vision-cache entry layout places {header.layout.rows} rows, "
-                         f"it holds {header.tokens_kept}")
-    return EncodedImage(digest=header.digest, fingerprint=header.fingerprint,
-                        tokens_kept=header.tokens_kept, tokens_total=header.tokens_total,
-                        hidden_size=header.hidden_size, payload=payload, timings_ms=header.timings_ms,
-                        layout=header.layout)
 
 
 @dataclass(slots=True)

@@ -19,8 +19,9 @@ from typing import Protocol, runtime_checkable
 
 import structlog
 
+from encoder_worker.storage import NAMESPACE, image_key
 from gateway.caching._lru import ByteLRU
-from gateway.caching._redis import UNAVAILABLE, RedisTier
+from gateway.caching._redis_client import UNAVAILABLE, RedisTier
 
 __all__ = ("ImageStore", "MemoryImageStore", "RedisImageStore", "is_sha256_hex", "sha256_hex")
 
@@ -104,7 +105,8 @@ class MemoryImageStore:
 
 
 class RedisImageStore:
-    """`memory` in front of Redis: key `{namespace}:image:{digest}` holding the raw bytes, TTL `ttl_s`.
+    """`memory` in front of Redis: key `{namespace}:image:{digest}` holding the raw bytes, TTL
+    `ttl_s` (the key layout is `encoder_worker.storage`'s; encoder workers read these keys).
 
     get: memory, then Redis (GETEX, restarting the TTL); bytes from Redis are re-hashed and a
     mismatch is logged and treated as a miss; a hit is promoted into memory. contains: memory,
@@ -113,8 +115,15 @@ class RedisImageStore:
 
     __slots__ = ("_redis", "_ttl_ms", "memory", "namespace", "ttl_s")
 
-    def __init__(self, memory: MemoryImageStore, redis_url: str, ttl_s: float,
-                 namespace: str = "vg", *, retry_after_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        memory: MemoryImageStore,
+        redis_url: str,
+        ttl_s: float,
+        namespace: str = NAMESPACE,
+        *,
+        retry_after_s: float = 5.0,
+    ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         self.memory = memory
@@ -128,7 +137,7 @@ class RedisImageStore:
         return self._redis.errors
 
     def key(self, digest: str) -> str:
-        return f"{self.namespace}:image:{digest}"
+        return image_key(digest, self.namespace)
 
     async def put(self, digest: str, data: bytes) -> None:
         await _verified(digest, data)

@@ -12,14 +12,14 @@ write-through on put). Redis failures degrade to memory-only, logged, never rais
 
 from __future__ import annotations
 
-import zlib
 from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 import structlog
 
+from encoder_worker.storage import NAMESPACE, read_redis_value, redis_value, vision_key
 from gateway.caching._lru import ByteLRU
-from gateway.caching._redis import UNAVAILABLE, RedisTier
+from gateway.caching._redis_client import UNAVAILABLE, RedisTier
 from gateway.caching.image_store import is_sha256_hex
 
 __all__ = ("CacheHit", "MemoryVisionCache", "TieredVisionCache", "VisionCache", "VisionCacheStats")
@@ -67,7 +67,7 @@ def _check_key(fingerprint: str, digest: str) -> None:
 
 
 class MemoryVisionCache:
-    """In-process LRU under `max_bytes` of payload; an entry larger than the budget is not stored."""
+    """In-process LRU under `max_bytes` of payload; an entry over the budget is not stored."""
 
     __slots__ = ("_hits", "_lru", "_misses")
 
@@ -96,34 +96,23 @@ class MemoryVisionCache:
         self._lru.put((fingerprint, digest), payload)
 
     async def stats(self) -> VisionCacheStats:
-        return VisionCacheStats(entries=len(self._lru), bytes=self._lru.nbytes,
-                                max_bytes=self._lru.max_bytes, memory_hits=self._hits,
-                                memory_misses=self._misses, evictions=self._lru.evictions)
+        return VisionCacheStats(
+            entries=len(self._lru),
+            bytes=self._lru.nbytes,
+            max_bytes=self._lru.max_bytes,
+            memory_hits=self._hits,
+            memory_misses=self._misses,
+            evictions=self._lru.evictions,
+        )
 
     async def aclose(self) -> None:
         self._lru.clear()
 
 
-class _StoredTokens(msgspec.Struct, array_like=True):
-    """The Redis value: the payload with a CRC32, so a damaged value misses instead of
-    reaching the decoder of visual tokens."""
-
-    crc32: int
-    payload: bytes
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(_StoredTokens)
-
-
-def redis_value(payload: bytes) -> bytes:
-    """The Redis value the tiered cache stores for `payload`; for writers outside it (encoder
-    workers writing results in the same transaction as their ack)."""
-    return _encoder.encode(_StoredTokens(zlib.crc32(payload), bytes(payload)))
-
-
 class TieredVisionCache:
-    """`memory` in front of Redis: key `{namespace}:vision:{fingerprint}:{digest}`, TTL `ttl_s`.
+    """`memory` in front of Redis: key `{namespace}:vision:{fingerprint}:{digest}`, TTL `ttl_s`
+    (`encoder_worker.storage` holds the key layout and the value's framing, which encoder
+    workers write too).
 
     get: memory, then Redis (GETEX, which also restarts the entry's TTL, so images in use stay
     cached); a Redis hit is promoted into memory. put: memory and Redis (SET with PX). A Redis
@@ -133,8 +122,15 @@ class TieredVisionCache:
 
     __slots__ = ("_hits", "_misses", "_redis", "_ttl_ms", "memory", "namespace", "ttl_s")
 
-    def __init__(self, memory: MemoryVisionCache, redis_url: str, ttl_s: float,
-                 namespace: str = "vg", *, retry_after_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        memory: MemoryVisionCache,
+        redis_url: str,
+        ttl_s: float,
+        namespace: str = NAMESPACE,
+        *,
+        retry_after_s: float = 5.0,
+    ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         self.memory = memory
@@ -146,7 +142,7 @@ class TieredVisionCache:
         self._misses = 0
 
     def key(self, fingerprint: str, digest: str) -> str:
-        return f"{self.namespace}:vision:{fingerprint}:{digest}"
+        return vision_key(fingerprint, digest, self.namespace)
 
     async def get(self, fingerprint: str, digest: str) -> CacheHit | None:
         hit = await self.memory.get(fingerprint, digest)
@@ -177,8 +173,9 @@ class TieredVisionCache:
 
     async def stats(self) -> VisionCacheStats:
         mem = await self.memory.stats()
-        return msgspec.structs.replace(mem, redis_hits=self._hits, redis_misses=self._misses,
-                                       redis_errors=self._redis.errors)
+        return msgspec.structs.replace(
+            mem, redis_hits=self._hits, redis_misses=self._misses, redis_errors=self._redis.errors
+        )
 
     async def aclose(self) -> None:
         await self._redis.aclose()
@@ -187,11 +184,7 @@ class TieredVisionCache:
     @staticmethod
     def _unpack(key: str, raw: bytes) -> bytes | None:
         try:
-            stored = _decoder.decode(raw)
-        except msgspec.MsgspecError as exc:
+            return read_redis_value(raw)
+        except ValueError as exc:
             log.error("vision_cache_redis_value_corrupt", key=key, error=str(exc))
             return None
-        if zlib.crc32(stored.payload) != stored.crc32:
-            log.error("vision_cache_redis_value_corrupt", key=key, error="checksum mismatch")
-            return None
-        return stored.payload

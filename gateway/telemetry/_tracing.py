@@ -15,6 +15,8 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from encoder_worker.spans import ENCODE_ATTR, ENCODE_SPAN, STAGE_PREFIX
+
 if TYPE_CHECKING:
     from opentelemetry.trace import Span, Tracer
     from opentelemetry.util.types import AttributeValue
@@ -28,17 +30,19 @@ __all__ = (
     "traceparent",
 )
 
+
 class SPAN:
-    """Span names of one response, in the order they usually start."""
+    """Span names of one response, in the order they usually start. The encode stages are the
+    encoder worker's names (`encoder_worker.spans`), so both sides of a job trace alike."""
 
     SESSION_LOAD = "session.load"
     IMAGE_RESOLVE = "image.resolve"
-    ENCODE_QUEUE = "encode.queue"
-    ENCODE_PREPROCESS = "encode.preprocess"
-    ENCODE_VISION = "encode.vision"
-    ENCODE_PRUNE = "encode.prune"
-    ENCODE_QUANTIZE = "encode.quantize"
-    CACHE_PUT = "cache.put"
+    ENCODE_QUEUE = ENCODE_SPAN.QUEUE
+    ENCODE_PREPROCESS = ENCODE_SPAN.PREPROCESS
+    ENCODE_VISION = ENCODE_SPAN.VISION
+    ENCODE_PRUNE = ENCODE_SPAN.PRUNE
+    ENCODE_QUANTIZE = ENCODE_SPAN.QUANTIZE
+    CACHE_PUT = ENCODE_SPAN.CACHE_PUT
     LLM_PREFILL = "llm.prefill"
     LLM_DECODE = "llm.decode"
     STREAM = "stream"
@@ -60,16 +64,16 @@ class ATTR:
     API = "visiongate.api"
     CACHE_TIER = "visiongate.cache.tier"
     CACHE_HIT = "visiongate.cache.hit"
-    IMAGE_DIGEST = "visiongate.image.digest_prefix"
+    IMAGE_DIGEST = ENCODE_ATTR.IMAGE_DIGEST
     PREFILL_TOKENS = "visiongate.llm.prefill_tokens"
     REUSED_KV_TOKENS = "visiongate.llm.reused_kv_tokens"
     DECODE_TOKENS = "visiongate.llm.decode_tokens"
     PREFILL_CHUNKS = "visiongate.prefill.chunks"  # scheduler steps the prefill was split over
     PREEMPTIONS = "visiongate.preemptions"  # times the request lost its KV and was recomputed
     ITL_P95_MS = "visiongate.llm.itl_p95_ms"  # P95 gap between the response's text deltas
-    BATCH_SIZE = "visiongate.encode.batch_size"
-    TOKENS_KEPT = "visiongate.encode.tokens_kept"
-    TOKENS_TOTAL = "visiongate.encode.tokens_total"
+    BATCH_SIZE = ENCODE_ATTR.BATCH_SIZE
+    TOKENS_KEPT = ENCODE_ATTR.TOKENS_KEPT
+    TOKENS_TOTAL = ENCODE_ATTR.TOKENS_TOTAL
     TTFT_MS = "visiongate.ttft_ms"
 
 
@@ -109,7 +113,7 @@ def record_stage_spans(
     parent: Context | Span | None,
     start_ns: int,
     timings_ms: Mapping[str, float],
-    prefix: str = "encode.",
+    prefix: str = STAGE_PREFIX,
     attributes: Mapping[str, AttributeValue] | None = None,
 ) -> int:
     """Record already-finished spans, one per ``timings_ms`` entry in its order, laid end to

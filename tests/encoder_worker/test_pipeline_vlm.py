@@ -16,10 +16,10 @@ from PIL import Image
 
 from encoder_worker import EncodedImage, EncoderConfig, EncoderPipeline, ImageError, LocalEncoder
 from encoder_worker.payload import FloatTokens
+from encoder_worker.storage import pack_encoded, unpack_encoded
 from encoder_worker.types import ImageLayout
 from encoder_worker.worker import EncoderWorker
 from gateway.redis_encoder import RedisEncoder
-from gateway.vision_resolver import pack_encoded, unpack_encoded
 from tests.encoder_worker.test_family_llava import hf_image_features
 from tests.encoder_worker.test_worker import serving
 from tests.vlm_checkpoints import llava
@@ -47,7 +47,7 @@ def test_exact_mode_rows_are_get_image_features(ckpt, exact, photos) -> None:
     names = ("astronaut", "rocket")
     results = exact.encode_batch([photos[n] for n in names] + [b"not an image"])
     assert isinstance(results[2], ImageError) and results[2].code == "invalid_image"
-    for name, image in zip(names, results[:2]):
+    for name, image in zip(names, results[:2], strict=True):
         # transformers' own path: PIL opens the same bytes, the checkpoint's processor prepares them
         pil = Image.open(io.BytesIO(photos[name])).convert("RGB")
         pixels = processor(images=pil, text="<image>", return_tensors="pt")["pixel_values"]
@@ -70,7 +70,11 @@ def test_pack_unpack_keeps_the_layout(exact, photos) -> None:
     assert back.layout == image.layout and back.payload == image.payload
     assert torch.equal(back.embeds(), image.embeds())
     assert (back.digest, back.fingerprint, back.tokens_kept, back.tokens_total) == (
-        image.digest, image.fingerprint, image.tokens_kept, image.tokens_total)
+        image.digest,
+        image.fingerprint,
+        image.tokens_kept,
+        image.tokens_total,
+    )
 
 
 def test_entries_without_a_layout_still_decode_and_bad_ones_are_refused(exact, photos) -> None:
@@ -86,16 +90,38 @@ def test_entries_without_a_layout_still_decode_and_bad_ones_are_refused(exact, p
         hidden_size: int
         timings_ms: dict[str, float]
 
-    head = msgspec.msgpack.encode(OldHeader(image.digest, image.fingerprint, image.tokens_kept,
-                                            image.tokens_total, image.hidden_size, {"vision": 1.0}))
+    head = msgspec.msgpack.encode(
+        OldHeader(
+            image.digest,
+            image.fingerprint,
+            image.tokens_kept,
+            image.tokens_total,
+            image.hidden_size,
+            {"vision": 1.0},
+        )
+    )
     old = b"VGV1" + struct.pack("<I", len(head)) + head + image.payload.to_bytes()
     back = unpack_encoded(old)
     assert back.layout is None and back.payload == image.payload
     # a layout that places other than the stored rows is corrupt, not silently used
     wrong = msgspec.structs.replace(image.layout, pieces=(63,))
-    broken = EncodedImage(**{**{f: getattr(image, f) for f in (
-        "digest", "fingerprint", "tokens_kept", "tokens_total", "hidden_size", "payload",
-        "timings_ms")}, "layout": wrong})
+    broken = EncodedImage(
+        **{
+            **{
+                f: getattr(image, f)
+                for f in (
+                    "digest",
+                    "fingerprint",
+                    "tokens_kept",
+                    "tokens_total",
+                    "hidden_size",
+                    "payload",
+                    "timings_ms",
+                )
+            },
+            "layout": wrong,
+        }
+    )
     with pytest.raises(ValueError, match="layout"):
         unpack_encoded(pack_encoded(broken))
     data = pack_encoded(image)
@@ -106,8 +132,9 @@ def test_entries_without_a_layout_still_decode_and_bad_ones_are_refused(exact, p
 async def test_local_encoder_and_redis_cache_carry_the_layout(ckpt, photos, redis_url) -> None:
     from gateway.caching import MemoryVisionCache, TieredVisionCache
 
-    config = EncoderConfig(tower=str(ckpt), device="cpu", pruning="topk", keep_ratio=0.5,
-                           visual_tokens="bf16")
+    config = EncoderConfig(
+        tower=str(ckpt), device="cpu", pruning="topk", keep_ratio=0.5, visual_tokens="bf16"
+    )
     local = LocalEncoder(config, 64, target_rms=None)
     await local.start()
     try:
@@ -127,7 +154,7 @@ async def test_local_encoder_and_redis_cache_carry_the_layout(ckpt, photos, redi
 
 
 async def test_remote_worker_round_trip_keeps_the_layout(ckpt, photos, redis_url) -> None:
-    from gateway.worker_cli import DEFAULT_HIDDEN_SIZE, DEFAULT_TARGET_RMS
+    from encoder_worker.process import DEFAULT_HIDDEN_SIZE, DEFAULT_TARGET_RMS
 
     config = EncoderConfig(tower=str(ckpt), device="cpu", pruning="dynamic", visual_tokens="int4")
     # the worker is built as `visiongate worker --model-path` builds it: no width, no RMS
@@ -136,7 +163,8 @@ async def test_remote_worker_round_trip_keeps_the_layout(ckpt, photos, redis_url
     # the gateway passes its engine's width; the fingerprints agree from the checkpoint alone
     enc = RedisEncoder(redis_url, config, 64, None, timeout_s=60)
     assert enc.fingerprint == pipeline.fingerprint
-    assert RedisEncoder(redis_url, config, DEFAULT_HIDDEN_SIZE, DEFAULT_TARGET_RMS).fingerprint == enc.fingerprint
+    other = RedisEncoder(redis_url, config, DEFAULT_HIDDEN_SIZE, DEFAULT_TARGET_RMS)
+    assert other.fingerprint == enc.fingerprint
     await enc.start()
     try:
         async with serving(EncoderWorker(redis_url, pipeline, block_ms=100)) as worker:
@@ -150,24 +178,38 @@ async def test_remote_worker_round_trip_keeps_the_layout(ckpt, photos, redis_url
 
 
 def test_settings_cli_and_app_wiring(ckpt, tmp_path) -> None:
+    from encoder_worker.process import worker_config
     from gateway.app import encoder_config
     from gateway.cli import build_parser
     from gateway.settings import Settings, SettingsError
-    from gateway.worker_cli import worker_config
 
-    s = Settings.load({"model_path": str(ckpt), "vision_tower": "vit-l14-336"},
-                      environ={"VISIONGATE_VISUAL_TOKENS": "fp32", "VISIONGATE_PRUNING": "none"})
+    s = Settings.load(
+        {"model_path": str(ckpt), "vision_tower": "vit-l14-336"},
+        environ={"VISIONGATE_VISUAL_TOKENS": "fp32", "VISIONGATE_PRUNING": "none"},
+    )
     config = encoder_config(s)
     assert config.tower == str(ckpt) and config.family == "llava" and config.exact
     with pytest.raises(SettingsError, match="VISIONGATE_VISUAL_TOKENS"):
         Settings.load(environ={"VISIONGATE_VISUAL_TOKENS": "int8"})
     assert encoder_config(Settings.load(environ={})).family is None  # the synthetic default
 
-    args = build_parser().parse_args(["serve", "--model-path", str(ckpt), "--visual-tokens", "bf16"])
+    args = build_parser().parse_args(
+        ["serve", "--model-path", str(ckpt), "--visual-tokens", "bf16"]
+    )
     assert (args.model_path, args.visual_tokens) == (str(ckpt), "bf16")
-    args = build_parser().parse_args(["worker", "--redis-url", "redis://127.0.0.1:1/0",
-                                      "--model-path", str(ckpt), "--visual-tokens", "fp32",
-                                      "--pruning", "none"])
+    args = build_parser().parse_args(
+        [
+            "worker",
+            "--redis-url",
+            "redis://127.0.0.1:1/0",
+            "--model-path",
+            str(ckpt),
+            "--visual-tokens",
+            "fp32",
+            "--pruning",
+            "none",
+        ]
+    )
     wc = worker_config(args)
     assert wc.tower == str(ckpt) and wc.visual_tokens == "fp32"
     assert (args.hidden_size, args.target_rms) == (None, None)
@@ -190,13 +232,19 @@ def test_model_card_labels_the_vision_encoder(ckpt) -> None:
     from gateway.http.resources import SYNTHETIC_VISION_LABEL, vision_label
     from gateway.settings import Settings
 
-    state = types.SimpleNamespace(settings=Settings.load(environ={}), encoder=None)
-    assert vision_label(state) == SYNTHETIC_VISION_LABEL == "synthetic seeded tower, answers not grounded"
-    state = types.SimpleNamespace(settings=Settings.load({"model_path": str(ckpt)}, environ={}),
-                                  encoder=None)
+    state = types.SimpleNamespace(settings=Settings.load(environ={}), serving=None)
+    assert (
+        vision_label(state)
+        == SYNTHETIC_VISION_LABEL
+        == "synthetic seeded tower, answers not grounded"
+    )
+    state = types.SimpleNamespace(
+        settings=Settings.load({"model_path": str(ckpt)}, environ={}), serving=None
+    )
     assert vision_label(state).startswith(f"llava checkpoint {ckpt.name}")
     encoder = types.SimpleNamespace(config=EncoderConfig(tower=str(ckpt), device="cpu"))
-    state = types.SimpleNamespace(settings=state.settings, encoder=encoder)
+    serving = types.SimpleNamespace(encoder=encoder)
+    state = types.SimpleNamespace(settings=state.settings, serving=serving)
     assert "own vision tower and projector" in vision_label(state)
 
 
@@ -206,14 +254,32 @@ def test_service_hands_the_layout_to_the_engine(exact, photos) -> None:
     from gateway.vision_resolver import Resolved
 
     (image,) = exact.encode_batch([photos["coffee"]])
-    service = ChatService(engine=types.SimpleNamespace(device="cpu", model_id="m"),
-                          vision=types.SimpleNamespace(fingerprint=exact.fingerprint),
-                          sessions=None, max_output_tokens_limit=16)
-    session = Session(id="s", owner="o", created_at=0.0, updated_at=0.0, instructions="",
-                      max_output_tokens=8, items=[StoredItem("i1", "user", [
-                          StoredPart("image", digest=image.digest), StoredPart("text", "what?")])])
-    messages = service._messages(session, types.SimpleNamespace(instructions=None),
-                                 {image.digest: Resolved(image, "encoded", 0.0)})
+    service = ChatService(
+        engine=types.SimpleNamespace(device="cpu", model_id="m"),
+        vision=types.SimpleNamespace(fingerprint=exact.fingerprint),
+        sessions=None,
+        max_output_tokens_limit=16,
+    )
+    session = Session(
+        id="s",
+        owner="o",
+        created_at=0.0,
+        updated_at=0.0,
+        instructions="",
+        max_output_tokens=8,
+        items=[
+            StoredItem(
+                "i1",
+                "user",
+                [StoredPart("image", digest=image.digest), StoredPart("text", "what?")],
+            )
+        ],
+    )
+    messages = service._messages(
+        session,
+        types.SimpleNamespace(instructions=None),
+        {image.digest: Resolved(image, "encoded", 0.0)},
+    )
     (part, text) = messages[0].content
     assert text == "what?" and part.layout == image.layout
     assert torch.equal(part.embeds, image.embeds())

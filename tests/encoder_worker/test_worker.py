@@ -1,7 +1,8 @@
 """Encoder workers on a real redis-server: `RedisEncoder` (gateway side) + `EncoderWorker`.
 
 Workers run in-process (sharing one pipeline) where the test is about the queue, and as real
-`python -m gateway.cli worker` processes where it is about process death, signals and telemetry.
+processes where it is about process death (a worker killed with SIGKILL from outside), signals
+and telemetry (`python -m gateway.cli worker`).
 """
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ from encoder_worker import (
     LocalEncoder,
 )
 from encoder_worker.jobs import (
-    DEAD_STREAM,
-    GROUP,
-    JOBS_STREAM,
     EncodeDone,
     EncodeFailed,
     EncodeJob,
@@ -38,13 +36,20 @@ from encoder_worker.jobs import (
     decode_result,
     encode_job,
     encode_result,
+)
+from encoder_worker.process import DEFAULT_HIDDEN_SIZE, DEFAULT_TARGET_RMS
+from encoder_worker.storage import (
+    DEAD_STREAM,
+    GROUP,
+    JOBS_STREAM,
     image_key,
+    result_key,
+    unpack_encoded,
     vision_key,
 )
 from encoder_worker.worker import EncoderWorker
 from gateway.protocol.errors import GatewayError
 from gateway.redis_encoder import RedisEncoder
-from gateway.worker_cli import DEFAULT_HIDDEN_SIZE, DEFAULT_TARGET_RMS, TEST_DIE_AFTER_READ_ENV
 from tests.conftest import photo_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,18 +109,16 @@ async def _client(redis_url: str):
     return Redis.from_url(redis_url)
 
 
-async def wait_until(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
+async def wait_until(predicate, limit_s: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + limit_s
     while not await predicate():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout}s")
+            raise TimeoutError(f"{what} not reached within {limit_s}s")
         await asyncio.sleep(0.05)
 
 
 def worker_process(redis_url: str, log_path: Path, *args: str, env: dict[str, str] | None = None):
     full_env = {**os.environ, **(env or {})}
-    full_env.pop(TEST_DIE_AFTER_READ_ENV, None)
-    full_env.update(env or {})
     log = log_path.open("wb")
     return subprocess.Popen(
         [
@@ -189,7 +192,6 @@ async def test_remote_encode_matches_local_and_fills_the_vision_cache(
     redis_url, pipeline, images
 ) -> None:
     from gateway.caching import MemoryVisionCache, TieredVisionCache
-    from gateway.vision_resolver import unpack_encoded
 
     local = LocalEncoder(CONFIG, HIDDEN, RMS)
     await local.start()
@@ -358,7 +360,7 @@ async def test_worker_dead_letters_jobs_it_cannot_run(redis_url, pipeline, image
         await r.xadd(JOBS_STREAM, {"job": b"\x93\x01\x02\x03"})
         assert await worker.run_once() == 3
         results = {
-            job_id: decode_result((await r.blpop([f"vg:encode:result:{job_id}"], 5))[1])
+            job_id: decode_result((await r.blpop([result_key(job_id)], 5))[1])
             for job_id in ("gone", "corrupt")
         }
         dead = [f[b"reason"].decode() for _, f in await r.xrange(DEAD_STREAM)]
@@ -404,19 +406,54 @@ async def test_remote_times_out_as_busy_without_workers(redis_url, images) -> No
 # -- worker processes ------------------------------------------------------------------------
 
 
+# A worker process whose pipeline takes a batch and never finishes it: killed from outside while
+# it holds a job, it dies at a known point (job read, not acked) without any hook in the worker.
+STUCK_WORKER = """
+import asyncio, sys, threading, types
+from encoder_worker.worker import EncoderWorker
+
+class StuckPipeline:
+    hidden_size = target_rms = None
+    config = types.SimpleNamespace(max_batch=8)
+
+    def __init__(self, fingerprint):
+        self.fingerprint = fingerprint
+
+    def encode_batch(self, datas):
+        print("encoding", len(datas), flush=True)
+        threading.Event().wait()
+
+redis_url, consumer, fingerprint = sys.argv[1:]
+worker = EncoderWorker(redis_url, StuckPipeline(fingerprint), consumer=consumer, block_ms=200)
+asyncio.run(worker.run_until(asyncio.Event()))
+"""
+
+
+def stuck_worker_process(redis_url: str, fingerprint: str, log_path: Path) -> subprocess.Popen:
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-c", STUCK_WORKER, redis_url, "doomed", fingerprint],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
 async def test_worker_killed_mid_job_loses_nothing(redis_url, pipeline, images, tmp_path) -> None:
-    doomed = worker_process(
-        redis_url,
-        tmp_path / "doomed.log",
-        "--consumer",
-        "doomed",
-        env={TEST_DIE_AFTER_READ_ENV: "1"},
-    )
+    log_path = tmp_path / "doomed.log"
+    doomed = stuck_worker_process(redis_url, pipeline.fingerprint, log_path)
+
+    async def encoding() -> bool:
+        assert doomed.poll() is None, log_path.read_text()
+        return "encoding 1" in log_path.read_text()
+
     try:
         async with remote(redis_url) as enc:
             call = asyncio.create_task(enc.encode(images["astronaut"]))
-            code = await asyncio.to_thread(doomed.wait, 120)
-            assert code == -signal.SIGKILL, (tmp_path / "doomed.log").read_text()
+            await wait_until(encoding, 60, "the doomed worker encoding the job")
+            os.kill(doomed.pid, signal.SIGKILL)
+            code = await asyncio.to_thread(doomed.wait, 30)
+            assert code == -signal.SIGKILL, log_path.read_text()
             r = await _client(redis_url)
             try:
                 pending = await r.xpending_range(JOBS_STREAM, GROUP, "-", "+", 10)
@@ -518,11 +555,10 @@ async def test_gateway_in_redis_mode_answers_about_an_image(redis_url, pipeline,
     async with serving(make_worker(redis_url, pipeline)) as worker:
         with ServerThread(create_app(settings), settings) as server:
             await asyncio.to_thread(server.wait_ready)
-            state = server.app.state["gateway"]
-            assert isinstance(state.encoder, RedisEncoder)
-            assert (
-                state.encoder.fingerprint == pipeline.fingerprint
-            )  # the worker's defaults fit the engine
+            encoder = server.app.state["gateway"].require().encoder
+            assert isinstance(encoder, RedisEncoder)
+            # the worker's defaults fit the engine
+            assert encoder.fingerprint == pipeline.fingerprint
             peer = await Peer.open(server.ws_url)
             try:
                 await peer.add(

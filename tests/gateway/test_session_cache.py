@@ -45,9 +45,9 @@ async def two_turns(url: str, image: bytes, *, session_id: str | None = None) ->
 async def test_followup_reuses_tokens_and_kv_and_answers_the_same(gateway_server, uncached_server) -> None:
     image = fresh_image(1)
     state = gateway_state(gateway_server)
-    encodes_before = state.vision.encodes
+    encodes_before = state.require().vision.encodes
     r1, r2 = await two_turns(gateway_server.ws_url, image)
-    assert state.vision.encodes == encodes_before + 1  # turn 2 did not re-encode
+    assert state.require().vision.encodes == encodes_before + 1  # turn 2 did not re-encode
     assert r1["visiongate"]["cache"]["vision"] == "miss"
     assert r2["visiongate"]["cache"]["vision"] == "hit"
     assert r2["visiongate"]["timings"]["encode_ms"] == 0.0
@@ -70,7 +70,7 @@ async def test_followup_reuses_tokens_and_kv_and_answers_the_same(gateway_server
 async def test_eight_concurrent_turns_on_one_new_image_encode_once(gateway_server) -> None:
     image = fresh_image(2)
     state = gateway_state(gateway_server)
-    before = state.vision.encodes
+    before = state.require().vision.encodes
 
     async def turn() -> tuple[dict, dict]:
         peer = await Peer.open(gateway_server.ws_url)
@@ -83,7 +83,7 @@ async def test_eight_concurrent_turns_on_one_new_image_encode_once(gateway_serve
         return encoded, done["response"]
 
     results = await asyncio.gather(*(turn() for _ in range(8)))
-    assert state.vision.encodes == before + 1
+    assert state.require().vision.encodes == before + 1
     digests = {encoded["digest"] for encoded, _ in results}
     assert len(digests) == 1
     kept = {r["usage"]["input_token_details"]["image_tokens"] for _, r in results}
@@ -151,7 +151,7 @@ async def test_restart_on_the_same_redis_resumes_without_re_encoding(redis_url: 
         r2 = done2["response"]
         assert r2["visiongate"]["cache"]["vision"] == "hit"
         assert r2["visiongate"]["timings"]["encode_ms"] == 0.0
-        assert gateway_state(b).vision.encodes == 0
+        assert gateway_state(b).require().vision.encodes == 0
         # KV blocks came back from Redis too: turn 1 is not prefilled again
         turn1 = done1["response"]["usage"]
         assert r2["usage"]["input_token_details"]["cached_tokens"] >= \

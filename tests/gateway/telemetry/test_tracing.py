@@ -95,3 +95,51 @@ def test_missing_or_bad_traceparent_starts_a_new_trace(
         telemetry.stage_spans(context_from_traceparent(value), time.time_ns(), {"vision": 1.0})
     for span in span_exporter.get_finished_spans():
         assert span.parent is None
+
+
+def test_worker_and_gateway_name_encode_spans_alike(
+    telemetry: Telemetry, span_exporter: InMemorySpanExporter
+) -> None:
+    """An encode traces the same in the gateway's process and in a worker: the worker's spans
+    (recorded as `EncoderWorker` records a finished job) carry the gateway's names."""
+    from types import SimpleNamespace
+
+    from encoder_worker.jobs import EncodeJob
+    from encoder_worker.types import ENCODE_STAGES, EncodedImage
+    from encoder_worker.worker import EncoderWorker
+
+    timings = {stage: 1.0 + i for i, stage in enumerate(ENCODE_STAGES)}
+    now = time.time_ns()
+    with telemetry.tracer.start_as_current_span(SPAN.IMAGE_RESOLVE) as caller:
+        telemetry.stage_spans(caller, now, timings)
+        job_parent = traceparent()
+    in_gateway = [s.name for s in span_exporter.get_finished_spans() if s.name.startswith("enc")]
+    assert {
+        SPAN.ENCODE_PREPROCESS,
+        SPAN.ENCODE_VISION,
+        SPAN.ENCODE_PRUNE,
+        SPAN.ENCODE_QUANTIZE,
+    } <= set(in_gateway)
+    span_exporter.clear()
+
+    pipeline = SimpleNamespace(fingerprint="f" * 64, config=SimpleNamespace(max_batch=1))
+    worker = EncoderWorker(
+        "redis://127.0.0.1:1/0", pipeline, tracer=telemetry.tracer, metrics=telemetry.metrics
+    )
+    job = EncodeJob("j1", "d" * 64, "f" * 64, 8, None, job_parent, now - 2_000_000)
+    image = EncodedImage(
+        "d" * 64, "f" * 64, 3, 9, 8, payload=None, timings_ms={**timings, "batch_size": 1}
+    )
+    worker._observe(job, image, now, put_ms=0.5)
+    spans = span_exporter.get_finished_spans()
+    assert [s.name for s in spans] == [SPAN.ENCODE_QUEUE, *in_gateway, SPAN.CACHE_PUT]
+    caller_ctx = caller.get_span_context()
+    for span in spans:
+        assert span.context.trace_id == caller_ctx.trace_id
+        assert span.parent.span_id == caller_ctx.span_id
+        assert span.attributes[ATTR.BATCH_SIZE] == 1
+        assert span.attributes[ATTR.IMAGE_DIGEST] == "d" * 12
+    vision = next(s for s in spans if s.name == SPAN.ENCODE_VISION)
+    assert (vision.attributes[ATTR.TOKENS_KEPT], vision.attributes[ATTR.TOKENS_TOTAL]) == (3, 9)
+    body, _ = telemetry.prometheus_text()
+    assert b'stage="vision"' in body  # the encode metrics went to the gateway's recorder

@@ -1,4 +1,5 @@
-"""Redis as a best-effort cache tier: failures are logged and answered as "unavailable", never raised.
+"""Redis as a best-effort cache tier: failures are logged and answered as "unavailable", never
+raised.
 
 A cache must not take the gateway down with it. When a Redis call fails (server down, timeout,
 refused write), `RedisTier` logs one warning, reports `UNAVAILABLE` to the caller (which then
@@ -35,8 +36,9 @@ class _Unavailable:
 UNAVAILABLE: Final = _Unavailable()
 
 
-def connect(redis_url: str, *, connect_timeout_s: float = 1.0, timeout_s: float = 2.0,
-            retries: int = 1) -> Redis:
+def connect(
+    redis_url: str, *, connect_timeout_s: float = 1.0, timeout_s: float = 2.0, retries: int = 1
+) -> Redis:
     """A redis.asyncio client for bytes values with short timeouts and few, immediate retries.
 
     One retry lets a pooled connection that Redis closed (restart, idle timeout) reconnect
@@ -46,9 +48,13 @@ def connect(redis_url: str, *, connect_timeout_s: float = 1.0, timeout_s: float 
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
-    return Redis.from_url(redis_url, socket_connect_timeout=connect_timeout_s,
-                          socket_timeout=timeout_s, retry=Retry(NoBackoff(), retries),
-                          decode_responses=False)
+    return Redis.from_url(
+        redis_url,
+        socket_connect_timeout=connect_timeout_s,
+        socket_timeout=timeout_s,
+        retry=Retry(NoBackoff(), retries),
+        decode_responses=False,
+    )
 
 
 class RedisTier:
@@ -63,7 +69,11 @@ class RedisTier:
         self.errors = 0
         self._down = False
         self._down_until = 0.0
-        self._failures: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
+        self._failures: tuple[type[BaseException], ...] = (
+            RedisError,
+            OSError,
+            asyncio.TimeoutError,
+        )
 
     @property
     def up(self) -> bool:
@@ -79,8 +89,14 @@ class RedisTier:
         except self._failures as exc:
             self.errors += 1
             if not self._down:
-                log.warning("redis_unavailable", tier=self.tier, op=op, error=repr(exc),
-                            fallback="memory", retry_after_s=self.retry_after_s)
+                log.warning(
+                    "redis_unavailable",
+                    tier=self.tier,
+                    op=op,
+                    error=repr(exc),
+                    fallback="memory",
+                    retry_after_s=self.retry_after_s,
+                )
             else:
                 log.debug("redis_still_unavailable", tier=self.tier, op=op, error=repr(exc))
             self._down = True

@@ -1,0 +1,167 @@
+"""Where gateways and encoder workers meet in Redis: the key layout and the stored values.
+
+Keys (namespace `vg`; the gateway's caches may be given another, the job queue may not):
+
+    vg:encode:jobs              stream of jobs, read by the consumer group `encoders`;
+                                entry field `job` = msgpack `EncodeJob` (jobs.py)
+    vg:encode:dead              dead-letter stream; fields `job`, `reason`, `consumer`, `attempts`
+    vg:encode:result:{job_id}   list the worker RPUSHes one msgpack `EncodeResult` onto (short
+                                TTL); the caller BLPOPs it
+    vg:image:{digest}           the image bytes, as they came (the gateway's image store)
+    vg:vision:{fingerprint}:{digest}
+                                the visual tokens (the gateway's vision cache): `redis_value` of
+                                a `pack_encoded` entry
+
+A vision-cache value is framed twice. `redis_value` wraps any payload as msgpack
+`[crc32, payload]`, so a damaged value reads as a miss instead of reaching a decoder. The
+payload the vision cache holds is a `pack_encoded` entry:
+
+    b"VGV1" | u32 little-endian header length | msgpack header | tokens
+
+with the header naming the image, the encoder, the token counts, the stage timings and, for a
+real VLM checkpoint, the image's `ImageLayout`, and `tokens` the payload in its INT4 or float
+form (`encoder_worker.payload`). `unpack_encoded` checks all of it and never unpickles.
+
+This module holds formats only: no Redis client, no I/O.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import msgspec
+
+from encoder_worker.types import EncodedImage, ImageLayout
+
+__all__ = (
+    "DEAD_STREAM",
+    "GROUP",
+    "JOBS_STREAM",
+    "NAMESPACE",
+    "image_key",
+    "pack_encoded",
+    "read_redis_value",
+    "redis_value",
+    "result_key",
+    "unpack_encoded",
+    "vision_key",
+)
+
+NAMESPACE = "vg"
+JOBS_STREAM = f"{NAMESPACE}:encode:jobs"
+DEAD_STREAM = f"{NAMESPACE}:encode:dead"
+GROUP = "encoders"
+
+
+def result_key(job_id: str) -> str:
+    """The list one job's `EncodeResult` is pushed onto."""
+    return f"{NAMESPACE}:encode:result:{job_id}"
+
+
+def image_key(digest: str, namespace: str = NAMESPACE) -> str:
+    """The image store's key for the bytes with this sha256 hex digest."""
+    return f"{namespace}:image:{digest}"
+
+
+def vision_key(fingerprint: str, digest: str, namespace: str = NAMESPACE) -> str:
+    """The vision cache's key for the tokens of this image under this encoder."""
+    return f"{namespace}:vision:{fingerprint}:{digest}"
+
+
+# -- the Redis value of a vision-cache entry --------------------------------------------------
+
+
+class _StoredTokens(msgspec.Struct, array_like=True):
+    crc32: int
+    payload: bytes
+
+
+_value_encoder = msgspec.msgpack.Encoder()
+_value_decoder = msgspec.msgpack.Decoder(_StoredTokens)
+
+
+def redis_value(payload: bytes) -> bytes:
+    """The Redis value stored for a vision-cache payload: msgpack [crc32, payload]."""
+    return _value_encoder.encode(_StoredTokens(zlib.crc32(payload), bytes(payload)))
+
+
+def read_redis_value(raw: bytes) -> bytes:
+    """Inverse of `redis_value`; ValueError if the value does not decode or fails its checksum."""
+    try:
+        stored = _value_decoder.decode(raw)
+    except msgspec.MsgspecError as exc:
+        raise ValueError(str(exc)) from None
+    if zlib.crc32(stored.payload) != stored.crc32:
+        raise ValueError("checksum mismatch")
+    return stored.payload
+
+
+# -- the vision-cache entry -------------------------------------------------------------------
+
+
+class _CachedHeader(msgspec.Struct, array_like=True):
+    digest: str
+    fingerprint: str
+    tokens_kept: int
+    tokens_total: int
+    hidden_size: int
+    timings_ms: dict[str, float]
+    # real VLM checkpoints: where the rows go in the prompt; entries written before layouts
+    # existed end after timings_ms and read as None
+    layout: ImageLayout | None = None
+
+
+_MAGIC = b"VGV1"
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(_CachedHeader)
+
+
+def pack_encoded(image: EncodedImage) -> bytes:
+    """EncodedImage -> a vision-cache entry: magic, header length, msgpack header (with the
+    layout, if any), payload (INT4 or float form)."""
+    header = _header_encoder.encode(
+        _CachedHeader(
+            image.digest,
+            image.fingerprint,
+            image.tokens_kept,
+            image.tokens_total,
+            image.hidden_size,
+            {k: float(v) for k, v in image.timings_ms.items()},
+            image.layout,
+        )
+    )
+    return b"".join((_MAGIC, struct.pack("<I", len(header)), header, image.payload.to_bytes()))
+
+
+def unpack_encoded(data: bytes) -> EncodedImage:
+    """Inverse of pack_encoded; ValueError on anything malformed (never unpickles)."""
+    from encoder_worker.payload import payload_from_bytes
+
+    if len(data) < 8 or data[:4] != _MAGIC:
+        raise ValueError("not a visiongate vision-cache entry")
+    (n,) = struct.unpack_from("<I", data, 4)
+    if 8 + n > len(data):
+        raise ValueError("truncated vision-cache entry")
+    try:
+        header = _header_decoder.decode(data[8 : 8 + n])
+    except msgspec.MsgspecError as exc:
+        raise ValueError(f"bad vision-cache header: {exc}") from None
+    payload = payload_from_bytes(data[8 + n :])
+    if payload.header.n_tokens != header.tokens_kept or payload.header.hidden != header.hidden_size:
+        raise ValueError("vision-cache entry header does not match its tokens")
+    if header.layout is not None and header.layout.rows != header.tokens_kept:
+        raise ValueError(
+            f"vision-cache entry layout places {header.layout.rows} rows, "
+            f"it holds {header.tokens_kept}"
+        )
+    return EncodedImage(
+        digest=header.digest,
+        fingerprint=header.fingerprint,
+        tokens_kept=header.tokens_kept,
+        tokens_total=header.tokens_total,
+        hidden_size=header.hidden_size,
+        payload=payload,
+        timings_ms=header.timings_ms,
+        layout=header.layout,
+    )
