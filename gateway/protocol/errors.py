@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ("ERROR_CODES", "GatewayError")
+__all__ = ("ERROR_CODES", "GatewayError", "clip")
 
 # code -> (error type, HTTP status)
 ERROR_CODES: dict[str, tuple[str, int]] = {
@@ -26,6 +26,7 @@ ERROR_CODES: dict[str, tuple[str, int]] = {
     "unauthorized": ("authentication_error", 401),
     "rate_limited": ("rate_limit_error", 429),
     "busy": ("server_error", 503),
+    "answer_not_stored": ("server_error", 503),
     "engine_error": ("server_error", 500),
     "internal_error": ("server_error", 500),
 }
@@ -38,6 +39,7 @@ class GatewayError(Exception):
                  retry_after_s: float | None = None) -> None:
         if code not in ERROR_CODES:
             raise ValueError(f"unknown error code {code!r}")
+        message = clip(message, 500)  # client strings it quotes stay bounded
         super().__init__(message)
         self.code = code
         self.message = message
@@ -55,3 +57,13 @@ class GatewayError(Exception):
         if self.retry_after_s is not None and self.code == "busy":
             return 429
         return ERROR_CODES[self.code][1]
+
+
+def clip(text: object, limit: int = 200) -> str:
+    """``text`` as it may appear in an error message, a log line or a span: unchanged when it
+    has at most ``limit`` characters, else its first ``limit`` characters, ``...`` and its length
+    (a client string of any size becomes a bounded one)."""
+    text = text if isinstance(text, str) else str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} chars)"

@@ -19,8 +19,8 @@ let ws = null;
 let sessionId = localStorage.getItem(SESSION_KEY);
 let answering = null; // {bubble, text, timings} of the response in progress
 let eventSeq = 0;
-let closingOnPurpose = false;
 let retryDelay = 500;
+let retryTimer = null;
 
 function setStatus(text, kind) {
   ui.status.textContent = text;
@@ -57,25 +57,37 @@ function send(event) {
 
 // ---------------------------------------------------------------- connection
 
+// Browsers cannot set headers on a WebSocket: the key travels as the Realtime API's
+// subprotocol `openai-insecure-api-key.<key>` (never in the URL, which ends up in logs), and the
+// server answers with the plain `realtime` one.
+function subprotocols() {
+  const key = ui.apiKey.value.trim();
+  return key ? ["realtime", "openai-insecure-api-key." + key] : ["realtime"];
+}
+
 function connect() {
   const proto = location.protocol === "https:" ? "wss:" : "ws:";
-  const params = new URLSearchParams();
-  if (sessionId) params.set("session_id", sessionId);
-  if (ui.apiKey.value) params.set("api_key", ui.apiKey.value);
-  const query = params.toString();
-  ws = new WebSocket(`${proto}//${location.host}/v1/realtime${query ? "?" + query : ""}`);
+  const query = sessionId ? "?" + new URLSearchParams({ session_id: sessionId }) : "";
+  try {
+    ws = new WebSocket(`${proto}//${location.host}/v1/realtime${query}`, subprotocols());
+  } catch (err) {
+    // a subprotocol takes letters, digits and a few symbols only
+    ws = null;
+    setStatus("API key not usable", "down");
+    addError("the API key holds characters a WebSocket subprotocol cannot carry");
+    return;
+  }
   setStatus("connecting…", "busy");
   ws.onmessage = (msg) => handle(JSON.parse(msg.data));
   ws.onclose = (ev) => {
     setBusy(false);
-    if (closingOnPurpose) { closingOnPurpose = false; return; }
     if (ev.code === 1008 && sessionId) {
       // the session is gone (expired or another key's): start a new one
       sessionId = null;
       localStorage.removeItem(SESSION_KEY);
     }
     setStatus(ev.code === 1013 ? "model loading…" : "disconnected", ev.code === 1013 ? "busy" : "down");
-    setTimeout(connect, retryDelay);
+    retryTimer = setTimeout(connect, retryDelay);
     retryDelay = Math.min(retryDelay * 2, 8000);
   };
 }
@@ -84,7 +96,11 @@ function restart(withSession) {
   sessionId = withSession;
   if (withSession) localStorage.setItem(SESSION_KEY, withSession);
   else localStorage.removeItem(SESSION_KEY);
-  if (ws) { closingOnPurpose = true; ws.close(); }
+  // the old socket goes quietly: no reconnect from its close, none pending from an earlier one
+  clearTimeout(retryTimer);
+  if (ws) { ws.onclose = null; ws.onmessage = null; ws.close(); ws = null; }
+  retryDelay = 500;
+  setBusy(false);
   ui.log.replaceChildren();
   resetImage();
   connect();

@@ -3,11 +3,17 @@
 Standard-library loggers (uvicorn, litestar, redis) are routed through the same processors, so
 every line the process writes has the same shape and carries ``trace_id``/``span_id`` whenever
 an OTel span is current.
+
+Every line is scrubbed last (`scrub_secrets`): API keys are redacted wherever they show up
+(``Bearer <key>``, ``openai-insecure-api-key.<key>``, ``?api_key=<key>``, a field named like
+a secret; uvicorn logs the WebSocket handshake's path and query, and at debug level its
+headers), and every string is clipped so a client string of any size stays a short one.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any, TextIO
@@ -16,9 +22,40 @@ import structlog
 import structlog.tracebacks
 from opentelemetry import trace
 
-__all__ = ("add_trace_ids", "configure_logging", "log_response")
+__all__ = ("MAX_LOG_STRING", "add_trace_ids", "configure_logging", "log_response", "scrub_secrets")
 
 _ACCESS_LOGGER = "visiongate.access"
+
+MAX_LOG_STRING = 500  # characters of one string field (a traceback: of each of its lines)
+_MAX_TRACEBACK_LINES = 200
+REDACTED = "[redacted]"
+# fields whose value is a secret, whatever it holds
+_SECRET_FIELDS = frozenset(
+    {
+        "authorization",
+        "proxy-authorization",
+        "api_key",
+        "api-key",
+        "apikey",
+        "x-api-key",
+        "password",
+        "secret",
+        "token",
+        "access_token",
+        "cookie",
+        "sec-websocket-protocol",
+    }
+)
+_QUERY_SECRETS = "api[_-]?key|key|token|access_token|password|secret|sig|signature"
+_SECRET_PATTERNS = (
+    # `Authorization: Bearer <key>` / `Basic <credentials>`, as a header line or a value
+    (re.compile(r"(?i)\b(bearer\s+)[^\s\"',;]+"), rf"\1{REDACTED}"),
+    (re.compile(r"(?i)\b(basic\s+)[A-Za-z0-9+/]{8,}=*"), rf"\1{REDACTED}"),
+    # the Realtime API's subprotocol form of a key
+    (re.compile(r"(?i)(openai-insecure-api-key\.)[^\s\"',;]+"), rf"\1{REDACTED}"),
+    # a key in a query string (refused, but still written in the handshake's log line)
+    (re.compile(rf"(?i)([?&;](?:{_QUERY_SECRETS})=)[^&\s\"'#]*"), rf"\1{REDACTED}"),
+)
 
 
 def add_trace_ids(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
@@ -27,6 +64,50 @@ def add_trace_ids(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
     if ctx.is_valid:
         event.setdefault("trace_id", format(ctx.trace_id, "032x"))
         event.setdefault("span_id", format(ctx.span_id, "016x"))
+    return event
+
+
+def _scrub_text(text: str, limit: int = MAX_LOG_STRING) -> str:
+    # cut first (the patterns never run over megabytes), then redact: a key cut short is still
+    # matched by its prefix, and one cut before its prefix is not in the text any more
+    size = len(text)
+    head = text[:limit]
+    for pattern, replacement in _SECRET_PATTERNS:
+        head = pattern.sub(replacement, head)
+    return head if size <= limit else f"{head}... ({size} chars)"
+
+
+def _scrub_traceback(text: str) -> str:
+    lines = text.split("\n")
+    kept = [_scrub_text(line) for line in lines[:_MAX_TRACEBACK_LINES]]
+    if len(lines) > _MAX_TRACEBACK_LINES:
+        kept.append(f"... ({len(lines) - _MAX_TRACEBACK_LINES} more lines)")
+    return "\n".join(kept)
+
+
+def _scrub_value(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, str):
+        return _scrub_traceback(value) if "\n" in value else _scrub_text(value)
+    if depth > 6:
+        return value
+    if isinstance(value, dict):
+        return {
+            k: REDACTED if str(k).lower() in _SECRET_FIELDS and v else _scrub_value(v, depth + 1)
+            for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return [_scrub_value(v, depth + 1) for v in value]
+    return value
+
+
+def scrub_secrets(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+    """structlog processor (run last, on every line): redact API keys and clip long strings.
+
+    Fields named like a secret (``authorization``, ``api_key``, ...) are replaced whole; other
+    strings have keys in them redacted and are clipped to `MAX_LOG_STRING` characters, a
+    multi-line one (a traceback) line by line."""
+    for key, value in event.items():
+        event[key] = REDACTED if key.lower() in _SECRET_FIELDS and value else _scrub_value(value)
     return event
 
 
@@ -54,13 +135,21 @@ def configure_logging(
         if json
         else structlog.dev.ConsoleRenderer(colors=bool(getattr(stream, "isatty", lambda: False)()))
     )
+    # tracebacks without local variables (locals can hold API keys and image bytes), rendered
+    # before the scrub so their text is scrubbed too
+    exceptions: Any = (
+        structlog.processors.ExceptionRenderer(
+            structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+        )
+        if json
+        else structlog.processors.format_exc_info
+    )
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder()],
         processors=[
             structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            # tracebacks without local variables: locals can hold API keys and image bytes
-            *([structlog.processors.ExceptionRenderer(
-                structlog.tracebacks.ExceptionDictTransformer(show_locals=False))] if json else []),
+            exceptions,
+            scrub_secrets,
             renderer,
         ],
     )

@@ -60,8 +60,14 @@ async def test_redis_limiter_lets_traffic_through_when_redis_is_down() -> None:
 def test_authenticator() -> None:
     auth = Authenticator(["secret-1", "secret-2"])
     one = auth.owner({"authorization": "Bearer secret-1"})
-    two = auth.owner({}, {"api_key": "secret-2"})
+    # browsers: the Realtime API's subprotocol form; a query string is not a place for keys
+    two = auth.owner({}, ["realtime", "openai-insecure-api-key.secret-2"])
     assert one != two and "secret" not in one
+    with pytest.raises(GatewayError):
+        auth.owner({}, ["realtime", "api_key=secret-2"])
+    # the header wins over the subprotocol: a bad header is not rescued by a good subprotocol
+    with pytest.raises(GatewayError):
+        auth.owner({"authorization": "Bearer nope"}, ["openai-insecure-api-key.secret-2"])
     for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic secret-1"}):
         with pytest.raises(GatewayError) as err:
             auth.owner(headers)
@@ -78,15 +84,19 @@ def keyed_server() -> Iterator[ServerThread]:
 
 
 async def _open(url: str, key: str, session_id: str | None = None):
-    ws = await websockets.connect(url + (f"?session_id={session_id}" if session_id else ""),
-                                  additional_headers={"Authorization": f"Bearer {key}"})
+    ws = await websockets.connect(
+        url + (f"?session_id={session_id}" if session_id else ""),
+        additional_headers={"Authorization": f"Bearer {key}"},
+    )
     return ws, json.loads(await ws.recv())
 
 
 @pytest.mark.slow
 async def test_keys_own_their_sessions_and_are_rate_limited(keyed_server: ServerThread) -> None:
     url = keyed_server.ws_url
-    with pytest.raises(websockets.InvalidStatus) as refused:  # closed before the handshake completes
+    with pytest.raises(
+        websockets.InvalidStatus
+    ) as refused:  # closed before the handshake completes
         await websockets.connect(url, additional_headers={"Authorization": "Bearer wrong"})
     assert refused.value.response.status_code == 403
 
@@ -94,10 +104,27 @@ async def test_keys_own_their_sessions_and_are_rate_limited(keyed_server: Server
     session_id = created["session"]["id"]
     statuses = []
     for n in range(3):
-        await alice.send(json.dumps({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": f"Hi {n}"}]}}))
-        await alice.send(json.dumps({"type": "response.create", "event_id": f"r{n}",
-                                     "response": {"max_output_tokens": 2}}))
+        await alice.send(
+            json.dumps(
+                {
+                    "type": "conversation.item.create",
+                    "item": {
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": f"Hi {n}"}],
+                    },
+                }
+            )
+        )
+        await alice.send(
+            json.dumps(
+                {
+                    "type": "response.create",
+                    "event_id": f"r{n}",
+                    "response": {"max_output_tokens": 2},
+                }
+            )
+        )
         while True:
             event = json.loads(await alice.recv())
             if event["type"] == "response.done":
@@ -128,3 +155,20 @@ def test_http_takes_keys_from_the_header_only(keyed_server: ServerThread) -> Non
     # a key in a query string would be recorded in request spans and access logs
     refused = httpx.get(url, params={"api_key": "key-bob"})
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
+
+
+@pytest.mark.slow
+async def test_browsers_send_the_key_as_a_subprotocol(keyed_server: ServerThread) -> None:
+    from gateway.auth import QUERY_KEY_REFUSED
+
+    url = keyed_server.ws_url
+    ws = await websockets.connect(url, subprotocols=["realtime", "openai-insecure-api-key.key-bob"])
+    assert ws.subprotocol == "realtime"  # accepted with the public name: the key is not echoed
+    assert "key-bob" not in str(ws.response.headers)
+    assert json.loads(await ws.recv())["type"] == "session.created"
+    await ws.close()
+    # a key in the URL is refused, with a reason a browser can read
+    ws = await websockets.connect(f"{url}?api_key=key-bob")
+    with pytest.raises(websockets.ConnectionClosedError) as closed:
+        await ws.recv()
+    assert closed.value.rcvd.code == 1008 and closed.value.rcvd.reason == QUERY_KEY_REFUSED

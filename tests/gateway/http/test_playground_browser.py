@@ -18,8 +18,16 @@ from tests.conftest import unique_photo
 
 REPO = Path(__file__).resolve().parents[3]
 ARTIFACTS = REPO / "artifacts"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def find_chromium() -> str:
@@ -28,12 +36,15 @@ def find_chromium() -> str:
         if path:
             return path
     if shutil.which("apt-get") is None or (hasattr(os, "geteuid") and os.geteuid() != 0):
-        pytest.fail("chromium is not installed; install Debian's package: "
-                    "apt-get update && apt-get install -y chromium")
+        pytest.fail(
+            "chromium is not installed; install Debian's package: "
+            "apt-get update && apt-get install -y chromium"
+        )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
-                              check=False)
+        done = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=900, check=False
+        )
         if done.returncode != 0:
             pytest.fail(f"installing chromium failed ({' '.join(cmd)}): {done.stderr[-2000:]}")
     path = shutil.which("chromium")
@@ -47,8 +58,10 @@ def browser():
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.fail("the `playwright` Python package is missing: pip install playwright "
-                    "(no `playwright install`: the test uses Debian's chromium)")
+        pytest.fail(
+            "the `playwright` Python package is missing: pip install playwright "
+            "(no `playwright install`: the test uses Debian's chromium)"
+        )
     executable = find_chromium()
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS, headless=True)
@@ -56,8 +69,9 @@ def browser():
         browser.close()
 
 
-def test_playground_streams_an_answer_about_a_photo(browser, gateway_server: ServerThread,
-                                                    tmp_path: Path) -> None:
+def test_playground_streams_an_answer_about_a_photo(
+    browser, gateway_server: ServerThread, tmp_path: Path
+) -> None:
     photo = tmp_path / "astronaut.jpg"
     photo.write_bytes(unique_photo("astronaut"))
     page = browser.new_page(viewport={"width": 1280, "height": 820})
@@ -107,4 +121,44 @@ def test_playground_streams_an_answer_about_a_photo(browser, gateway_server: Ser
     print(f"playground screenshot: {shot}")
     assert shot.stat().st_size > 10_000
     assert not [e for e in console_errors if "favicon" not in e], console_errors
+    page.close()
+
+
+@pytest.fixture(scope="module")
+def keyed_fake_server():
+    """A gateway that wants an API key, over the fake engine and encoder (the test is about the
+    playground's connection, not the model)."""
+    from gateway.app import create_app
+    from gateway.settings import Settings
+    from tests.fakes import FakeEncoder, FakeEngine
+
+    settings = Settings.load(dict(api_keys=["pg-key-4d1c9e"], max_output_tokens=16), environ={})
+    with ServerThread(
+        create_app(settings, engine=FakeEngine(), encoder=FakeEncoder()), settings
+    ) as server:
+        server.wait_ready(timeout=60)
+        yield server
+
+
+def test_playground_sends_the_key_as_a_subprotocol(browser, keyed_fake_server) -> None:
+    page = browser.new_page()
+    sockets: list[str] = []
+    page.on("websocket", lambda ws: sockets.append(ws.url))
+    page.goto(keyed_fake_server.http_url + "/")
+    # without a key the gateway refuses the handshake: the page keeps trying
+    page.wait_for_function("() => document.getElementById('status').textContent !== ''")
+    assert "ready" not in (page.get_attribute("#status", "class") or "")
+
+    page.click("details summary")
+    page.fill("#api-key", "pg-key-4d1c9e")
+    page.dispatch_event("#api-key", "change")
+    page.wait_for_selector("#status.ready", timeout=30_000)
+    # the accepted subprotocol is the public one, and no URL carried the key
+    assert page.evaluate("() => ws.protocol") == "realtime"
+    assert sockets and not [url for url in sockets if "pg-key" in url or "api_key" in url]
+
+    page.fill("#question", "hello from the playground")
+    page.click("#send")
+    page.wait_for_selector(".msg.assistant .timings[data-status]", timeout=30_000)
+    assert "hello" in page.text_content(".msg.assistant .text")
     page.close()
