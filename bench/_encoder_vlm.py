@@ -309,7 +309,7 @@ def measure_checkpoint(
             # the reference row re-runs the anchor's forward on a separate encode
             ans = _answer(lm, _prompt(lm, enc, _question(name)), steps)
             ref = anchors[name]
-            agree = [a == b for a, b in zip(ans.greedy, ref.greedy)]
+            agree = [a == b for a, b in zip(ans.greedy, ref.greedy, strict=False)]
             prefix = agree.index(False) if False in agree else len(agree)
             per_photo[name] = {
                 "top1_agrees": bool(ans.greedy[0] == ref.greedy[0]),
@@ -483,7 +483,7 @@ def plot_vlm(results: list[dict[str, Any]], path: Path) -> None:
         ("encode_ms_mean", "encode ms per image", 1.0),
         ("payload_bytes_mean", "KiB stored per image", 1 / 1024),
     )
-    for ax, (key, title, scale) in zip(axes, panels):
+    for ax, (key, title, scale) in zip(axes, panels, strict=False):
         for i, c in enumerate(CONFIGS):
             vals = [r["configs"][c][key] * scale for r in results]
             ax.bar(x + (i - (len(CONFIGS) - 1) / 2) * width, vals, width, label=c)

@@ -34,8 +34,16 @@ import websockets
 
 from bench._load_stats import TurnRecord
 
-__all__ = ("PHOTOS", "QUESTIONS", "SessionPlan", "SessionSource", "closed_loop", "open_loop",
-           "play_session", "session_image")
+__all__ = (
+    "PHOTOS",
+    "QUESTIONS",
+    "SessionPlan",
+    "SessionSource",
+    "closed_loop",
+    "open_loop",
+    "play_session",
+    "session_image",
+)
 
 Mode = Literal["stateless", "stateful"]
 
@@ -99,8 +107,9 @@ class SessionSource:
 
         url = self._urls.get(index)
         if url is None:
-            url = self._urls[index] = image_data_url(session_image(index, self._photos),
-                                                     "image/jpeg")
+            url = self._urls[index] = image_data_url(
+                session_image(index, self._photos), "image/jpeg"
+            )
         return SessionPlan(index, url, self.questions)
 
     def prepare(self, indices: range) -> None:
@@ -119,17 +128,31 @@ class _TurnFailed(Exception):
 
 
 def _item(role: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"type": "conversation.item.create", "event_id": f"evt_{secrets.token_hex(6)}",
-            "item": {"type": "message", "role": role, "content": parts}}
+    return {
+        "type": "conversation.item.create",
+        "event_id": f"evt_{secrets.token_hex(6)}",
+        "item": {"type": "message", "role": role, "content": parts},
+    }
 
 
-async def _exchange(ws: Any, items: list[dict[str, Any]], rec: TurnRecord, *, t_submit: float,
-                    max_tokens: int, timeout_s: float, watch: set[str]) -> str:
+async def _exchange(
+    ws: Any,
+    items: list[dict[str, Any]],
+    rec: TurnRecord,
+    *,
+    t_submit: float,
+    max_tokens: int,
+    timeout_s: float,
+    watch: set[str],
+) -> str:
     """Send `items` and a response.create, read until response.done; fills `rec`, returns the
     answer text. Errors tied to `watch` (earlier item events) or to these events fail the turn."""
     loop = asyncio.get_running_loop()
-    create = {"type": "response.create", "event_id": f"evt_{secrets.token_hex(6)}",
-              "response": {"max_output_tokens": max_tokens, "temperature": 0}}
+    create = {
+        "type": "response.create",
+        "event_id": f"evt_{secrets.token_hex(6)}",
+        "response": {"max_output_tokens": max_tokens, "temperature": 0},
+    }
     for event in items:
         watch.add(event["event_id"])
         await ws.send(json.dumps(event))
@@ -152,16 +175,19 @@ async def _exchange(ws: Any, items: list[dict[str, Any]], rec: TurnRecord, *, t_
                 err = event.get("error") or {}
                 code = err.get("code") or "error"
                 eid = err.get("event_id")
-                if (eid == create["event_id"] and not created) or (eid in watch and eid != create["event_id"]):
+                if (eid == create["event_id"] and not created) or (
+                    eid in watch and eid != create["event_id"]
+                ):
                     raise _TurnFailed("busy" if code == "busy" else "error", code)
             elif kind == "response.done":
                 return _done(event["response"], rec, now, t_submit, code)
 
 
-def _done(resp: dict[str, Any], rec: TurnRecord, now: float, t_submit: float,
-          code: str | None) -> str:
+def _done(
+    resp: dict[str, Any], rec: TurnRecord, now: float, t_submit: float, code: str | None
+) -> str:
     if resp.get("status") == "failed":
-        err = ((resp.get("status_details") or {}).get("error") or {})
+        err = (resp.get("status_details") or {}).get("error") or {}
         code = err.get("code") or code or "error"
         raise _TurnFailed("busy" if code == "busy" else "error", code)
     usage = resp.get("usage") or {}
@@ -172,8 +198,9 @@ def _done(resp: dict[str, Any], rec: TurnRecord, now: float, t_submit: float,
     rec.cached_tokens = int((usage.get("input_token_details") or {}).get("cached_tokens", 0))
     rec.encode_wait_ms = float((ext.get("timings") or {}).get("encode_ms", 0.0))
     rec.vision = (ext.get("cache") or {}).get("vision")
-    return "".join(p.get("text", "") for item in resp.get("output", [])
-                   for p in item.get("content", []))
+    return "".join(
+        p.get("text", "") for item in resp.get("output", []) for p in item.get("content", [])
+    )
 
 
 async def _connect(url: str) -> Any:
@@ -186,9 +213,18 @@ async def _connect(url: str) -> Any:
     return ws
 
 
-async def play_session(url: str, plan: SessionPlan, mode: Mode, records: list[TurnRecord], *,
-                       origin: float, stop_at: float | None, typing_s: float, max_tokens: int,
-                       turn_timeout_s: float) -> None:
+async def play_session(
+    url: str,
+    plan: SessionPlan,
+    mode: Mode,
+    records: list[TurnRecord],
+    *,
+    origin: float,
+    stop_at: float | None,
+    typing_s: float,
+    max_tokens: int,
+    turn_timeout_s: float,
+) -> None:
     """Play one session; append a `TurnRecord` per attempted turn to `records`.
 
     No turn starts after `stop_at` (loop time). A failed turn ends the session. Cancellation
@@ -227,15 +263,29 @@ async def play_session(url: str, plan: SessionPlan, mode: Mode, records: list[Tu
                     parts.insert(0, {"type": "input_image", "image_url": plan.image_url})
                 history.append(_item("user", parts))
                 ws = await _connect(url)
-                text = await _exchange(ws, history, rec, t_submit=t_submit, max_tokens=max_tokens,
-                                       timeout_s=turn_timeout_s, watch=set())
+                text = await _exchange(
+                    ws,
+                    history,
+                    rec,
+                    t_submit=t_submit,
+                    max_tokens=max_tokens,
+                    timeout_s=turn_timeout_s,
+                    watch=set(),
+                )
                 await ws.close()
                 ws = None
                 history.append(_item("assistant", [{"type": "output_text", "text": text}]))
                 history = [dict(h, event_id=f"evt_{secrets.token_hex(6)}") for h in history]
             else:
-                await _exchange(ws, [_item("user", parts)], rec, t_submit=t_submit,
-                                max_tokens=max_tokens, timeout_s=turn_timeout_s, watch=watch)
+                await _exchange(
+                    ws,
+                    [_item("user", parts)],
+                    rec,
+                    t_submit=t_submit,
+                    max_tokens=max_tokens,
+                    timeout_s=turn_timeout_s,
+                    watch=watch,
+                )
             rec.done_s = loop.time() - origin
             records.append(rec)
             rec, next_turn = None, turn + 1
@@ -267,9 +317,17 @@ async def _bounded(tasks: list[asyncio.Task[None]], until: float) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def closed_loop(url: str, mode: Mode, concurrency: int, next_plan: Callable[[], SessionPlan],
-                      *, window_s: float, drain_s: float, max_sessions: int,
-                      **play: Any) -> list[TurnRecord]:
+async def closed_loop(
+    url: str,
+    mode: Mode,
+    concurrency: int,
+    next_plan: Callable[[], SessionPlan],
+    *,
+    window_s: float,
+    drain_s: float,
+    max_sessions: int,
+    **play: Any,
+) -> list[TurnRecord]:
     """`concurrency` users, each starting a new session as soon as the last one ends. The users'
     first sessions start spread over the first moments of the window (up to 2 s), not all in
     the same instant."""
@@ -286,7 +344,9 @@ async def closed_loop(url: str, mode: Mode, concurrency: int, next_plan: Callabl
         while loop.time() < stop_at and started < max_sessions:
             started += 1
             before = len(records)
-            await play_session(url, next_plan(), mode, records, origin=origin, stop_at=stop_at, **play)
+            await play_session(
+                url, next_plan(), mode, records, origin=origin, stop_at=stop_at, **play
+            )
             if any(r.status != "ok" for r in records[before:]):
                 await asyncio.sleep(0.2)  # a refused user waits a moment before trying again
 
@@ -295,9 +355,16 @@ async def closed_loop(url: str, mode: Mode, concurrency: int, next_plan: Callabl
     return records
 
 
-async def open_loop(url: str, mode: Mode, arrivals: list[float],
-                    next_plan: Callable[[], SessionPlan], *, window_s: float, drain_s: float,
-                    **play: Any) -> list[TurnRecord]:
+async def open_loop(
+    url: str,
+    mode: Mode,
+    arrivals: list[float],
+    next_plan: Callable[[], SessionPlan],
+    *,
+    window_s: float,
+    drain_s: float,
+    **play: Any,
+) -> list[TurnRecord]:
     """A new session at each arrival offset (seconds); sessions play all their turns until the
     window plus the drain time is over."""
     loop = asyncio.get_running_loop()
@@ -307,8 +374,13 @@ async def open_loop(url: str, mode: Mode, arrivals: list[float],
     try:
         for offset in arrivals:
             await asyncio.sleep(max(0.0, origin + offset - loop.time()))
-            tasks.append(asyncio.create_task(play_session(
-                url, next_plan(), mode, records, origin=origin, stop_at=None, **play)))
+            tasks.append(
+                asyncio.create_task(
+                    play_session(
+                        url, next_plan(), mode, records, origin=origin, stop_at=None, **play
+                    )
+                )
+            )
         await _bounded(tasks, origin + window_s + drain_s)
     finally:
         for t in tasks:

@@ -67,8 +67,11 @@ class GatewayProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
         inherited = {ENV_PREFIX + name.upper() for name in INHERITED}
-        self.env = {k: v for k, v in os.environ.items()
-                    if not k.startswith(("OTEL_", ENV_PREFIX)) or k in inherited}
+        self.env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("OTEL_", ENV_PREFIX)) or k in inherited
+        }
         for key, value in {**self.applied, "host": "127.0.0.1", "port": self.port}.items():
             self.env[ENV_PREFIX + key.upper()] = _env_value(value)
 
@@ -94,12 +97,23 @@ class GatewayProcess:
         try:
             # its own session: a Ctrl-C here reaches the benchmark, which stops it in order
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gateway", "serve"], env=self.env, stdout=out,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                [sys.executable, "-m", "gateway", "serve"],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         finally:
             out.close()
-        log.info("gateway_starting", config=self.name, port=self.port, pid=self.proc.pid,
-                 settings=self.applied, skipped=self.skipped or None)
+        log.info(
+            "gateway_starting",
+            config=self.name,
+            port=self.port,
+            pid=self.proc.pid,
+            settings=self.applied,
+            skipped=self.skipped or None,
+        )
         return self
 
     def wait_ready(self, timeout_s: float = 600.0) -> dict[str, Any]:
@@ -109,8 +123,10 @@ class GatewayProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway {self.name!r} exited with {self.proc.returncode} "
-                                   f"during start-up; see {self.log_path}:\n{self._tail()}")
+                raise RuntimeError(
+                    f"gateway {self.name!r} exited with {self.proc.returncode} "
+                    f"during start-up; see {self.log_path}:\n{self._tail()}"
+                )
             try:
                 r = httpx.get(f"{self.http_url}/readyz", timeout=5)
                 body = r.json()
@@ -122,8 +138,9 @@ class GatewayProcess:
             except (httpx.TransportError, ValueError):
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"gateway {self.name!r} not ready within {timeout_s:.0f} s; "
-                           f"see {self.log_path}")
+        raise TimeoutError(
+            f"gateway {self.name!r} not ready within {timeout_s:.0f} s; see {self.log_path}"
+        )
 
     def stop(self, grace_s: float = 15.0) -> None:
         proc, self.proc = self.proc, None

@@ -81,18 +81,23 @@ def percentile(values: Iterable[float], p: float) -> float | None:
 
 
 def _pcts(values: Sequence[float], prefix: str) -> dict[str, float | None]:
-    return {f"{prefix}_p50_ms": percentile(values, 50), f"{prefix}_p95_ms": percentile(values, 95),
-            f"{prefix}_p99_ms": percentile(values, 99)}
+    return {
+        f"{prefix}_p50_ms": percentile(values, 50),
+        f"{prefix}_p95_ms": percentile(values, 95),
+        f"{prefix}_p99_ms": percentile(values, 99),
+    }
 
 
-def summarize(records: Sequence[TurnRecord], window_s: float, *,
-              count_drained: bool = False) -> dict[str, Any]:
+def summarize(
+    records: Sequence[TurnRecord], window_s: float, *, count_drained: bool = False
+) -> dict[str, Any]:
     """One point's published metrics (see the module docstring for the definitions)."""
     if window_s <= 0:
         raise ValueError(f"window_s must be > 0, got {window_s}")
     ok = [r for r in records if r.status == "ok"]
-    in_window = ok if count_drained else [r for r in ok
-                                           if r.done_s is not None and r.done_s <= window_s]
+    in_window = (
+        ok if count_drained else [r for r in ok if r.done_s is not None and r.done_s <= window_s]
+    )
     first = [r.ttft_ms for r in ok if r.turn == 0 and r.ttft_ms is not None]
     follow = [r.ttft_ms for r in ok if r.turn > 0 and r.ttft_ms is not None]
     gaps = [g for r in ok for g in r.itl_ms]
@@ -134,8 +139,15 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def poisson_arrivals(rate: float, duration_s: float, *, seed: int, max_count: int,
-                     min_count: int = 1, max_duration_s: float | None = None) -> list[float]:
+def poisson_arrivals(
+    rate: float,
+    duration_s: float,
+    *,
+    seed: int,
+    max_count: int,
+    min_count: int = 1,
+    max_duration_s: float | None = None,
+) -> list[float]:
     """Arrival offsets (seconds) of a seeded Poisson process of `rate` per second.
 
     The schedule is seen from an arrival: the first one is at 0, the gaps after it are
@@ -163,9 +175,11 @@ def qps_at_slo(points: Sequence[dict[str, Any]], slo_ms: float) -> float | None:
     `points`: open-loop summaries carrying `offered_turns_per_s` and `slo_p95_ms` (None or inf:
     the point failed). None when no point meets the SLO.
     """
-    passing = [p["offered_turns_per_s"] for p in points
-               if p.get("slo_p95_ms") is not None and p["slo_p95_ms"] <= slo_ms
-               and p.get("turns", 0) > 0]
+    passing = [
+        p["offered_turns_per_s"]
+        for p in points
+        if p.get("slo_p95_ms") is not None and p["slo_p95_ms"] <= slo_ms and p.get("turns", 0) > 0
+    ]
     return max(passing) if passing else None
 
 

@@ -80,7 +80,9 @@ class Baseline:
         self.feature_layer, self.has_cls = cfg.feature_layer, pipe.tower.has_cls
 
     @torch.inference_mode()
-    def encode_batch(self, datas: list[bytes]) -> tuple[list[torch.Tensor], list[int], dict[str, float]]:
+    def encode_batch(
+        self, datas: list[bytes]
+    ) -> tuple[list[torch.Tensor], list[int], dict[str, float]]:
         ms: dict[str, float] = {}
         t = time.perf_counter()
         arrs = [np.asarray(Image.open(io.BytesIO(d)).convert("RGB")) for d in datas]
@@ -109,7 +111,10 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.inference_mode()
 def fidelity(pipe: EncoderPipeline, cfg: EncoderConfig, photos: dict[str, bytes]) -> dict:
-    """Token cosine of INT4 vs float, and pooled-embedding cosine of each pruning mode vs all tokens."""
+    """Token cosine of INT4 vs float, and pooled-embedding cosine of each pruning mode.
+
+    Each mode's pooled embedding is compared against the one over all tokens.
+    """
     int4_cos, per_mode = [], {m: {"kept": [], "pooled_cosine": []} for m in PRUNING_MODES}
     for name, data in photos.items():
         arr = np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).copy()
@@ -118,7 +123,9 @@ def fidelity(pipe: EncoderPipeline, cfg: EncoderConfig, photos: dict[str, bytes]
         full = pipe.projector(out.features[0]).mean(0)  # pooled over all tokens
         for mode in PRUNING_MODES:
             mcfg = EncoderConfig(**{**_fields(cfg), "pruning": mode})
-            (p,) = prune(out.features, out.saliency, out.keys, mcfg, seeds=[zlib.crc32(name.encode())])
+            (p,) = prune(
+                out.features, out.saliency, out.keys, mcfg, seeds=[zlib.crc32(name.encode())]
+            )
             emb = pipe.projector(p.tokens)
             deq = to_embeds(quantize_tokens(emb, p.positions, rows.shape[1], cfg.int4_group_size))
             per_mode[mode]["kept"].append(p.tokens.shape[0])
@@ -126,10 +133,17 @@ def fidelity(pipe: EncoderPipeline, cfg: EncoderConfig, photos: dict[str, bytes]
             if mode == cfg.pruning:
                 int4_cos.extend(F.cosine_similarity(emb.float().cpu(), deq, dim=1).tolist())
     table = {
-        m: {"tokens_kept_mean": statistics.fmean(v["kept"]), "pooled_cosine_mean": statistics.fmean(v["pooled_cosine"])}
+        m: {
+            "tokens_kept_mean": statistics.fmean(v["kept"]),
+            "pooled_cosine_mean": statistics.fmean(v["pooled_cosine"]),
+        }
         for m, v in per_mode.items()
     }
-    return {"int4_token_cosine_mean": statistics.fmean(int4_cos), "int4_token_cosine_min": min(int4_cos), "modes": table}
+    return {
+        "int4_token_cosine_mean": statistics.fmean(int4_cos),
+        "int4_token_cosine_min": min(int4_cos),
+        "modes": table,
+    }
 
 
 def _fields(cfg: EncoderConfig) -> dict:
@@ -139,7 +153,9 @@ def _fields(cfg: EncoderConfig) -> dict:
 def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     cfg = EncoderConfig(
-        tower=args.vision_model or "vit-b16-224", pruning=args.pruning, int4_group_size=args.group_size
+        tower=args.vision_model or "vit-b16-224",
+        pruning=args.pruning,
+        int4_group_size=args.group_size,
     )
     print(f"building towers ({cfg.tower}) ...", flush=True)
     pipe = EncoderPipeline(cfg, args.hidden, target_rms=args.target_rms)
@@ -153,7 +169,7 @@ def run(args: argparse.Namespace) -> dict:
     stages = {"baseline": {s: [] for s in STAGES}, "optimized": {s: [] for s in STAGES}}
     kept, stored, base_bytes, fid_pooled = {}, {}, {}, []
     for _ in tqdm(range(args.repeats), desc="batch 1 (per image)", unit="round"):
-        for name, data in zip(names, datas):
+        for name, data in zip(names, datas, strict=False):
             t = time.perf_counter()
             b_emb, b_size, b_ms = base.encode_batch([data])
             single["baseline"].append((time.perf_counter() - t) * 1e3)
@@ -184,12 +200,20 @@ def run(args: argparse.Namespace) -> dict:
     n_total = pipe.tokens_total
     fp16_bytes = {n: kept[n] * args.hidden * 2 for n in names}
     result = {
-        "config": {**_fields(cfg), "hidden_size": args.hidden, "target_rms": args.target_rms,
-                   "device": str(pipe.device), "dtype": str(pipe.dtype), "repeats": args.repeats,
-                   "threads": torch.get_num_threads(), "photos": names},
+        "config": {
+            **_fields(cfg),
+            "hidden_size": args.hidden,
+            "target_rms": args.target_rms,
+            "device": str(pipe.device),
+            "dtype": str(pipe.dtype),
+            "repeats": args.repeats,
+            "threads": torch.get_num_threads(),
+            "photos": names,
+        },
         "summary": {
             "speedup_vs_baseline": med["baseline"] / med["optimized"],
-            "throughput_speedup_batch8": statistics.median(batch8["optimized"]) / statistics.median(batch8["baseline"]),
+            "throughput_speedup_batch8": statistics.median(batch8["optimized"])
+            / statistics.median(batch8["baseline"]),
             "tokens_kept_ratio_mean": statistics.fmean(kept.values()) / n_total,
             "int4_bytes_ratio_vs_fp16": sum(stored.values()) / sum(fp16_bytes.values()),
             "bytes_ratio_vs_baseline_fp32": sum(stored.values()) / sum(base_bytes.values()),
@@ -204,11 +228,15 @@ def run(args: argparse.Namespace) -> dict:
         },
         "tokens_total": n_total,
         "tokens_kept": kept,
-        "bytes_per_image": {"optimized_int4": stored, "baseline_fp32": base_bytes, "fp16_of_kept": fp16_bytes},
+        "bytes_per_image": {
+            "optimized_int4": stored,
+            "baseline_fp32": base_bytes,
+            "fp16_of_kept": fp16_bytes,
+        },
         "fidelity": {
             "int4_token_cosine_mean": fid["int4_token_cosine_mean"],
             "int4_token_cosine_min": fid["int4_token_cosine_min"],
-            "pooled_cosine_pruned_vs_full_per_image": dict(zip(names, fid_pooled)),
+            "pooled_cosine_pruned_vs_full_per_image": dict(zip(names, fid_pooled, strict=False)),
             "pruning_modes": fid["modes"],
         },
     }
@@ -269,7 +297,10 @@ def plot(res: dict, path: Path) -> None:
     ax3.bar(labels, [bb / 1024, ob / 1024], color=["tab:gray", "tab:green"])
     ax3.set_ylabel("KiB stored per image")
     s = res["summary"]
-    ax3.set_title(f"storage ({s['tokens_kept_ratio_mean']:.0%} tokens, INT4 cos {s['int4_token_cosine_mean']:.3f})")
+    ax3.set_title(
+        f"storage ({s['tokens_kept_ratio_mean']:.0%} tokens, "
+        f"INT4 cos {s['int4_token_cosine_mean']:.3f})"
+    )
     fig.suptitle(f"visiongate encoder on {res['config']['device']} ({res['config']['tower']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -279,29 +310,42 @@ def plot(res: dict, path: Path) -> None:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
-        epilog="Without --vision-model / --tiny-families: the synthetic ViT-B/16 tower, baseline vs "
+        epilog="Without --vision-model / --tiny-families: the synthetic ViT-B/16 tower, "
+        "baseline vs "
         "optimized pipeline (encoder.json, encoder.png). With VLM checkpoints: next-token "
         "agreement and logit cosine of the optimized encodings vs the exact one, through the "
         "checkpoint's language model (encoder_vlm.json, encoder_vlm.png).",
     )
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument(
-        "--vision-model", action="append", default=[], metavar="DIR",
+        "--vision-model",
+        action="append",
+        default=[],
+        metavar="DIR",
         help="local checkpoint directory, repeatable: a VLM checkpoint (LLaVA, SmolVLM / "
         "Idefics3, Qwen2.5-VL) joins the quality table; one CLIP/SigLIP vision checkpoint "
         "replaces the synthetic tower of the baseline-vs-optimized benchmark",
     )
     ap.add_argument(
-        "--tiny-families", action="store_true",
+        "--tiny-families",
+        action="store_true",
         help="build tiny random-weight LLaVA, Idefics3 and Qwen2.5-VL checkpoints in a temporary "
         "directory and add them to the quality table (uses the builders in tests/vlm_checkpoints, "
         "importable from a repository checkout, and the SmolLM2 tokenizer of `visiongate "
         "convert`; their agreement numbers show the machinery, not model quality)",
     )
-    ap.add_argument("--greedy-tokens", type=int, default=8,
-                    help="VLM table: greedy continuation length compared with the reference")
-    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                    help="VLM table: where the encoder and the language model run")
+    ap.add_argument(
+        "--greedy-tokens",
+        type=int,
+        default=8,
+        help="VLM table: greedy continuation length compared with the reference",
+    )
+    ap.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="VLM table: where the encoder and the language model run",
+    )
     ap.add_argument("--pruning", default="dynamic", choices=PRUNING_MODES)
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=576, help="language model hidden size")
@@ -344,8 +388,12 @@ def run_vlm(args: argparse.Namespace, checkpoints: list[str]) -> list[dict]:
             todo += [(p, True) for p in vlm.build_tiny_checkpoints(Path(tmp))]
         for path, tiny in todo:
             res = vlm.measure_checkpoint(
-                path, photos, repeats=args.repeats, steps=args.greedy_tokens,
-                device=args.device, random_weights=tiny,
+                path,
+                photos,
+                repeats=args.repeats,
+                steps=args.greedy_tokens,
+                device=args.device,
+                random_weights=tiny,
             )
             if tiny:
                 res["checkpoint"] = f"tiny {res['family']} (tests/vlm_checkpoints, seed 0)"
@@ -373,8 +421,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         doc = {
-            "machine": {"device": results[0]["device"], "threads": torch.get_num_threads(),
-                        "cpu_count": os.cpu_count(), "torch": torch.__version__},
+            "machine": {
+                "device": results[0]["device"],
+                "threads": torch.get_num_threads(),
+                "cpu_count": os.cpu_count(),
+                "torch": torch.__version__,
+            },
             "configs": {k: {"pruning": p, "visual_tokens": v} for k, (p, v) in vlm.CONFIGS.items()},
             "families": results,
         }

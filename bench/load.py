@@ -65,8 +65,10 @@ log = structlog.get_logger("bench.load")
 CONFIGS = ("baseline", "visiongate")
 MODES = {"baseline": "stateless", "visiongate": "stateful"}
 SLO_FACTOR = 4.0
-SLO_RULE = (f"{SLO_FACTOR:g}x the baseline single-session (closed loop, 1 session) first-turn "
-            "TTFT P50; one SLO for both configurations")
+SLO_RULE = (
+    f"{SLO_FACTOR:g}x the baseline single-session (closed loop, 1 session) first-turn "
+    "TTFT P50; one SLO for both configurations"
+)
 DEFAULT_MULTIPLIERS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 MAX_DISTINCT_PHOTOS = 6 * 2048  # the sample photos x their distinct crops and mirrors
 
@@ -95,72 +97,133 @@ def _ints(text: str) -> list[int]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.load",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out", default="bench/out", help="output directory (default bench/out)")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: concurrency 1,2, one low rate, 8 tokens, short points")
-    p.add_argument("--concurrency", type=_ints, help="closed-loop sessions (default 1,2,4,8,16); "
-                   "1 is always run (it sets the SLO and the rate ladder)")
-    p.add_argument("--rates", type=_floats, help="open-loop session arrival rates, sessions/s "
-                   "(default: multiples of the baseline single-session capacity)")
-    p.add_argument("--rate-multipliers", type=_floats,
-                   help="the default ladder, in multiples of the baseline single-session capacity "
-                   f"(default {','.join(f'{m:g}' for m in DEFAULT_MULTIPLIERS)})")
-    p.add_argument("--extra-rungs", type=int,
-                   help="doublings added to the default ladder while a configuration still meets "
-                   "the SLO at its top (default 2; --quick: 0)")
-    p.add_argument("--full-ladder", action="store_true",
-                   help="run every rate even after a configuration has left its SLO")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: concurrency 1,2, one low rate, 8 tokens, short points",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=_ints,
+        help="closed-loop sessions (default 1,2,4,8,16); "
+        "1 is always run (it sets the SLO and the rate ladder)",
+    )
+    p.add_argument(
+        "--rates",
+        type=_floats,
+        help="open-loop session arrival rates, sessions/s "
+        "(default: multiples of the baseline single-session capacity)",
+    )
+    p.add_argument(
+        "--rate-multipliers",
+        type=_floats,
+        help="the default ladder, in multiples of the baseline single-session capacity "
+        f"(default {','.join(f'{m:g}' for m in DEFAULT_MULTIPLIERS)})",
+    )
+    p.add_argument(
+        "--extra-rungs",
+        type=int,
+        help="doublings added to the default ladder while a configuration still meets "
+        "the SLO at its top (default 2; --quick: 0)",
+    )
+    p.add_argument(
+        "--full-ladder",
+        action="store_true",
+        help="run every rate even after a configuration has left its SLO",
+    )
     p.add_argument("--tokens", type=int, help="output tokens per answer (default 24)")
-    p.add_argument("--point-s", type=float, help="closed-loop window per point, s (default 20; "
-                   "the 1-session point, the reference, runs twice as long)")
-    p.add_argument("--open-point-s", type=float,
-                   help="open-loop arrival window per rate, s (default 30)")
-    p.add_argument("--drain-s", type=float,
-                   help="time a point's running turns get after its window, s (default 15)")
-    p.add_argument("--typing-s", type=float,
-                   help="delay between a session's start and its first question, s (default 0.5)")
+    p.add_argument(
+        "--point-s",
+        type=float,
+        help="closed-loop window per point, s (default 20; "
+        "the 1-session point, the reference, runs twice as long)",
+    )
+    p.add_argument(
+        "--open-point-s", type=float, help="open-loop arrival window per rate, s (default 30)"
+    )
+    p.add_argument(
+        "--drain-s",
+        type=float,
+        help="time a point's running turns get after its window, s (default 15)",
+    )
+    p.add_argument(
+        "--typing-s",
+        type=float,
+        help="delay between a session's start and its first question, s (default 0.5)",
+    )
     p.add_argument("--turn-timeout-s", type=float, default=120.0, help="per turn (default 120)")
-    p.add_argument("--max-sessions", type=int, default=400,
-                   help="most sessions one point may start (default 400)")
-    p.add_argument("--max-queue", type=int,
-                   help="engine_max_queue of both gateways (default: the gateway's own)")
+    p.add_argument(
+        "--max-sessions",
+        type=int,
+        default=400,
+        help="most sessions one point may start (default 400)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        help="engine_max_queue of both gateways (default: the gateway's own)",
+    )
     p.add_argument("--slo-ms", type=float, help="fixed TTFT SLO instead of the measured one")
     p.add_argument("--seed", type=int, default=1234, help="seed of the arrival schedules")
-    p.add_argument("--ready-timeout-s", type=float, default=600.0,
-                   help="how long a gateway may take to load (default 600)")
+    p.add_argument(
+        "--ready-timeout-s",
+        type=float,
+        default=600.0,
+        help="how long a gateway may take to load (default 600)",
+    )
     args = p.parse_args(argv)
     quick = args.quick
-    defaults = {"concurrency": [1, 2] if quick else [1, 2, 4, 8, 16],
-                "rate_multipliers": [0.5] if quick else list(DEFAULT_MULTIPLIERS),
-                "tokens": 8 if quick else 24, "point_s": 6.0 if quick else 20.0,
-                "open_point_s": 6.0 if quick else 30.0,
-                "drain_s": 8.0 if quick else 15.0, "typing_s": 0.2 if quick else 0.5,
-                "extra_rungs": 0 if quick else 2}
+    defaults = {
+        "concurrency": [1, 2] if quick else [1, 2, 4, 8, 16],
+        "rate_multipliers": [0.5] if quick else list(DEFAULT_MULTIPLIERS),
+        "tokens": 8 if quick else 24,
+        "point_s": 6.0 if quick else 20.0,
+        "open_point_s": 6.0 if quick else 30.0,
+        "drain_s": 8.0 if quick else 15.0,
+        "typing_s": 0.2 if quick else 0.5,
+        "extra_rungs": 0 if quick else 2,
+    }
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.concurrency = sorted({1, *args.concurrency})
-    if (args.tokens < 1 or args.point_s <= 0 or args.open_point_s <= 0 or args.drain_s < 0
-            or args.typing_s < 0):
-        p.error("--tokens must be >= 1, --point-s and --open-point-s > 0, "
-                "--drain-s and --typing-s >= 0")
+    if (
+        args.tokens < 1
+        or args.point_s <= 0
+        or args.open_point_s <= 0
+        or args.drain_s < 0
+        or args.typing_s < 0
+    ):
+        p.error(
+            "--tokens must be >= 1, --point-s and --open-point-s > 0, --drain-s and --typing-s >= 0"
+        )
     if args.extra_rungs < 0:
         p.error("--extra-rungs must be >= 0")
-    points = (len(args.concurrency) + len(args.rates or args.rate_multipliers)
-              + (0 if args.rates else args.extra_rungs))
+    points = (
+        len(args.concurrency)
+        + len(args.rates or args.rate_multipliers)
+        + (0 if args.rates else args.extra_rungs)
+    )
     if not 1 <= args.max_sessions * points <= MAX_DISTINCT_PHOTOS:
-        p.error(f"--max-sessions x points must be 1..{MAX_DISTINCT_PHOTOS} (distinct photos), "
-                f"got {args.max_sessions} x {points}")
+        p.error(
+            f"--max-sessions x points must be 1..{MAX_DISTINCT_PHOTOS} (distinct photos), "
+            f"got {args.max_sessions} x {points}"
+        )
     return args
 
 
 class LoadRun:
     """The sequence of points against the two running gateways, and what they measured."""
 
-    def __init__(self, args: argparse.Namespace, gateways: dict[str, GatewayProcess],
-                 source: SessionSource) -> None:
+    def __init__(
+        self, args: argparse.Namespace, gateways: dict[str, GatewayProcess], source: SessionSource
+    ) -> None:
         self.args = args
         self.gateways = gateways
         self.source = source
@@ -188,40 +251,78 @@ class LoadRun:
             plans = self._plans(block, int(level) * 3 + 4)
             started = time.monotonic()
             records = await closed_loop(
-                gw.ws_url, MODES[config], int(level), plans, window_s=window,
-                drain_s=a.drain_s, max_sessions=a.max_sessions, **self._play())
+                gw.ws_url,
+                MODES[config],
+                int(level),
+                plans,
+                window_s=window,
+                drain_s=a.drain_s,
+                max_sessions=a.max_sessions,
+                **self._play(),
+            )
             extra: dict[str, Any] = {"concurrency": int(level)}
         else:
             # the same seeded schedule for both configurations at one rate; at light load the
             # window stretches (up to 2x) until enough sessions have arrived
-            arrivals = poisson_arrivals(level, a.open_point_s, seed=a.seed + block,
-                                        max_count=a.max_sessions, min_count=1 if a.quick else 3,
-                                        max_duration_s=2 * a.open_point_s)
+            arrivals = poisson_arrivals(
+                level,
+                a.open_point_s,
+                seed=a.seed + block,
+                max_count=a.max_sessions,
+                min_count=1 if a.quick else 3,
+                max_duration_s=2 * a.open_point_s,
+            )
             window = max(a.open_point_s, arrivals[-1])
             plans = self._plans(block, len(arrivals))
             started = time.monotonic()
-            records = await open_loop(gw.ws_url, MODES[config], arrivals, plans,
-                                      window_s=window, drain_s=a.drain_s, **self._play())
-            extra = {"rate_sessions_per_s": level,
-                     "offered_turns_per_s": level * len(QUESTIONS), "arrivals": len(arrivals),
-                     "arrived_turns_per_s": len(arrivals) * len(QUESTIONS) / window}
+            records = await open_loop(
+                gw.ws_url,
+                MODES[config],
+                arrivals,
+                plans,
+                window_s=window,
+                drain_s=a.drain_s,
+                **self._play(),
+            )
+            extra = {
+                "rate_sessions_per_s": level,
+                "offered_turns_per_s": level * len(QUESTIONS),
+                "arrivals": len(arrivals),
+                "arrived_turns_per_s": len(arrivals) * len(QUESTIONS) / window,
+            }
         summary = summarize(records, window, count_drained=kind == "open")
-        point = {"kind": kind, "config": config, **extra, **summary,
-                 "wall_s": time.monotonic() - started,
-                 "records": [asdict(r) for r in sorted(records, key=lambda r: r.sent_s)]}
-        log.info("point_done", kind=kind, config=config, level=level, turns=summary["turns"],
-                 turns_per_s=round(summary["turns_per_s"], 3),
-                 ttft_first_p95_ms=_r(summary["ttft_first_p95_ms"]),
-                 ttft_followup_p95_ms=_r(summary["ttft_followup_p95_ms"]),
-                 errors=summary["errors"], busy=summary["busy"], abandoned=summary["abandoned"],
-                 wall_s=round(point["wall_s"], 1))
+        point = {
+            "kind": kind,
+            "config": config,
+            **extra,
+            **summary,
+            "wall_s": time.monotonic() - started,
+            "records": [asdict(r) for r in sorted(records, key=lambda r: r.sent_s)],
+        }
+        log.info(
+            "point_done",
+            kind=kind,
+            config=config,
+            level=level,
+            turns=summary["turns"],
+            turns_per_s=round(summary["turns_per_s"], 3),
+            ttft_first_p95_ms=_r(summary["ttft_first_p95_ms"]),
+            ttft_followup_p95_ms=_r(summary["ttft_followup_p95_ms"]),
+            errors=summary["errors"],
+            busy=summary["busy"],
+            abandoned=summary["abandoned"],
+            wall_s=round(point["wall_s"], 1),
+        )
         self.points.append(point)
         return point
 
     async def run(self) -> None:
         a = self.args
-        print("closed loop: concurrent sessions, each a photo + question + "
-              f"{len(QUESTIONS) - 1} follow-ups, {a.tokens} tokens per answer", flush=True)
+        print(
+            "closed loop: concurrent sessions, each a photo + question + "
+            f"{len(QUESTIONS) - 1} follow-ups, {a.tokens} tokens per answer",
+            flush=True,
+        )
         print(TABLE_HEADER, flush=True)
         block = itertools.count()
         for c in a.concurrency:
@@ -229,8 +330,11 @@ class LoadRun:
             done = {cfg: await self._point("closed", cfg, c, b) for cfg in CONFIGS}
             print(table_row(f"closed c={c}", done["baseline"], done["visiongate"]), flush=True)
         self._set_slo_and_ladder()
-        print(f"\nopen loop: Poisson session arrivals (seed {a.seed}); SLO P95 TTFT <= "
-              f"{_fmt_ms(self.slo_ms)}; rates {self.ladder['source']}", flush=True)
+        print(
+            f"\nopen loop: Poisson session arrivals (seed {a.seed}); SLO P95 TTFT <= "
+            f"{_fmt_ms(self.slo_ms)}; rates {self.ladder['source']}",
+            flush=True,
+        )
         print(TABLE_HEADER, flush=True)
         active = set(CONFIGS)
         rates = list(self.ladder["sessions_per_s"])
@@ -258,13 +362,22 @@ class LoadRun:
                 self.ladder["extended"] = self.ladder.get("extended", 0) + 1
 
     def _within_slo(self, point: dict[str, Any]) -> bool:
-        return (self.slo_ms is not None and point["slo_p95_ms"] is not None
-                and point["slo_p95_ms"] <= self.slo_ms)
+        return (
+            self.slo_ms is not None
+            and point["slo_p95_ms"] is not None
+            and point["slo_p95_ms"] <= self.slo_ms
+        )
 
     def _set_slo_and_ladder(self) -> None:
         a = self.args
-        base1 = next((p for p in self.points if p["kind"] == "closed"
-                      and p["config"] == "baseline" and p["concurrency"] == 1), None)
+        base1 = next(
+            (
+                p
+                for p in self.points
+                if p["kind"] == "closed" and p["config"] == "baseline" and p["concurrency"] == 1
+            ),
+            None,
+        )
         if self.slo_ms is None and base1 and base1["ttft_first_p50_ms"]:
             self.slo_ms = SLO_FACTOR * base1["ttft_first_p50_ms"]
         turn_ms = (base1 or {}).get("turn_ms_mean")
@@ -273,11 +386,17 @@ class LoadRun:
             rates, source = list(a.rates), "given by --rates"
         else:
             rates = [m * capacity / len(QUESTIONS) for m in a.rate_multipliers]
-            source = (f"{','.join(f'{m:g}' for m in a.rate_multipliers)} x the baseline "
-                      f"single-session capacity {capacity:.3f} turns/s")
-        self.ladder = {"source": source, "baseline_turn_ms_mean": turn_ms,
-                       "capacity_turns_per_s": capacity, "sessions_per_s": rates,
-                       "turns_per_s": [r * len(QUESTIONS) for r in rates]}
+            source = (
+                f"{','.join(f'{m:g}' for m in a.rate_multipliers)} x the baseline "
+                f"single-session capacity {capacity:.3f} turns/s"
+            )
+        self.ladder = {
+            "source": source,
+            "baseline_turn_ms_mean": turn_ms,
+            "capacity_turns_per_s": capacity,
+            "sessions_per_s": rates,
+            "turns_per_s": [r * len(QUESTIONS) for r in rates],
+        }
 
 
 def _r(v: float | None) -> float | None:
@@ -308,8 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("info", json=False)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per /readyz poll
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    gateways = {name: GatewayProcess(name, config_overrides(name, args), out / f"gateway-{name}.log")
-                for name in CONFIGS}
+    gateways = {
+        name: GatewayProcess(name, config_overrides(name, args), out / f"gateway-{name}.log")
+        for name in CONFIGS
+    }
     source = SessionSource()
     run = LoadRun(args, gateways, source)
     status, error = "complete", None
@@ -331,21 +452,45 @@ def main(argv: list[str] | None = None) -> int:
             gw.stop()
         signal.signal(signal.SIGTERM, previous)
 
-    qps = {cfg: qps_at_slo([p for p in run.points if p["kind"] == "open" and p["config"] == cfg],
-                           run.slo_ms) if run.slo_ms is not None else None for cfg in CONFIGS}
+    qps = {
+        cfg: qps_at_slo(
+            [p for p in run.points if p["kind"] == "open" and p["config"] == cfg], run.slo_ms
+        )
+        if run.slo_ms is not None
+        else None
+        for cfg in CONFIGS
+    }
     head = headline(run.points, qps)
     report = {
-        "benchmark": "load", "status": status, "error": error,
-        "started": started.isoformat(), "finished": datetime.now(UTC).isoformat(),
-        "args": vars(args), "machine": machine_info(),
-        "workload": {"questions": list(QUESTIONS), "tokens": args.tokens,
-                     "typing_s": args.typing_s, "photos": "skimage sample photos, then crops "
-                     "and mirrors of them: every session's photo is distinct"},
-        "configs": {name: {"client": MODES[name], "requested": gw.requested, "applied": gw.applied,
-                           "skipped": gw.skipped, "effective_settings": _effective(gw)}
-                    for name, gw in gateways.items()},
+        "benchmark": "load",
+        "status": status,
+        "error": error,
+        "started": started.isoformat(),
+        "finished": datetime.now(UTC).isoformat(),
+        "args": vars(args),
+        "machine": machine_info(),
+        "workload": {
+            "questions": list(QUESTIONS),
+            "tokens": args.tokens,
+            "typing_s": args.typing_s,
+            "photos": "skimage sample photos, then crops "
+            "and mirrors of them: every session's photo is distinct",
+        },
+        "configs": {
+            name: {
+                "client": MODES[name],
+                "requested": gw.requested,
+                "applied": gw.applied,
+                "skipped": gw.skipped,
+                "effective_settings": _effective(gw),
+            }
+            for name, gw in gateways.items()
+        },
         "slo": {"ttft_p95_ms": run.slo_ms, "rule": "--slo-ms" if args.slo_ms else SLO_RULE},
-        "rate_ladder": run.ladder, "qps_at_slo": qps, "headline": head, "points": run.points,
+        "rate_ladder": run.ladder,
+        "qps_at_slo": qps,
+        "headline": head,
+        "points": run.points,
     }
     write_json(out / "load.json", report)
     if run.points:

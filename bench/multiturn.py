@@ -38,8 +38,9 @@ CONVERSATIONS: dict[str, list[tuple[list[str], str]]] = {
 }
 
 
-async def play(url: str, turns: list[tuple[list[str], str]], *, max_tokens: int,
-               pre_encode_s: float = 0.0) -> list[dict[str, Any]]:
+async def play(
+    url: str, turns: list[tuple[list[str], str]], *, max_tokens: int, pre_encode_s: float = 0.0
+) -> list[dict[str, Any]]:
     from gateway.client import RealtimeClient, image_data_url
     from gateway.demo import photo_jpeg
 
@@ -47,7 +48,8 @@ async def play(url: str, turns: list[tuple[list[str], str]], *, max_tokens: int,
     async with await RealtimeClient.connect(url) as client:
         for index, (photos, question) in enumerate(turns, 1):
             parts: list[dict[str, Any]] = [
-                {"type": "input_image", "image_url": image_data_url(photo_jpeg(p))} for p in photos]
+                {"type": "input_image", "image_url": image_data_url(photo_jpeg(p))} for p in photos
+            ]
             if pre_encode_s and parts:
                 await client.add_message(parts)  # the photo first; the user is still typing
                 await asyncio.sleep(pre_encode_s)
@@ -61,19 +63,27 @@ async def play(url: str, turns: list[tuple[list[str], str]], *, max_tokens: int,
                     ttft = (time.perf_counter() - t0) * 1e3
             r = answer.result
             usage = r.usage
-            rows.append({
-                "turn": index, "ttft_ms": round(ttft or 0.0, 1),
-                "server_ttft_ms": r.timings.get("ttft_ms", 0.0),
-                "encode_ms": r.timings.get("encode_ms", 0.0),
-                "prefill_ms": r.timings.get("prefill_ms", 0.0),
-                "input_tokens": usage.get("input_tokens", 0), "cached_tokens": r.cached_tokens,
-                "prefill_tokens": usage.get("input_tokens", 0) - r.cached_tokens,
-                "output_tokens": usage.get("output_tokens", 0), "vision": r.cache.get("vision"),
-                "text": r.text,
-            })
-            print(f"    turn {index}: TTFT {rows[-1]['ttft_ms']:7.1f} ms | encode "
-                  f"{rows[-1]['encode_ms']:6.1f} ms | prefill {rows[-1]['prefill_tokens']:4d} tokens "
-                  f"({r.cached_tokens} reused) | vision {r.cache.get('vision')}", flush=True)
+            rows.append(
+                {
+                    "turn": index,
+                    "ttft_ms": round(ttft or 0.0, 1),
+                    "server_ttft_ms": r.timings.get("ttft_ms", 0.0),
+                    "encode_ms": r.timings.get("encode_ms", 0.0),
+                    "prefill_ms": r.timings.get("prefill_ms", 0.0),
+                    "input_tokens": usage.get("input_tokens", 0),
+                    "cached_tokens": r.cached_tokens,
+                    "prefill_tokens": usage.get("input_tokens", 0) - r.cached_tokens,
+                    "output_tokens": usage.get("output_tokens", 0),
+                    "vision": r.cache.get("vision"),
+                    "text": r.text,
+                }
+            )
+            print(
+                f"    turn {index}: TTFT {rows[-1]['ttft_ms']:7.1f} ms | encode "
+                f"{rows[-1]['encode_ms']:6.1f} ms | prefill {rows[-1]['prefill_tokens']:4d} tokens "
+                f"({r.cached_tokens} reused) | vision {r.cache.get('vision')}",
+                flush=True,
+            )
     return rows
 
 
@@ -93,17 +103,27 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     for name in CONVERSATIONS:
         off, on = results[name]["uncached"], results[name]["cached"]
         for a, b in zip(off, on, strict=True):
-            b["ttft_ratio_vs_uncached"] = round(b["ttft_ms"] / a["ttft_ms"], 3) if a["ttft_ms"] else None
+            b["ttft_ratio_vs_uncached"] = (
+                round(b["ttft_ms"] / a["ttft_ms"], 3) if a["ttft_ms"] else None
+            )
         # a follow-up asks about photos already sent; a turn that brings a new photo pays its
         # encode in both modes and is reported, not counted here
-        follow_ratio += [b["ttft_ms"] / a["ttft_ms"]
-                         for (photos, _), a, b in zip(CONVERSATIONS[name][1:], off[1:], on[1:], strict=True)
-                         if a["ttft_ms"] and not photos]
-        results[name]["answers_equal"] = [a["text"] == b["text"] for a, b in zip(off, on, strict=True)]
+        follow_ratio += [
+            b["ttft_ms"] / a["ttft_ms"]
+            for (photos, _), a, b in zip(CONVERSATIONS[name][1:], off[1:], on[1:], strict=True)
+            if a["ttft_ms"] and not photos
+        ]
+        results[name]["answers_equal"] = [
+            a["text"] == b["text"] for a, b in zip(off, on, strict=True)
+        ]
     pre = results["pre_encode"]["cached"][0]
     cold = results["one_photo"]["cached"][0]
-    turn1 = {"ttft_ms_image_with_question": cold["ttft_ms"], "ttft_ms_pre_encoded": pre["ttft_ms"],
-             "encode_ms_image_with_question": cold["encode_ms"], "encode_ms_pre_encoded": pre["encode_ms"]}
+    turn1 = {
+        "ttft_ms_image_with_question": cold["ttft_ms"],
+        "ttft_ms_pre_encoded": pre["ttft_ms"],
+        "encode_ms_image_with_question": cold["encode_ms"],
+        "encode_ms_pre_encoded": pre["encode_ms"],
+    }
     return {
         "followup_ttft_ratio_mean": round(statistics.mean(follow_ratio), 3),
         "followup_ttft_ratio_median": round(statistics.median(follow_ratio), 3),
@@ -125,7 +145,13 @@ def chart(results: dict[str, Any], path: Path) -> None:
     for ax, name in zip(axes, CONVERSATIONS, strict=True):
         for mode, color in (("uncached", "#c0504d"), ("cached", "#4f81bd")):
             rows = results[name][mode]
-            ax.plot([r["turn"] for r in rows], [r["ttft_ms"] for r in rows], "o-", color=color, label=mode)
+            ax.plot(
+                [r["turn"] for r in rows],
+                [r["ttft_ms"] for r in rows],
+                "o-",
+                color=color,
+                label=mode,
+            )
         ax.set_title(name.replace("_", " "))
         ax.set_xlabel("turn")
         ax.grid(alpha=0.3)
@@ -137,7 +163,9 @@ def chart(results: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="bench/out", help="output directory")
     parser.add_argument("--max-tokens", type=int, default=24, help="per answer (default 24)")
     args = parser.parse_args(argv)
@@ -156,13 +184,22 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {}
             for mode, server in (("uncached", uncached), ("cached", cached)):
                 print(f"  {name} / {mode}", flush=True)
-                results[name][mode] = asyncio.run(play(server.ws_url, turns, max_tokens=args.max_tokens))
+                results[name][mode] = asyncio.run(
+                    play(server.ws_url, turns, max_tokens=args.max_tokens)
+                )
         # the first turn again on fresh photos' cache state is not possible with the same photo, so
         # use the cached gateway with another photo, sent 1 s before its question
         print("  pre_encode / cached", flush=True)
-        results["pre_encode"] = {"cached": asyncio.run(play(
-            cached.ws_url, [(["rocket"], "What is in this photo?")], max_tokens=args.max_tokens,
-            pre_encode_s=1.0))}
+        results["pre_encode"] = {
+            "cached": asyncio.run(
+                play(
+                    cached.ws_url,
+                    [(["rocket"], "What is in this photo?")],
+                    max_tokens=args.max_tokens,
+                    pre_encode_s=1.0,
+                )
+            )
+        }
     finally:
         uncached.stop()
         cached.stop()
@@ -176,14 +213,22 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         for n in CONVERSATIONS:
             a, b = results[n]["uncached"][i], results[n]["cached"][i]
-            cells.append(f"{a['ttft_ms']:7.0f} -> {b['ttft_ms']:6.0f} ms ({b['ttft_ratio_vs_uncached']:.2f}x)")
+            cells.append(
+                f"{a['ttft_ms']:7.0f} -> {b['ttft_ms']:6.0f} ms "
+                f"({b['ttft_ratio_vs_uncached']:.2f}x)"
+            )
         print(f"  {i + 1}  | " + " | ".join(cells))
-    print(f"\nfollow-up TTFT cached/uncached: mean {summary['followup_ttft_ratio_mean']}x, median "
-          f"{summary['followup_ttft_ratio_median']}x, max {summary['followup_ttft_ratio_max']}x (goal <= 0.2x)")
+    print(
+        f"\nfollow-up TTFT cached/uncached: mean {summary['followup_ttft_ratio_mean']}x, median "
+        f"{summary['followup_ttft_ratio_median']}x, max {summary['followup_ttft_ratio_max']}x "
+        "(goal <= 0.2x)"
+    )
     t1 = summary["turn1"]
-    print(f"turn 1 TTFT: image with the question {t1['ttft_ms_image_with_question']:.0f} ms "
-          f"(encode wait {t1['encode_ms_image_with_question']:.0f} ms); photo sent 1 s earlier "
-          f"{t1['ttft_ms_pre_encoded']:.0f} ms (encode wait {t1['encode_ms_pre_encoded']:.0f} ms)")
+    print(
+        f"turn 1 TTFT: image with the question {t1['ttft_ms_image_with_question']:.0f} ms "
+        f"(encode wait {t1['encode_ms_image_with_question']:.0f} ms); photo sent 1 s earlier "
+        f"{t1['ttft_ms_pre_encoded']:.0f} ms (encode wait {t1['encode_ms_pre_encoded']:.0f} ms)"
+    )
     print(f"greedy answers identical with and without caching: {summary['answers_equal_all']}")
     print(f"wrote {out / 'multiturn.json'} and {out / 'multiturn.png'}")
     return 0

@@ -220,8 +220,12 @@ def dashboard(
         "templating": {"list": [datasource_variable(), *variables]},
         "annotations": {"list": []},
         "links": [
-            {"type": "dashboards", "tags": ["visiongate"], "asDropdown": True,
-             "title": "visiongate"}
+            {
+                "type": "dashboards",
+                "tags": ["visiongate"],
+                "asDropdown": True,
+                "title": "visiongate",
+            }
         ],
         "panels": layout.panels,
     }

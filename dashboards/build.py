@@ -1,7 +1,7 @@
 """Generate the committed dashboard and alert-rule JSON under dashboards/json/.
 
-    python -m dashboards          # rewrite the files
-    python -m dashboards --check  # exit 1 if the committed files are stale
+python -m dashboards          # rewrite the files
+python -m dashboards --check  # exit 1 if the committed files are stale
 """
 
 from __future__ import annotations
@@ -49,9 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="fail if committed JSON is stale")
     args = parser.parse_args(argv)
     if args.check:
-        stale = [name for name, doc in build_all().items()
-                 if not (JSON_DIR / name).exists()
-                 or (JSON_DIR / name).read_text(encoding="utf-8") != render(doc)]
+        stale = [
+            name
+            for name, doc in build_all().items()
+            if not (JSON_DIR / name).exists()
+            or (JSON_DIR / name).read_text(encoding="utf-8") != render(doc)
+        ]
         for name in stale:
             print(f"stale: dashboards/json/{name}", file=sys.stderr)
         return 1 if stale else 0

@@ -36,7 +36,14 @@ __all__ = ("ENCODER_KEY_PARTS", "checkpoint_id", "read_tensors", "safetensors_in
 # (LLaVA: vision_tower, multi_modal_projector; Idefics3: vision_model, connector; Qwen2.5-VL:
 # visual).
 ENCODER_KEY_PARTS = frozenset(
-    ("vision_tower", "multi_modal_projector", "vision_model", "connector", "visual", "image_newline")
+    (
+        "vision_tower",
+        "multi_modal_projector",
+        "vision_model",
+        "connector",
+        "visual",
+        "image_newline",
+    )
 )
 _MAX_HEADER = 100 * 1024 * 1024
 _CACHE: dict[tuple, str] = {}
@@ -67,7 +74,9 @@ def safetensors_index(checkpoint_dir: str | Path) -> dict[str, Path]:
             if key != "__metadata__":
                 index[key] = path
     if not index:
-        raise ValueError(f"{checkpoint_dir}: no *.safetensors weights (other formats are not loaded)")
+        raise ValueError(
+            f"{checkpoint_dir}: no *.safetensors weights (other formats are not loaded)"
+        )
     return index
 
 
@@ -75,19 +84,27 @@ def _is_encoder_key(key: str) -> bool:
     return any(part in ENCODER_KEY_PARTS for part in key.split("."))
 
 
-def checkpoint_id(checkpoint_dir: str | Path,
-                  is_encoder_key: Callable[[str], bool] = _is_encoder_key,
-                  *, sample_others: int = 0) -> str:
+def checkpoint_id(
+    checkpoint_dir: str | Path,
+    is_encoder_key: Callable[[str], bool] = _is_encoder_key,
+    *,
+    sample_others: int = 0,
+) -> str:
     """sha256 hex identity of the checkpoint (see the module doc).
 
     `sample_others` > 0: every other tensor contributes that many bytes from its start, middle
     and end, so a fine-tune of any part changes the id while a large checkpoint reads only a
     few KiB per tensor (the language model's identity, for KV shared across replicas)."""
     root = Path(checkpoint_dir)
-    files = sorted(p for p in root.iterdir()
-                   if p.is_file() and p.suffix in (".json", ".jinja", ".safetensors"))
-    stamp = (str(root.resolve()), is_encoder_key, sample_others,
-             tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files))
+    files = sorted(
+        p for p in root.iterdir() if p.is_file() and p.suffix in (".json", ".jinja", ".safetensors")
+    )
+    stamp = (
+        str(root.resolve()),
+        is_encoder_key,
+        sample_others,
+        tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files),
+    )
     if stamp in _CACHE:
         return _CACHE[stamp]
     h = hashlib.sha256()

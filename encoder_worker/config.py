@@ -11,7 +11,13 @@ import os
 
 import msgspec
 
-__all__ = ("PRUNING_MODES", "SYNTHETIC_TOWERS", "VISUAL_TOKEN_FORMS", "EncoderConfig", "tower_family")
+__all__ = (
+    "PRUNING_MODES",
+    "SYNTHETIC_TOWERS",
+    "VISUAL_TOKEN_FORMS",
+    "EncoderConfig",
+    "tower_family",
+)
 
 PRUNING_MODES = ("none", "random", "topk", "dynamic", "dynamic+merge")
 SYNTHETIC_TOWERS = ("vit-b16-224", "vit-l14-336")
@@ -40,12 +46,19 @@ def tower_family(tower: str) -> str | None:
     except UnsupportedCheckpoint:
         return None
     dual_encoder = config.get("model_type") in ("clip", "siglip")  # vision towers, not VLMs
-    if family is None and not dual_encoder and "vision_config" in config and "text_config" in config:
+    if (
+        family is None
+        and not dual_encoder
+        and "vision_config" in config
+        and "text_config" in config
+    ):
         raise UnsupportedCheckpoint(
             f"{tower}: model_type {config.get('model_type')!r} is not a supported vision-language "
             f"family (supported: {', '.join(sorted(FAMILIES))})"
         )
     return family
+
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -98,10 +111,13 @@ class EncoderConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.tower not in SYNTHETIC_TOWERS and not os.path.isdir(self.tower):
             raise ValueError(
-                f"tower must be one of {SYNTHETIC_TOWERS} or a checkpoint directory, got {self.tower!r}"
+                f"tower must be one of {SYNTHETIC_TOWERS} or a checkpoint directory, "
+                f"got {self.tower!r}"
             )
         if self.feature_layer == 0:
-            raise ValueError("feature_layer 0 is the patch embedding; use a layer index >= 1 or < 0")
+            raise ValueError(
+                "feature_layer 0 is the patch embedding; use a layer index >= 1 or < 0"
+            )
         if self.pruning not in PRUNING_MODES:
             raise ValueError(f"pruning must be one of {PRUNING_MODES}, got {self.pruning!r}")
         for name in ("keep_ratio", "min_keep_ratio", "max_keep_ratio", "saliency_mass"):

@@ -229,7 +229,7 @@ def decode_jpeg_cuda(
                 except ImageError as exc:
                     decoded.append(exc)
                 batch[n] = (i, raw, 1)  # decode_image already applied the EXIF orientation
-        for (i, _, orientation), chw in zip(batch, decoded):
+        for (i, _, orientation), chw in zip(batch, decoded, strict=False):
             if isinstance(chw, ImageError):
                 results[i] = chw
             else:

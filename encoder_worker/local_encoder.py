@@ -33,8 +33,14 @@ class LocalEncoder:
 
     remote = False
 
-    def __init__(self, config: EncoderConfig, hidden_size: int | None,
-                 target_rms: float | None = None, *, torch_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        config: EncoderConfig,
+        hidden_size: int | None,
+        target_rms: float | None = None,
+        *,
+        torch_threads: int | None = None,
+    ) -> None:
         """`hidden_size` / `target_rms`: the language model's, for the synthetic projector; a
         VLM checkpoint (`config.family`) uses its own projector and only checks the width."""
         self.config = config
@@ -58,8 +64,10 @@ class LocalEncoder:
         loop = asyncio.get_running_loop()
         threads = self.torch_threads
         self._executor = ThreadPoolExecutor(
-            1, thread_name_prefix="vg-encoder",
-            initializer=(lambda: torch.set_num_threads(threads)) if threads else None)
+            1,
+            thread_name_prefix="vg-encoder",
+            initializer=(lambda: torch.set_num_threads(threads)) if threads else None,
+        )
         self.pipeline = await loop.run_in_executor(self._executor, self._build)
         self._queue = asyncio.Queue()
         self._task = asyncio.create_task(self._batch_loop(), name="visiongate-encoder-batcher")
@@ -75,7 +83,8 @@ class LocalEncoder:
             raise RuntimeError("LocalEncoder is not started (await start() first)")
         if len(data) > self.config.max_image_bytes:
             raise ImageError(
-                "image_too_large", f"image is {len(data)} bytes; the limit is {self.config.max_image_bytes}"
+                "image_too_large",
+                f"image is {len(data)} bytes; the limit is {self.config.max_image_bytes}",
             )
         fut: asyncio.Future[EncodedImage] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((bytes(data), fut))
@@ -126,7 +135,7 @@ class LocalEncoder:
                         fut.set_exception(RuntimeError("encoder closed"))
                 raise
             self.batches += 1
-            for (_, fut), result in zip(batch, results):
+            for (_, fut), result in zip(batch, results, strict=False):
                 if fut.done():
                     continue
                 if isinstance(result, BaseException):

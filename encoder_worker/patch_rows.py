@@ -2,8 +2,9 @@
 
 `PreprocessSpec` says what the tower expects: CLIP resizes the shorter side to the input size
 and center-crops (bicubic); SigLIP squashes the whole image to a square (bilinear). The
-geometry becomes a `kernels.ResizeCrop`, and `kernels.resize_normalize_patchify` turns the uint8 HWC image straight into [N, 3*P*P] rows:
-the Triton kernel on CUDA, the torch reference on CPU.
+geometry becomes a `kernels.ResizeCrop`, and `kernels.resize_normalize_patchify` turns the
+uint8 HWC image straight into [N, 3*P*P] rows: the Triton kernel on CUDA, the torch reference
+on CPU.
 
 `pil_preprocess` is the classic path (Pillow resize + crop, numpy normalize) kept as the
 baseline and as a cross-check.
@@ -18,7 +19,14 @@ from PIL import Image
 
 from kernels import ResizeCrop, resize_normalize_patchify
 
-__all__ = ("CLIP_MEAN", "CLIP_STD", "PreprocessSpec", "pil_preprocess", "preprocess_batch", "resize_plan")
+__all__ = (
+    "CLIP_MEAN",
+    "CLIP_STD",
+    "PreprocessSpec",
+    "pil_preprocess",
+    "preprocess_batch",
+    "resize_plan",
+)
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -67,7 +75,7 @@ def center_window(img: torch.Tensor, spec: PreprocessSpec) -> torch.Tensor:
     margin = 2 * max(1, -(-short // spec.image_size)) + 2  # filter support in source pixels
     keep = min(long, short + 2 * margin)
     start = (long - keep) // 2
-    return img[:, start:start + keep] if w >= h else img[start:start + keep]
+    return img[:, start : start + keep] if w >= h else img[start : start + keep]
 
 
 def preprocess_batch(

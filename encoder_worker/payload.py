@@ -71,7 +71,9 @@ class VisualTokens(msgspec.Struct, frozen=True):
 
     def to_bytes(self) -> bytes:
         head = _ENCODER.encode(self.header)
-        return b"".join((MAGIC, struct.pack("<I", len(head)), head, self.packed, self.scales, self.positions))
+        return b"".join(
+            (MAGIC, struct.pack("<I", len(head)), head, self.packed, self.scales, self.positions)
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> VisualTokens:
@@ -94,7 +96,9 @@ class VisualTokens(msgspec.Struct, frozen=True):
         a, b = sizes[0], sizes[0] + sizes[1]
         return cls(header, body[:a], body[a:b], body[b:])
 
-    def tensors(self, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def tensors(
+        self, device: str | torch.device = "cpu"
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(packed [N, B] uint8, scales [N, G] fp16, positions [N] int64) on `device`."""
         h = self.header
         (n, nbytes), (_, groups) = packed_shapes(h.n_tokens, h.hidden, h.group_size)
@@ -167,7 +171,9 @@ class FloatTokens(msgspec.Struct, frozen=True):
 
     def to_bytes(self) -> bytes:
         head = _ENCODER.encode(self.header)
-        return b"".join((FLOAT_MAGIC, struct.pack("<I", len(head)), head, self.values, self.positions))
+        return b"".join(
+            (FLOAT_MAGIC, struct.pack("<I", len(head)), head, self.values, self.positions)
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> FloatTokens:
@@ -192,8 +198,10 @@ class FloatTokens(msgspec.Struct, frozen=True):
         n_values = h.n_tokens * h.hidden * FLOAT_DTYPES[h.dtype][1]
         body = data[8 + head_len :]
         if len(body) != n_values + h.n_tokens * 4:
-            raise ValueError(f"float visual-tokens body is {len(body)} bytes, expected "
-                             f"{n_values + h.n_tokens * 4}")
+            raise ValueError(
+                f"float visual-tokens body is {len(body)} bytes, expected "
+                f"{n_values + h.n_tokens * 4}"
+            )
         return cls(h, body[:n_values], body[n_values:])
 
     def tensors(self, device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,8 +209,10 @@ class FloatTokens(msgspec.Struct, frozen=True):
         h = self.header
         dtype = getattr(torch, FLOAT_DTYPES[h.dtype][0])
         if h.n_tokens == 0:
-            return (torch.empty(0, h.hidden, dtype=dtype, device=device),
-                    torch.empty(0, dtype=torch.long, device=device))
+            return (
+                torch.empty(0, h.hidden, dtype=dtype, device=device),
+                torch.empty(0, dtype=torch.long, device=device),
+            )
         values = torch.frombuffer(bytearray(self.values), dtype=dtype).view(h.n_tokens, h.hidden)
         positions = torch.frombuffer(bytearray(self.positions), dtype=torch.int32).long()
         return values.to(device), positions.to(device)
@@ -239,8 +249,9 @@ def payload_from_bytes(data: bytes | bytearray | memoryview) -> VisualTokens | F
     return VisualTokens.from_bytes(data)
 
 
-def to_embeds(payload: VisualTokens | FloatTokens | bytes,
-              device: str | torch.device = "cpu") -> torch.Tensor:
+def to_embeds(
+    payload: VisualTokens | FloatTokens | bytes, device: str | torch.device = "cpu"
+) -> torch.Tensor:
     """Dequantize (or widen) on `device` -> [N, hidden] float32."""
     if not isinstance(payload, (VisualTokens, FloatTokens)):
         payload = payload_from_bytes(payload)

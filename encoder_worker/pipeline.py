@@ -79,11 +79,18 @@ def encoder_fingerprint(config: EncoderConfig, hidden_size: int, target_rms: flo
         parts = {
             "format": FORMAT_VERSION,
             "vlm": vlm_description(c.tower),
-            "pruning": [_family_pruning(c.pruning), c.keep_ratio, c.min_keep_ratio,
-                        c.max_keep_ratio, c.saliency_mass, c.seed],
+            "pruning": [
+                _family_pruning(c.pruning),
+                c.keep_ratio,
+                c.min_keep_ratio,
+                c.max_keep_ratio,
+                c.saliency_mass,
+                c.seed,
+            ],
             "visual_tokens": c.visual_tokens,
             "quant": ["int4-sym-group", c.int4_group_size, "clip-search"]
-            if c.visual_tokens == "int4" else [],
+            if c.visual_tokens == "int4"
+            else [],
         }
         return hashlib.sha256(msgspec.json.encode(parts)).hexdigest()
     info = describe_tower(c.tower, c.seed)
@@ -92,8 +99,15 @@ def encoder_fingerprint(config: EncoderConfig, hidden_size: int, target_rms: flo
         "weights": info.weights_id,
         "feature_layer": c.feature_layer,
         "preprocess": msgspec.to_builtins(info.spec),
-        "pruning": [c.pruning, c.keep_ratio, c.min_keep_ratio, c.max_keep_ratio,
-                    c.saliency_mass, c.merge_tokens, c.seed],
+        "pruning": [
+            c.pruning,
+            c.keep_ratio,
+            c.min_keep_ratio,
+            c.max_keep_ratio,
+            c.saliency_mass,
+            c.merge_tokens,
+            c.seed,
+        ],
         "quant": ["int4-sym-group", c.int4_group_size, "clip-search"],
         "projector": [Projector.describe(info.hidden_size, hidden_size, target_rms), c.seed],
     }
@@ -122,8 +136,11 @@ def vlm_description(checkpoint_dir: str) -> dict:
     weights = checkpoint_id(checkpoint_dir)
     if weights not in _DESCRIPTIONS:
         module = FAMILIES[read_config(checkpoint_dir).get("model_type", "")]
-        described = getattr(importlib.import_module(f"encoder_worker.families.{module}"),
-                            "describe_checkpoint", None)
+        described = getattr(
+            importlib.import_module(f"encoder_worker.families.{module}"),
+            "describe_checkpoint",
+            None,
+        )
         _DESCRIPTIONS[weights] = {
             "family": module,
             "weights": weights,
@@ -133,10 +150,14 @@ def vlm_description(checkpoint_dir: str) -> dict:
 
 
 class EncoderPipeline:
-    """Builds the tower and projector once; `encode_batch` is safe to call from one thread at a time."""
+    """Builds the tower and projector once.
 
-    def __init__(self, config: EncoderConfig, hidden_size: int | None,
-                 target_rms: float | None = None) -> None:
+    `encode_batch` is safe to call from one thread at a time.
+    """
+
+    def __init__(
+        self, config: EncoderConfig, hidden_size: int | None, target_rms: float | None = None
+    ) -> None:
         self.config = config
         self.device, self.dtype = resolve_device(config)
         self.family = None
@@ -151,7 +172,9 @@ class EncoderPipeline:
         tower, info = build_tower(config.tower, config.feature_layer, config.seed)
         self.spec = info.spec
         self.tower = tower.to(self.device, self.dtype)
-        self.projector = Projector(tower.hidden_size, hidden_size, config.seed, target_rms).to(self.device)
+        self.projector = Projector(tower.hidden_size, hidden_size, config.seed, target_rms).to(
+            self.device
+        )
         self.projector.eval().requires_grad_(False)
         self._forward = self.tower
         if config.compile and self.device.type == "cuda":
@@ -160,8 +183,13 @@ class EncoderPipeline:
         self._decoders = ThreadPoolExecutor(config.decode_threads, thread_name_prefix="vg-decode")
         self.fingerprint = encoder_fingerprint(config, hidden_size, target_rms)
         log.info(
-            "encoder.built", tower=config.tower, device=str(self.device), dtype=str(self.dtype),
-            layers_run=tower.num_layers_run, pruning=config.pruning, fingerprint=self.fingerprint[:16],
+            "encoder.built",
+            tower=config.tower,
+            device=str(self.device),
+            dtype=str(self.dtype),
+            layers_run=tower.num_layers_run,
+            pruning=config.pruning,
+            fingerprint=self.fingerprint[:16],
             build_s=round(time.perf_counter() - t0, 2),
         )
 
@@ -185,13 +213,23 @@ class EncoderPipeline:
         self._decoders = ThreadPoolExecutor(config.decode_threads, thread_name_prefix="vg-decode")
         self.fingerprint = encoder_fingerprint(config, self.hidden_size, None)
         if config.pruning == "dynamic+merge":
-            log.info("encoder.pruning_fallback", requested="dynamic+merge", used="dynamic",
-                     reason="merged rows have no place in the checkpoint's prompt layout")
+            log.info(
+                "encoder.pruning_fallback",
+                requested="dynamic+merge",
+                used="dynamic",
+                reason="merged rows have no place in the checkpoint's prompt layout",
+            )
         log.info(
-            "encoder.built", tower=config.tower, family=self.family.name, device=str(self.device),
-            dtype=str(self.dtype), pruning=_family_pruning(config.pruning),
-            visual_tokens=config.visual_tokens, lm_hidden=self.hidden_size,
-            fingerprint=self.fingerprint[:16], build_s=round(time.perf_counter() - t0, 2),
+            "encoder.built",
+            tower=config.tower,
+            family=self.family.name,
+            device=str(self.device),
+            dtype=str(self.dtype),
+            pruning=_family_pruning(config.pruning),
+            visual_tokens=config.visual_tokens,
+            lm_hidden=self.hidden_size,
+            fingerprint=self.fingerprint[:16],
+            build_s=round(time.perf_counter() - t0, 2),
         )
 
     @property
@@ -259,7 +297,7 @@ class EncoderPipeline:
             if b == 1:
                 return self._forward(patches)
             outs = [self._forward(patches[i : i + 1]) for i in range(b)]
-            return TowerOutput(*(torch.cat(parts) for parts in zip(*outs)))
+            return TowerOutput(*(torch.cat(parts) for parts in zip(*outs, strict=False)))
         outs = []
         m = self.config.max_batch
         for start in range(0, b, m):
@@ -267,7 +305,7 @@ class EncoderPipeline:
             if chunk.shape[0] < m:
                 chunk = torch.cat([chunk, chunk[:1].expand(m - chunk.shape[0], -1, -1)])
             outs.append(TowerOutput(*(t.clone() for t in self._forward(chunk))))
-        return TowerOutput(*(torch.cat(parts)[:b] for parts in zip(*outs)))
+        return TowerOutput(*(torch.cat(parts)[:b] for parts in zip(*outs, strict=False)))
 
     # -- the batch ----------------------------------------------------------------------------
 
@@ -278,7 +316,8 @@ class EncoderPipeline:
         images, decode_ms = self._decode(datas)
         ok = [i for i, im in enumerate(images) if not isinstance(im, ImageError)]
         results: list[EncodedImage | ImageError] = [
-            im if isinstance(im, ImageError) else None for im in images  # type: ignore[misc]
+            im if isinstance(im, ImageError) else None
+            for im in images  # type: ignore[misc]
         ]
         if not ok:
             return results
@@ -300,15 +339,17 @@ class EncoderPipeline:
         timer.lap("project")
         if self.config.visual_tokens == "int4":
             payloads = [
-                quantize_tokens(e, p.positions, self.tokens_total, self.config.int4_group_size,
-                                p.n_contextual)
-                for e, p in zip(embeds, pruned)
+                quantize_tokens(
+                    e, p.positions, self.tokens_total, self.config.int4_group_size, p.n_contextual
+                )
+                for e, p in zip(embeds, pruned, strict=False)
             ]
         else:
             payloads = [
-                float_tokens(e, p.positions, self.tokens_total, self.config.visual_tokens,
-                             p.n_contextual)
-                for e, p in zip(embeds, pruned)
+                float_tokens(
+                    e, p.positions, self.tokens_total, self.config.visual_tokens, p.n_contextual
+                )
+                for e, p in zip(embeds, pruned, strict=False)
             ]
         timer.lap("quantize")
         stage_ms = {k: v / n for k, v in timer.ms.items()}
@@ -325,14 +366,19 @@ class EncoderPipeline:
             )
         return results
 
-    def _encode_family(self, image: torch.Tensor, digest: str, decode_ms: float,
-                       batch_size: int) -> EncodedImage:
+    def _encode_family(
+        self, image: torch.Tensor, digest: str, decode_ms: float, batch_size: int
+    ) -> EncodedImage:
         """One image through the checkpoint's own encoder (see the module doc)."""
         family = self.family
         timer = _StageTimer(self._sync)
         out = family.encode(image.numpy())
         n = int(out.embeds.shape[0])
-        if out.embeds.shape != (n, self.hidden_size) or sum(out.runs) != n or out.saliency.shape != (n,):
+        if (
+            out.embeds.shape != (n, self.hidden_size)
+            or sum(out.runs) != n
+            or out.saliency.shape != (n,)
+        ):
             raise RuntimeError(
                 f"{family.name} family returned embeds {tuple(out.embeds.shape)}, saliency "
                 f"{tuple(out.saliency.shape)}, runs summing to {sum(out.runs)}"
@@ -343,8 +389,10 @@ class EncoderPipeline:
         if out.mrope is not None:  # the kept rows keep their original (t, h, w) positions
             columns = out.mrope[:, positions.to(out.mrope.device)].T.reshape(-1)  # [K*3]
             layout = msgspec.structs.replace(
-                layout, mrope=tuple(int(v) for v in columns.tolist()),
-                mrope_advance=layout.mrope_advance or int(out.mrope_advance))
+                layout,
+                mrope=tuple(int(v) for v in columns.tolist()),
+                mrope_advance=layout.mrope_advance or int(out.mrope_advance),
+            )
         if layout.rows != rows.shape[0]:
             raise RuntimeError(f"layout places {layout.rows} rows, {rows.shape[0]} were kept")
         timer.lap("prune")
@@ -354,11 +402,21 @@ class EncoderPipeline:
         else:
             payload = float_tokens(rows, positions, n, c.visual_tokens)
         timer.lap("quantize")
-        timings = {"decode": decode_ms, "preprocess": 0.0, **timer.ms, "project": 0.0,
-                   "batch_size": float(batch_size)}
+        timings = {
+            "decode": decode_ms,
+            "preprocess": 0.0,
+            **timer.ms,
+            "project": 0.0,
+            "batch_size": float(batch_size),
+        }
         return EncodedImage(
-            digest=digest, fingerprint=self.fingerprint, tokens_kept=int(rows.shape[0]),
-            tokens_total=n, hidden_size=self.hidden_size, payload=payload, timings_ms=timings,
+            digest=digest,
+            fingerprint=self.fingerprint,
+            tokens_kept=int(rows.shape[0]),
+            tokens_total=n,
+            hidden_size=self.hidden_size,
+            payload=payload,
+            timings_ms=timings,
             layout=layout,
         )
 

@@ -17,7 +17,9 @@ __all__ = ("Projector",)
 
 
 class Projector(nn.Module):
-    def __init__(self, vision_size: int, hidden_size: int, seed: int, target_rms: float | None) -> None:
+    def __init__(
+        self, vision_size: int, hidden_size: int, seed: int, target_rms: float | None
+    ) -> None:
         super().__init__()
         self.fc1 = nn.Linear(vision_size, hidden_size)
         self.fc2 = nn.Linear(hidden_size, hidden_size)

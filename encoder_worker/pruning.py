@@ -55,7 +55,9 @@ def keep_counts(saliency: torch.Tensor, mode: str, cfg) -> torch.Tensor:
     elif mode in ("random", "topk"):
         ratio = torch.full((b,), cfg.keep_ratio)
     else:
-        ratio = dynamic_keep_ratio(saliency, cfg.saliency_mass, cfg.min_keep_ratio, cfg.max_keep_ratio)
+        ratio = dynamic_keep_ratio(
+            saliency, cfg.saliency_mass, cfg.min_keep_ratio, cfg.max_keep_ratio
+        )
     return (ratio.cpu() * n).round().long().clamp(1, n)
 
 
@@ -78,7 +80,9 @@ def merge_dropped(
     assign = (k[rest] @ k[local].T).argmax(dim=1)  # [R-C] -> anchor slot
     x = features[dropped].float()  # [R, D]
     sums = x[local].clone().index_add_(0, assign, x[rest])  # [C, D]
-    counts = torch.ones(c, device=x.device).index_add_(0, assign, torch.ones_like(assign, dtype=x.dtype))
+    counts = torch.ones(c, device=x.device).index_add_(
+        0, assign, torch.ones_like(assign, dtype=x.dtype)
+    )
     return (sums / counts[:, None]).to(features.dtype), dropped[local]
 
 
@@ -101,9 +105,9 @@ def prune(
     if mode == "none":
         scores = torch.arange(n, 0, -1, dtype=torch.float32).expand(b, n)
     elif mode == "random":
-        scores = torch.stack([
-            torch.rand(n, generator=torch.Generator().manual_seed(s)) for s in seeds
-        ])
+        scores = torch.stack(
+            [torch.rand(n, generator=torch.Generator().manual_seed(s)) for s in seeds]
+        )
     else:
         scores = saliency.float().cpu()
     idx = topk_sorted(scores.to(features.device), dominant.to(features.device))  # [B, Kmax]

@@ -55,7 +55,10 @@ class TowerOutput(NamedTuple):
 
 
 def cls_attention_row(q_cls: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q_cls [B, H, Dh], k [B, H, T, Dh] -> CLS attention over all T tokens, summed over heads [B, T]."""
+    """q_cls [B, H, Dh], k [B, H, T, Dh] -> CLS attention over all T tokens.
+
+    The result is summed over heads: [B, T].
+    """
     scale = q_cls.shape[-1] ** -0.5
     logits = torch.einsum("bhd,bhtd->bht", q_cls.float(), k.float()) * scale  # [B, H, T]
     return logits.softmax(dim=-1).sum(dim=1)
@@ -81,13 +84,17 @@ class VisionTower(nn.Module):
         self.image_size = cfg.image_size
         self.num_layers_run = run
         d = cfg.hidden_size
-        self.patch_embed = nn.Linear(3 * cfg.patch_size**2, d, bias=emb.patch_embedding.bias is not None)
+        self.patch_embed = nn.Linear(
+            3 * cfg.patch_size**2, d, bias=emb.patch_embedding.bias is not None
+        )
         with torch.no_grad():
             self.patch_embed.weight.copy_(emb.patch_embedding.weight.reshape(d, -1))  # [D, C*P*P]
             if emb.patch_embedding.bias is not None:
                 self.patch_embed.bias.copy_(emb.patch_embedding.bias)
         self.has_cls = kind == "clip"
-        self.class_embedding = nn.Parameter(emb.class_embedding.detach().clone()) if self.has_cls else None
+        self.class_embedding = (
+            nn.Parameter(emb.class_embedding.detach().clone()) if self.has_cls else None
+        )
         self.pos_embedding = nn.Parameter(emb.position_embedding.weight.detach().clone())  # [T, D]
         self.pre_norm = hf_model.pre_layrnorm if kind == "clip" else nn.Identity()
         self.layers = nn.ModuleList(list(layers)[:run])
@@ -132,8 +139,13 @@ def _synthetic_model(name: str, seed: int, feature_layer: int) -> nn.Module:
 
     d, mlp, n_layers, heads, size, patch = SYNTHETIC_SHAPES[name]
     cfg = CLIPVisionConfig(
-        hidden_size=d, intermediate_size=mlp, num_hidden_layers=n_layers,
-        num_attention_heads=heads, image_size=size, patch_size=patch, hidden_act="quick_gelu",
+        hidden_size=d,
+        intermediate_size=mlp,
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        image_size=size,
+        patch_size=patch,
+        hidden_act="quick_gelu",
     )
     with torch.device("meta"):
         model = CLIPVisionModel(cfg)
@@ -180,7 +192,9 @@ def describe_tower(tower: str, seed: int) -> TowerInfo:
     if tower in SYNTHETIC_SHAPES:
         d, _, n_layers, _, size, patch = SYNTHETIC_SHAPES[tower]
         weights_id = f"synthetic:{tower}:seed={seed}:std={SYNTHETIC_INIT_STD}"
-        return TowerInfo("clip", d, n_layers, PreprocessSpec(image_size=size, patch_size=patch), weights_id)
+        return TowerInfo(
+            "clip", d, n_layers, PreprocessSpec(image_size=size, patch_size=patch), weights_id
+        )
     cfg_path = os.path.join(tower, "config.json")
     try:
         with open(cfg_path) as f:
@@ -190,9 +204,12 @@ def describe_tower(tower: str, seed: int) -> TowerInfo:
     model_type = cfg.get("model_type")
     if model_type in ("clip", "siglip"):
         cfg = cfg.get("vision_config") or {}
-    kind = {"clip": "clip", "clip_vision_model": "clip", "siglip": "siglip", "siglip_vision_model": "siglip"}.get(
-        model_type or ""
-    )
+    kind = {
+        "clip": "clip",
+        "clip_vision_model": "clip",
+        "siglip": "siglip",
+        "siglip_vision_model": "siglip",
+    }.get(model_type or "")
     if kind is None:
         raise ValueError(f"{tower}: unsupported vision model type {model_type!r} (CLIP or SigLIP)")
     defaults = {"clip": (768, 12, 224, 32), "siglip": (768, 12, 224, 16)}[kind]
@@ -207,7 +224,9 @@ def describe_tower(tower: str, seed: int) -> TowerInfo:
 def _checkpoint_spec(path: str, kind: str, image_size: int, patch: int) -> PreprocessSpec:
     base = {"image_size": image_size, "patch_size": patch}
     if kind == "siglip":
-        spec = PreprocessSpec(resize="squash", resample="bilinear", mean=(0.5,) * 3, std=(0.5,) * 3, **base)
+        spec = PreprocessSpec(
+            resize="squash", resample="bilinear", mean=(0.5,) * 3, std=(0.5,) * 3, **base
+        )
     else:
         spec = PreprocessSpec(**base)
     pre = os.path.join(path, "preprocessor_config.json")
@@ -237,7 +256,9 @@ def build_tower(tower: str, feature_layer: int, seed: int) -> tuple[VisionTower,
         from transformers import CLIPVisionModel, SiglipVisionModel
 
         cls = CLIPVisionModel if info.kind == "clip" else SiglipVisionModel
-        model = cls.from_pretrained(tower, local_files_only=True, use_safetensors=True, dtype=torch.float32)
+        model = cls.from_pretrained(
+            tower, local_files_only=True, use_safetensors=True, dtype=torch.float32
+        )
     vt = VisionTower(model, info.kind, layer)
     return vt.eval().requires_grad_(False), info
 

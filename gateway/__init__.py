@@ -1,4 +1,5 @@
-"""visiongate: a streaming chat gateway for vision-language models with session-aware vision caching.
+"""visiongate: a streaming chat gateway for vision-language models
+with session-aware vision caching.
 
 The public names load lazily, so `import gateway` stays cheap (no torch until it is needed):
 `create_app` and `Settings` build the service, `RealtimeClient` (async) and `Client`

@@ -61,14 +61,20 @@ def engine_threads(settings: Settings) -> int:
 def build_engine(settings: Settings) -> Engine:
     from gateway.engine.local import LocalEngine
 
-    return LocalEngine(model_path=settings.model_path, cache_dir=settings.cache_dir,
-                       max_queue=settings.engine_max_queue, kv_budget_bytes=settings.kv_budget_bytes,
-                       kv_spill_redis_url=settings.redis_url, kv_ttl_s=settings.kv_ttl_s,
-                       device=settings.device, dtype=settings.lm_dtype,
-                       max_batch=settings.engine_max_batch,
-                       prefill_chunk_tokens=settings.prefill_chunk_tokens,
-                       prefix_caching=settings.prefix_caching,
-                       torch_threads=engine_threads(settings))
+    return LocalEngine(
+        model_path=settings.model_path,
+        cache_dir=settings.cache_dir,
+        max_queue=settings.engine_max_queue,
+        kv_budget_bytes=settings.kv_budget_bytes,
+        kv_spill_redis_url=settings.redis_url,
+        kv_ttl_s=settings.kv_ttl_s,
+        device=settings.device,
+        dtype=settings.lm_dtype,
+        max_batch=settings.engine_max_batch,
+        prefill_chunk_tokens=settings.prefill_chunk_tokens,
+        prefix_caching=settings.prefix_caching,
+        torch_threads=engine_threads(settings),
+    )
 
 
 def encoder_config(settings: Settings) -> EncoderConfig:
@@ -82,12 +88,21 @@ def encoder_config(settings: Settings) -> EncoderConfig:
     tower = settings.vision_tower
     family = tower_family(settings.model_path) if settings.model_path else None
     if family is not None:
-        log.info("encoder.vlm_checkpoint", family=family, model_path=settings.model_path,
-                 vision_tower_ignored=tower)
+        log.info(
+            "encoder.vlm_checkpoint",
+            family=family,
+            model_path=settings.model_path,
+            vision_tower_ignored=tower,
+        )
         tower = settings.model_path
-    return EncoderConfig(tower=tower, pruning=settings.pruning, visual_tokens=settings.visual_tokens,
-                         max_image_bytes=settings.max_image_bytes, max_pixels=settings.max_pixels,
-                         device=settings.device)
+    return EncoderConfig(
+        tower=tower,
+        pruning=settings.pruning,
+        visual_tokens=settings.visual_tokens,
+        max_image_bytes=settings.max_image_bytes,
+        max_pixels=settings.max_pixels,
+        device=settings.device,
+    )
 
 
 def build_encoder(settings: Settings, engine: Engine) -> Encoder:
@@ -99,39 +114,56 @@ def build_encoder(settings: Settings, engine: Engine) -> Encoder:
     if settings.encoder == "redis":
         from gateway.redis_encoder import RedisEncoder
 
-        return RedisEncoder(settings.redis_url, config, hidden_size=engine.hidden_size,
-                            target_rms=target_rms,
-                            image_ttl_s=settings.vision_cache_ttl_s,
-                            vision_ttl_s=settings.vision_cache_ttl_s)
-    return LocalEncoder(config, hidden_size=engine.hidden_size, target_rms=target_rms,
-                        torch_threads=encoder_threads(settings))
+        return RedisEncoder(
+            settings.redis_url,
+            config,
+            hidden_size=engine.hidden_size,
+            target_rms=target_rms,
+            image_ttl_s=settings.vision_cache_ttl_s,
+            vision_ttl_s=settings.vision_cache_ttl_s,
+        )
+    return LocalEncoder(
+        config,
+        hidden_size=engine.hidden_size,
+        target_rms=target_rms,
+        torch_threads=encoder_threads(settings),
+    )
 
 
-def create_app(settings: Settings, *, engine: Engine | None = None,
-               encoder: Encoder | None = None) -> Litestar:
+def create_app(
+    settings: Settings, *, engine: Engine | None = None, encoder: Encoder | None = None
+) -> Litestar:
     """The gateway for `settings`. `engine` / `encoder` replace the real ones when given."""
     engine = engine or build_engine(settings)
     telemetry = setup_telemetry(VERSION, log_level=settings.log_level)
     state = GatewayState(
-        settings=settings, engine=engine,
+        settings=settings,
+        engine=engine,
         sessions=make_session_store(settings.redis_url, settings.session_ttl_s),
-        vision_cache=make_vision_cache(settings.redis_url, settings.vision_cache_bytes,
-                                       settings.vision_cache_ttl_s),
-        images=make_image_store(settings.redis_url, settings.image_store_bytes,
-                                settings.vision_cache_ttl_s),
+        vision_cache=make_vision_cache(
+            settings.redis_url, settings.vision_cache_bytes, settings.vision_cache_ttl_s
+        ),
+        images=make_image_store(
+            settings.redis_url, settings.image_store_bytes, settings.vision_cache_ttl_s
+        ),
         auth=Authenticator(settings.api_keys),
         rate_limiter=make_rate_limiter(settings.rate_limit_per_minute, settings.redis_url),
-        telemetry=telemetry)
+        telemetry=telemetry,
+    )
     gauges = {"sessions": 0, "queue": 0, "vision_cache": 0}
-    telemetry.metrics.observe_gauges(active_sessions=lambda: gauges["sessions"],
-                                     queue_depth=lambda: gauges["queue"],
-                                     cache_bytes=lambda: {"vision": gauges["vision_cache"]},
-                                     engine_stats=getattr(engine, "stats", None))
+    telemetry.metrics.observe_gauges(
+        active_sessions=lambda: gauges["sessions"],
+        queue_depth=lambda: gauges["queue"],
+        cache_bytes=lambda: {"vision": gauges["vision_cache"]},
+        engine_stats=getattr(engine, "stats", None),
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(_load_models(state, encoder), name="load models"),
-                 asyncio.create_task(_refresh_gauges(state, gauges), name="refresh gauges")]
+        tasks = [
+            asyncio.create_task(_load_models(state, encoder), name="load models"),
+            asyncio.create_task(_refresh_gauges(state, gauges), name="refresh gauges"),
+        ]
         try:
             yield
         finally:
@@ -156,14 +188,27 @@ def create_app(settings: Settings, *, engine: Engine | None = None,
         body, content_type = telemetry.prometheus_text()
         return Response(body, media_type=content_type)
 
-    openapi = OpenAPIConfig(title="visiongate", version=VERSION,
-                            description="OpenAI-compatible chat gateway for vision-language models "
-                            "with session-aware vision caching.")
-    return Litestar(route_handlers=[healthz, readyz, prometheus_metrics, realtime_route(state),
-                                    *http_route_handlers(state)],
-                    lifespan=[lifespan], plugins=[litestar_plugin(telemetry)],
-                    openapi_config=openapi, state=State({"gateway": state}), debug=False,
-                    logging_config=None)
+    openapi = OpenAPIConfig(
+        title="visiongate",
+        version=VERSION,
+        description="OpenAI-compatible chat gateway for vision-language models "
+        "with session-aware vision caching.",
+    )
+    return Litestar(
+        route_handlers=[
+            healthz,
+            readyz,
+            prometheus_metrics,
+            realtime_route(state),
+            *http_route_handlers(state),
+        ],
+        lifespan=[lifespan],
+        plugins=[litestar_plugin(telemetry)],
+        openapi_config=openapi,
+        state=State({"gateway": state}),
+        debug=False,
+        logging_config=None,
+    )
 
 
 async def _load_models(state: GatewayState, encoder: Encoder | None) -> None:
@@ -174,12 +219,20 @@ async def _load_models(state: GatewayState, encoder: Encoder | None) -> None:
         encoder = encoder or build_encoder(settings, engine)
         await encoder.start()
         vision = VisionResolver(encoder, state.vision_cache, state.images, metrics=state.metrics)
-        service = ChatService(engine=engine, vision=vision, sessions=state.sessions,
-                              max_output_tokens_limit=settings.max_output_tokens_limit,
-                              telemetry=state.telemetry)
+        service = ChatService(
+            engine=engine,
+            vision=vision,
+            sessions=state.sessions,
+            max_output_tokens_limit=settings.max_output_tokens_limit,
+            telemetry=state.telemetry,
+        )
         state.serving = Serving(encoder=encoder, vision=vision, service=service)
-        log.info("ready", model=engine.model_id, encoder=encoder.fingerprint[:16],
-                 load_s=round(time.perf_counter() - t0, 2))
+        log.info(
+            "ready",
+            model=engine.model_id,
+            encoder=encoder.fingerprint[:16],
+            load_s=round(time.perf_counter() - t0, 2),
+        )
     except Exception as exc:  # keep serving /healthz; /readyz says why it is not ready
         state.load_error = f"{type(exc).__name__}: {exc}"
         log.exception("model_load_failed")

@@ -80,5 +80,3 @@ class Finished:
 
 
 ServiceEvent = Started | TextChunk | Finished
-
-

@@ -43,8 +43,8 @@ __all__ = (
     "ParsedContent",
     "RequestLimits",
     "add_inline_images",
-    "check_image_bytes",
     "check_conversation_size",
+    "check_image_bytes",
     "check_image_count",
     "check_instructions",
     "check_item_count",
@@ -197,7 +197,8 @@ def check_item_count(count: int, limits: RequestLimits, param: str | None) -> No
 def conversation_chars(instructions: str | None, items: Iterable[StoredItem]) -> int:
     """Text characters of a conversation: its instructions and every text part."""
     return len(instructions or "") + sum(
-        len(part.text or "") for item in items for part in item.parts if part.kind == "text")
+        len(part.text or "") for item in items for part in item.parts if part.kind == "text"
+    )
 
 
 def check_conversation_size(chars: int, limits: RequestLimits, param: str | None) -> None:

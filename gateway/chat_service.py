@@ -42,11 +42,19 @@ __all__ = ("ChatService", "kv_key_for")
 
 log = structlog.get_logger("visiongate.service")
 
+
 class ChatService:
     """Turns (session, options) into a streamed answer; persists the turn when done."""
 
-    def __init__(self, *, engine: Engine, vision: VisionResolver, sessions: SessionStore,
-                 max_output_tokens_limit: int, telemetry: Telemetry | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        vision: VisionResolver,
+        sessions: SessionStore,
+        max_output_tokens_limit: int,
+        telemetry: Telemetry | None = None,
+    ) -> None:
         self.engine = engine
         self.vision = vision
         self.sessions = sessions
@@ -64,9 +72,14 @@ class ChatService:
         """Stream one response. `pending` holds pre-encodes already running, by digest; they are
         awaited instead of started again. Closing the iterator early cancels generation."""
         t0 = received_at if received_at is not None else time.perf_counter()
-        trace = ResponseTrace(self.telemetry, model=self.engine.model_id, api=options.api,
-                              response_id=options.response_id, session_id=session.id,
-                              started_ns=time.time_ns() - int((time.perf_counter() - t0) * 1e9))
+        trace = ResponseTrace(
+            self.telemetry,
+            model=self.engine.model_id,
+            api=options.api,
+            response_id=options.response_id,
+            session_id=session.id,
+            started_ns=time.time_ns() - int((time.perf_counter() - t0) * 1e9),
+        )
         if options.session_load_ns is not None:
             trace.span("session.load", *options.session_load_ns)
         finished = False
@@ -87,8 +100,16 @@ class ChatService:
             if not finished:
                 error = GatewayError("internal_error", f"the response failed: {type(exc).__name__}")
                 await self._drop_placeholder(session, options)
-                yield finish(Finished(options.response_id, options.item_id, "failed", "", error=error,
-                                      timings={"total_ms": _ms(t0)}))
+                yield finish(
+                    Finished(
+                        options.response_id,
+                        options.item_id,
+                        "failed",
+                        "",
+                        error=error,
+                        timings={"total_ms": _ms(t0)},
+                    )
+                )
         finally:
             if not finished:  # the consumer went away before the end
                 trace.root.set_attribute("visiongate.abandoned", True)
@@ -101,20 +122,36 @@ class ChatService:
                 # write runs to its end even though the caller is being cancelled
                 keep = asyncio.ensure_future(
                     self._finish_placeholder(session, options, "".join(partial), "incomplete")
-                    if partial else self._drop_placeholder(session, options))
+                    if partial
+                    else self._drop_placeholder(session, options)
+                )
                 _background.add(keep)
                 keep.add_done_callback(_background.discard)
 
-    async def _respond(self, session: Session, options: ResponseOptions,
-                       pending: dict[str, asyncio.Task[Resolved]], t0: float, trace: ResponseTrace,
-                       finish, partial: list[str]) -> AsyncIterator[ServiceEvent]:
+    async def _respond(
+        self,
+        session: Session,
+        options: ResponseOptions,
+        pending: dict[str, asyncio.Task[Resolved]],
+        t0: float,
+        trace: ResponseTrace,
+        finish,
+        partial: list[str],
+    ) -> AsyncIterator[ServiceEvent]:
         # The answer's place in the conversation is taken now, as the Realtime API does at
         # response.output_item.added: items the client adds while it streams come after it.
         if options.store:
+
             def place(stored: Session) -> None:
-                stored.items.append(StoredItem(
-                    id=options.item_id, role="assistant", parts=[StoredPart("text", text="")],
-                    status="in_progress", response_id=options.response_id))
+                stored.items.append(
+                    StoredItem(
+                        id=options.item_id,
+                        role="assistant",
+                        parts=[StoredPart("text", text="")],
+                        status="in_progress",
+                        response_id=options.response_id,
+                    )
+                )
 
             await self.sessions.update(session.id, session.owner, place)
         yield Started(options.response_id, options.item_id)
@@ -125,8 +162,16 @@ class ChatService:
             images, waited = await self._resolve_images(session, pending, trace, options.cancel)
         except GatewayError as exc:
             await self._drop_placeholder(session, options)
-            yield finish(Finished(options.response_id, options.item_id, "failed", "", error=exc,
-                                  timings={"total_ms": _ms(t0)}))
+            yield finish(
+                Finished(
+                    options.response_id,
+                    options.item_id,
+                    "failed",
+                    "",
+                    error=exc,
+                    timings={"total_ms": _ms(t0)},
+                )
+            )
             return
         hits = sum(1 for r in images.values() if r.source in ("memory", "redis"))
         misses = len(images) - hits
@@ -136,15 +181,24 @@ class ChatService:
 
         if options.cancel.is_set():  # cancelled while waiting for images
             await self._drop_placeholder(session, options)
-            yield finish(Finished(options.response_id, options.item_id, "cancelled", "",
-                                  reason="client_cancelled", timings={"total_ms": _ms(t0)}))
+            yield finish(
+                Finished(
+                    options.response_id,
+                    options.item_id,
+                    "cancelled",
+                    "",
+                    reason="client_cancelled",
+                    timings={"total_ms": _ms(t0)},
+                )
+            )
             return
 
         # 2. the prompt, fitted to the model's context
         messages = self._messages(session, options, images)
         sampling = SamplingParams(
-            max_output_tokens=min(options.max_output_tokens or session.max_output_tokens,
-                                  self.max_output_tokens_limit),
+            max_output_tokens=min(
+                options.max_output_tokens or session.max_output_tokens, self.max_output_tokens_limit
+            ),
             temperature=session.temperature if options.temperature is None else options.temperature,
             top_p=session.top_p if options.top_p is None else options.top_p,
             seed=session.seed if options.seed is None else options.seed,
@@ -155,17 +209,31 @@ class ChatService:
             messages, dropped = await self._fit(messages, sampling.max_output_tokens, truncation)
         except GatewayError as exc:
             await self._drop_placeholder(session, options)
-            yield finish(Finished(options.response_id, options.item_id, "failed", "", error=exc,
-                                  vision_hits=hits, vision_misses=misses,
-                                  timings={"total_ms": _ms(t0)}))
+            yield finish(
+                Finished(
+                    options.response_id,
+                    options.item_id,
+                    "failed",
+                    "",
+                    error=exc,
+                    vision_hits=hits,
+                    vision_misses=misses,
+                    timings={"total_ms": _ms(t0)},
+                )
+            )
             return
         # KV is kept per (owner, session): a session id reused by another key never meets it;
         # an answer kept out of the conversation leaves nothing worth keeping
         kv_key = kv_key_for(session.owner, session.id) if options.store else None
         # prefix caching is shared within an API key (its sessions and stateless requests alike)
-        request = GenerationRequest(request_id=options.response_id, messages=messages,
-                                    sampling=sampling, kv_key=kv_key, cancel=options.cancel,
-                                    cache_salt=session.owner)
+        request = GenerationRequest(
+            request_id=options.response_id,
+            messages=messages,
+            sampling=sampling,
+            kv_key=kv_key,
+            cancel=options.cancel,
+            cache_salt=session.owner,
+        )
 
         # 3. generate
         text_parts: list[str] = []
@@ -203,38 +271,77 @@ class ChatService:
 
         text = "".join(text_parts)
         image_tokens_total = sum(r.image.tokens_total for r in images.values())
-        timings = {"queue_ms": 0.0, "encode_ms": encode_wait_ms, "prefill_ms": 0.0,
-                   "decode_ms": 0.0, "ttft_ms": ttft_ms, "total_ms": _ms(t0)}
+        timings = {
+            "queue_ms": 0.0,
+            "encode_ms": encode_wait_ms,
+            "prefill_ms": 0.0,
+            "decode_ms": 0.0,
+            "ttft_ms": ttft_ms,
+            "total_ms": _ms(t0),
+        }
         if error is not None or result is None:
             error = error or GatewayError("engine_error", "the engine ended without a result")
             await self._drop_placeholder(session, options)
-            yield finish(Finished(options.response_id, options.item_id, "failed", text, error=error,
-                                  vision_hits=hits, vision_misses=misses,
-                                  image_tokens_total=image_tokens_total, timings=timings), first_ns)
+            yield finish(
+                Finished(
+                    options.response_id,
+                    options.item_id,
+                    "failed",
+                    text,
+                    error=error,
+                    vision_hits=hits,
+                    vision_misses=misses,
+                    image_tokens_total=image_tokens_total,
+                    timings=timings,
+                ),
+                first_ns,
+            )
             return
         trace.llm(generate_ns, result)
-        status: Status = {"stop": "completed", "length": "incomplete",
-                          "cancelled": "cancelled"}[result.finish_reason]
-        reason = {"length": "max_output_tokens", "cancelled": "client_cancelled"}.get(result.finish_reason)
-        timings.update(queue_ms=result.queue_ms, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms)
+        status: Status = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled"}[
+            result.finish_reason
+        ]
+        reason = {"length": "max_output_tokens", "cancelled": "client_cancelled"}.get(
+            result.finish_reason
+        )
+        timings.update(
+            queue_ms=result.queue_ms, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms
+        )
 
         # 4. the answer fills its place in the conversation (a cancelled one too, as incomplete)
         store_error = await self._finish_placeholder(
-            session, options, result.text, "completed" if status == "completed" else "incomplete")
+            session, options, result.text, "completed" if status == "completed" else "incomplete"
+        )
 
-        yield finish(Finished(
-            options.response_id, options.item_id, status, result.text, reason=reason,
-            input_tokens=result.input_tokens, image_tokens=result.image_tokens,
-            image_tokens_total=image_tokens_total,
-            text_tokens=result.input_tokens - result.image_tokens,
-            output_tokens=result.output_tokens, cached_tokens=result.cached_tokens,
-            cached_image_tokens=result.cached_image_tokens,
-            vision_hits=hits, vision_misses=misses, timings=timings, truncated_items=dropped,
-            store_error=store_error,
-        ), first_ns)
+        yield finish(
+            Finished(
+                options.response_id,
+                options.item_id,
+                status,
+                result.text,
+                reason=reason,
+                input_tokens=result.input_tokens,
+                image_tokens=result.image_tokens,
+                image_tokens_total=image_tokens_total,
+                text_tokens=result.input_tokens - result.image_tokens,
+                output_tokens=result.output_tokens,
+                cached_tokens=result.cached_tokens,
+                cached_image_tokens=result.cached_image_tokens,
+                vision_hits=hits,
+                vision_misses=misses,
+                timings=timings,
+                truncated_items=dropped,
+                store_error=store_error,
+            ),
+            first_ns,
+        )
 
-    async def _fit(self, messages: list[Message], max_output_tokens: int,
-                   truncation: Literal["auto", "disabled"]) -> tuple[list[Message], int]:
+    async def _fit(
+        self,
+        messages: list[Message],
+        max_output_tokens: int,
+        truncation: Literal["auto", "disabled"],
+    ) -> tuple[list[Message], int]:
         """The messages that fit the model's context with room for the answer, and how many
         conversation messages were left out. "auto" leaves out the oldest turns (the
         instructions and the latest message always stay); "disabled" refuses instead.
@@ -257,35 +364,48 @@ class ChatService:
             return messages, 0
         loop = asyncio.get_running_loop()
         costs = await loop.run_in_executor(
-            _counting, lambda: [cost(m, self.engine.count_tokens) for m in messages])
+            _counting, lambda: [cost(m, self.engine.count_tokens) for m in messages]
+        )
         total = sum(costs)
         if total <= room:
             return messages, 0
         head = 1 if messages and messages[0].role == "system" else 0
         if truncation == "disabled" or len(messages) - head <= 1:
             raise GatewayError(
-                "context_length_exceeded", f"the conversation needs about {total} tokens and "
+                "context_length_exceeded",
+                f"the conversation needs about {total} tokens and "
                 f"the model takes {context}, {context - room} of them kept for the answer; "
-                + ("delete older items or set truncation to \"auto\""
-                   if truncation == "disabled" else "shorten the latest message"),
-                param="messages")
+                + (
+                    'delete older items or set truncation to "auto"'
+                    if truncation == "disabled"
+                    else "shorten the latest message"
+                ),
+                param="messages",
+            )
         # drop whole turns from the oldest on; a turn never starts with an assistant message
         start = head
-        while start < len(messages) - 1 and (
-                total > room or messages[start].role == "assistant"):
+        while start < len(messages) - 1 and (total > room or messages[start].role == "assistant"):
             total -= costs[start]
             start += 1
         if total > room:
-            raise GatewayError("context_length_exceeded", f"the latest message needs about "
-                               f"{total} tokens; the model takes {context}, {context - room} of "
-                               "them kept for the answer", param="messages")
+            raise GatewayError(
+                "context_length_exceeded",
+                f"the latest message needs about "
+                f"{total} tokens; the model takes {context}, {context - room} of "
+                "them kept for the answer",
+                param="messages",
+            )
         kept = messages[:head] + messages[start:]
         log.info("context_truncated", dropped=start - head, kept_tokens=total, context=context)
         return kept, start - head
 
-    async def _finish_placeholder(self, session: Session, options: ResponseOptions, text: str,
-                                  status: Literal["completed", "incomplete"]
-                                  ) -> GatewayError | None:
+    async def _finish_placeholder(
+        self,
+        session: Session,
+        options: ResponseOptions,
+        text: str,
+        status: Literal["completed", "incomplete"],
+    ) -> GatewayError | None:
         """Write the answer into its place; the error if the record could not be written."""
         if not options.store:
             return None
@@ -300,8 +420,11 @@ class ChatService:
             await self.sessions.update(session.id, session.owner, fill)
         except GatewayError as exc:  # the answer went out; only its record is lost
             log.error("answer_not_stored", response_id=options.response_id, code=exc.code)
-            return GatewayError("answer_not_stored", f"the answer was sent but could not be "
-                                f"stored in the session ({exc.code}); resend it to keep it")
+            return GatewayError(
+                "answer_not_stored",
+                f"the answer was sent but could not be "
+                f"stored in the session ({exc.code}); resend it to keep it",
+            )
         return None
 
     async def _drop_placeholder(self, session: Session, options: ResponseOptions) -> None:
@@ -316,9 +439,13 @@ class ChatService:
         except GatewayError as exc:
             log.error("placeholder_not_removed", response_id=options.response_id, code=exc.code)
 
-    async def _resolve_images(self, session: Session, pending: dict[str, asyncio.Task[Resolved]],
-                              trace: ResponseTrace, cancel: threading.Event
-                              ) -> tuple[dict[str, Resolved], bool]:
+    async def _resolve_images(
+        self,
+        session: Session,
+        pending: dict[str, asyncio.Task[Resolved]],
+        trace: ResponseTrace,
+        cancel: threading.Event,
+    ) -> tuple[dict[str, Resolved], bool]:
         """Resolved tokens by digest, and whether any of them had to be waited for."""
         digests = session.image_digests
         if not digests:
@@ -354,9 +481,12 @@ class ChatService:
                 return {}, True
         return dict(zip(digests, gathered.result(), strict=True)), waited
 
-    def _messages(self, session: Session, options: ResponseOptions,
-                  images: dict[str, Resolved]) -> list[Message]:
-        instructions = session.instructions if options.instructions is None else options.instructions
+    def _messages(
+        self, session: Session, options: ResponseOptions, images: dict[str, Resolved]
+    ) -> list[Message]:
+        instructions = (
+            session.instructions if options.instructions is None else options.instructions
+        )
         messages: list[Message] = []
         if instructions:
             messages.append(Message("system", [instructions]))
@@ -373,10 +503,14 @@ class ChatService:
                 elif part.digest in images:
                     image = embeds_by_digest.get(part.digest)
                     if image is None:
-                        # the id names the tokens, not just the bytes: a new encoder config is new content
+                        # the id names the tokens, not just the bytes: a new encoder config
+                        # is new content
                         encoded = images[part.digest].image
-                        image = ImageInput(f"{fingerprint}:{part.digest}", encoded.embeds("cpu"),
-                                           layout=encoded.layout)
+                        image = ImageInput(
+                            f"{fingerprint}:{part.digest}",
+                            encoded.embeds("cpu"),
+                            layout=encoded.layout,
+                        )
                         embeds_by_digest[part.digest] = image
                     content.append(image)
             if content:

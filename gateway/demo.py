@@ -42,11 +42,13 @@ def photo_jpeg(name: str) -> bytes:
 def timing_line(turn: int, result, wall_ttft_ms: float | None = None) -> str:
     t, c = result.timings, result.cache
     tps = result.usage.get("output_tokens", 0) / max(t.get("decode_ms", 0.0) / 1e3, 1e-9)
-    return (f"[turn {turn}] queue {t.get('queue_ms', 0):.0f} ms | encode {t.get('encode_ms', 0):.0f} ms"
-            f" | prefill {t.get('prefill_ms', 0):.0f} ms | TTFT {t.get('ttft_ms', 0):.0f} ms"
-            f" | total {t.get('total_ms', 0):.0f} ms | {result.usage.get('output_tokens', 0)} tokens"
-            f" at {tps:.1f} tok/s | image tokens {result.image_tokens}/{result.image_tokens_total}"
-            f" | vision cache {c.get('vision')} | KV reused {result.cached_tokens} tokens")
+    return (
+        f"[turn {turn}] queue {t.get('queue_ms', 0):.0f} ms | encode {t.get('encode_ms', 0):.0f} ms"
+        f" | prefill {t.get('prefill_ms', 0):.0f} ms | TTFT {t.get('ttft_ms', 0):.0f} ms"
+        f" | total {t.get('total_ms', 0):.0f} ms | {result.usage.get('output_tokens', 0)} tokens"
+        f" at {tps:.1f} tok/s | image tokens {result.image_tokens}/{result.image_tokens_total}"
+        f" | vision cache {c.get('vision')} | KV reused {result.cached_tokens} tokens"
+    )
 
 
 async def _conversation(url: str, photo: bytes, max_output_tokens: int, out) -> list:
@@ -57,8 +59,11 @@ async def _conversation(url: str, photo: bytes, max_output_tokens: int, out) -> 
         print(f"session {client.session_id} on {url}", file=out)
         item = await client.add_image(photo)
         encoded = await client.wait_encoded(item)
-        print(f"image {encoded['digest'][:12]} encoded: {encoded['tokens_kept']}/"
-              f"{encoded['tokens_total']} visual tokens kept in {encoded['encode_ms']:.0f} ms", file=out)
+        print(
+            f"image {encoded['digest'][:12]} encoded: {encoded['tokens_kept']}/"
+            f"{encoded['tokens_total']} visual tokens kept in {encoded['encode_ms']:.0f} ms",
+            file=out,
+        )
         for turn, question in enumerate(QUESTIONS, 1):
             print(f"\n> {question}", file=out)
             answer = await client.ask(question, max_output_tokens=max_output_tokens)
@@ -71,8 +76,9 @@ async def _conversation(url: str, photo: bytes, max_output_tokens: int, out) -> 
     return results
 
 
-def run_demo(settings: Settings, *, photo: str = "astronaut", max_output_tokens: int = 64,
-             out=sys.stdout) -> int:
+def run_demo(
+    settings: Settings, *, photo: str = "astronaut", max_output_tokens: int = 64, out=sys.stdout
+) -> int:
     import msgspec
 
     from gateway.app import create_app

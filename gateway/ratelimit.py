@@ -24,8 +24,11 @@ class RateLimiter(Protocol):
 
 
 def _limited(owner: str, per_minute: int, retry_s: float) -> GatewayError:
-    return GatewayError("rate_limited", f"rate limit of {per_minute} responses per minute reached; "
-                        f"retry in {max(retry_s, 0.1):.1f} s")
+    return GatewayError(
+        "rate_limited",
+        f"rate limit of {per_minute} responses per minute reached; "
+        f"retry in {max(retry_s, 0.1):.1f} s",
+    )
 
 
 class MemoryRateLimiter:
@@ -73,7 +76,9 @@ class RedisRateLimiter:
         except Exception as exc:  # Redis down: serve rather than refuse everyone
             import structlog
 
-            structlog.get_logger("visiongate.ratelimit").warning("rate_limit_unavailable", error=str(exc))
+            structlog.get_logger("visiongate.ratelimit").warning(
+                "rate_limit_unavailable", error=str(exc)
+            )
             return
         if int(count) > self.per_minute:
             raise _limited(owner, self.per_minute, 60 - time.time() % 60)

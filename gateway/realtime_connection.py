@@ -303,7 +303,10 @@ class RealtimeConnection:
 
         self.session, _ = await self.state.sessions.update(self.session.id, self.owner, apply)
         await self._send(
-            rt.SessionUpdated(self._eid(), session_state(self.session, self.state.engine.model_id, with_items=False))
+            rt.SessionUpdated(
+                self._eid(),
+                session_state(self.session, self.state.engine.model_id, with_items=False),
+            )
         )
 
     async def _item_create(self, event: rt.ConversationItemCreate) -> None:
@@ -331,7 +334,8 @@ class RealtimeConnection:
             check_item_count(len(session.items) + 1, limits, None)
             check_image_count(set(session.image_digests) | new_digests, limits, None)
             check_conversation_size(
-                conversation_chars(session.instructions, [*session.items, stored]), limits, None)
+                conversation_chars(session.instructions, [*session.items, stored]), limits, None
+            )
             return _insert(session.items, stored, event.previous_item_id)
 
         self.session, previous = await self.state.sessions.update(

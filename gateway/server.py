@@ -14,12 +14,20 @@ from gateway.settings import Settings
 __all__ = ("ServerThread", "serve", "uvicorn_config")
 
 
-def uvicorn_config(app: Litestar, settings: Settings, *, host: str | None = None,
-                   port: int | None = None) -> uvicorn.Config:
+def uvicorn_config(
+    app: Litestar, settings: Settings, *, host: str | None = None, port: int | None = None
+) -> uvicorn.Config:
     return uvicorn.Config(
-        app, host=host or settings.host, port=port if port is not None else settings.port,
-        ws="websockets-sansio", ws_max_size=settings.ws_max_frame_bytes, ws_ping_interval=20.0,
-        ws_ping_timeout=30.0, log_config=None, access_log=False, lifespan="on",
+        app,
+        host=host or settings.host,
+        port=port if port is not None else settings.port,
+        ws="websockets-sansio",
+        ws_max_size=settings.ws_max_frame_bytes,
+        ws_ping_interval=20.0,
+        ws_ping_timeout=30.0,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
         timeout_graceful_shutdown=5,
     )
 
@@ -31,7 +39,9 @@ def serve(app: Litestar, settings: Settings) -> None:
 class ServerThread:
     """uvicorn on a daemon thread with its own event loop. `start()` returns once it listens."""
 
-    def __init__(self, app: Litestar, settings: Settings, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, app: Litestar, settings: Settings, *, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
         if port == 0:
             import socket
 

@@ -1,4 +1,5 @@
-"""Gateway configuration: one msgspec struct, filled from defaults, `VISIONGATE_*` variables and flags.
+"""Gateway configuration: one msgspec struct,
+filled from defaults, `VISIONGATE_*` variables and flags.
 
 Every field can be set from the environment as `VISIONGATE_<FIELD>` (upper case). Values are
 validated once at start; a bad value stops the gateway with a message naming the variable.
@@ -30,7 +31,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     api_keys: list[str] = []  # empty: no authentication, every caller is "anonymous"
     rate_limit_per_minute: int = 0  # responses per minute per API key; 0: no limit
     # language model
-    model_path: str | None = None  # a local HF checkpoint dir; None: the embedded SmolLM2-135M-Instruct
+    model_path: str | None = (
+        None  # a local HF checkpoint dir; None: the embedded SmolLM2-135M-Instruct
+    )
     cache_dir: str | None = None  # converted models; default ~/.cache/visiongate
     device: str = "auto"
     # language-model weights: auto (float32 on CPU: cached and uncached answers agree; bfloat16
@@ -54,7 +57,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     encoder_threads: int = 0
     engine_threads: int = 0
     # vision encoder
-    encoder: str = "inproc"  # inproc: in this process | redis: `visiongate worker` processes via redis_url
+    encoder: str = (
+        "inproc"  # inproc: in this process | redis: `visiongate worker` processes via redis_url
+    )
     vision_tower: str = "vit-b16-224"  # or vit-l14-336, or a local CLIP/SigLIP checkpoint dir
     pruning: str = "dynamic"  # none | random | topk | dynamic | dynamic+merge
     # stored form of visual tokens: int4 (group-wise) | bf16 | fp32; with pruning none and a VLM
@@ -87,44 +92,84 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise SettingsError(f"{ENV_PREFIX}{field.upper()}: {why}")
 
         need(0 < self.port < 65536, "port", f"must be 1..65535, got {self.port}")
-        need(self.log_level in ("debug", "info", "warning", "error"), "log_level",
-             f"must be debug, info, warning or error, got {self.log_level!r}")
-        need(1 <= self.max_output_tokens <= self.max_output_tokens_limit, "max_output_tokens",
-             f"must be 1..{self.max_output_tokens_limit}, got {self.max_output_tokens}")
+        need(
+            self.log_level in ("debug", "info", "warning", "error"),
+            "log_level",
+            f"must be debug, info, warning or error, got {self.log_level!r}",
+        )
+        need(
+            1 <= self.max_output_tokens <= self.max_output_tokens_limit,
+            "max_output_tokens",
+            f"must be 1..{self.max_output_tokens_limit}, got {self.max_output_tokens}",
+        )
         need(self.rate_limit_per_minute >= 0, "rate_limit_per_minute", "must be >= 0")
-        need(self.lm_dtype in ("auto", "float32", "bfloat16", "float16", "int8"), "lm_dtype",
-             f"must be auto, float32, bfloat16, float16 or int8, got {self.lm_dtype!r}")
+        need(
+            self.lm_dtype in ("auto", "float32", "bfloat16", "float16", "int8"),
+            "lm_dtype",
+            f"must be auto, float32, bfloat16, float16 or int8, got {self.lm_dtype!r}",
+        )
         need(self.engine_max_queue >= 1, "engine_max_queue", "must be >= 1")
-        need(self.engine_max_queue_per_key >= 0, "engine_max_queue_per_key",
-             "must be >= 0 (0: automatic)")
+        need(
+            self.engine_max_queue_per_key >= 0,
+            "engine_max_queue_per_key",
+            "must be >= 0 (0: automatic)",
+        )
         need(1 <= self.engine_max_batch <= 1024, "engine_max_batch", "must be 1..1024")
         need(self.encoder_threads >= 0, "encoder_threads", "must be >= 0 (0: automatic)")
         need(self.engine_threads >= 0, "engine_threads", "must be >= 0 (0: automatic)")
-        need(self.prefill_chunk_tokens >= self.engine_max_batch, "prefill_chunk_tokens",
-             f"must be >= engine_max_batch ({self.engine_max_batch}): each decode takes a token")
-        need(self.pruning in ("none", "random", "topk", "dynamic", "dynamic+merge"), "pruning",
-             f"must be none, random, topk, dynamic or dynamic+merge, got {self.pruning!r}")
-        need(self.visual_tokens in ("int4", "bf16", "fp32"), "visual_tokens",
-             f"must be int4, bf16 or fp32, got {self.visual_tokens!r}")
+        need(
+            self.prefill_chunk_tokens >= self.engine_max_batch,
+            "prefill_chunk_tokens",
+            f"must be >= engine_max_batch ({self.engine_max_batch}): each decode takes a token",
+        )
+        need(
+            self.pruning in ("none", "random", "topk", "dynamic", "dynamic+merge"),
+            "pruning",
+            f"must be none, random, topk, dynamic or dynamic+merge, got {self.pruning!r}",
+        )
+        need(
+            self.visual_tokens in ("int4", "bf16", "fp32"),
+            "visual_tokens",
+            f"must be int4, bf16 or fp32, got {self.visual_tokens!r}",
+        )
         need(1024 <= self.max_image_bytes <= 512 * MiB, "max_image_bytes", "must be 1 KiB..512 MiB")
         need(self.max_pixels >= 64 * 64, "max_pixels", "must be >= 4096")
-        need(all(p.startswith(("http://", "https://")) and p.count("/") >= 3
-                 for p in self.image_url_allowlist), "image_url_allowlist",
-             "entries must be URL prefixes with a host and a path, e.g. https://img.example.com/")
+        need(
+            all(
+                p.startswith(("http://", "https://")) and p.count("/") >= 3
+                for p in self.image_url_allowlist
+            ),
+            "image_url_allowlist",
+            "entries must be URL prefixes with a host and a path, e.g. https://img.example.com/",
+        )
         need(self.max_text_chars >= 1, "max_text_chars", "must be >= 1")
         need(self.max_items_per_session >= 2, "max_items_per_session", "must be >= 2")
-        need(self.max_conversation_chars >= self.max_text_chars, "max_conversation_chars",
-             "must be >= max_text_chars")
+        need(
+            self.max_conversation_chars >= self.max_text_chars,
+            "max_conversation_chars",
+            "must be >= max_text_chars",
+        )
         need(self.max_images_per_session >= 1, "max_images_per_session", "must be >= 1")
         need(self.session_ttl_s >= 1, "session_ttl_s", "must be >= 1 second")
         need(self.vision_cache_bytes >= 0, "vision_cache_bytes", "must be >= 0")
         need(self.kv_budget_bytes >= 0, "kv_budget_bytes", "must be >= 0")
-        need(self.redis_url is None or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
-             "redis_url", f"must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
-        need(self.encoder in ("inproc", "redis") and (self.encoder == "inproc" or self.redis_url is not None),
-             "encoder", f"must be inproc or redis (redis needs {ENV_PREFIX}REDIS_URL), got {self.encoder!r}")
-        need(self.model_path is None or os.path.isdir(self.model_path), "model_path",
-             f"{self.model_path!r} is not a directory")
+        need(
+            self.redis_url is None
+            or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+            "redis_url",
+            f"must start with redis://, rediss:// or unix://, got {self.redis_url!r}",
+        )
+        need(
+            self.encoder in ("inproc", "redis")
+            and (self.encoder == "inproc" or self.redis_url is not None),
+            "encoder",
+            f"must be inproc or redis (redis needs {ENV_PREFIX}REDIS_URL), got {self.encoder!r}",
+        )
+        need(
+            self.model_path is None or os.path.isdir(self.model_path),
+            "model_path",
+            f"{self.model_path!r} is not a directory",
+        )
 
     @property
     def ws_max_frame_bytes(self) -> int:
@@ -134,8 +179,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.max_image_bytes * 4 // 3 + 4 * MiB
 
     @classmethod
-    def load(cls, overrides: Mapping[str, Any] | None = None,
-             environ: Mapping[str, str] | None = None) -> Settings:
+    def load(
+        cls, overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None
+    ) -> Settings:
         """Defaults < `VISIONGATE_*` environment < explicit overrides (e.g. CLI flags)."""
         environ = os.environ if environ is None else environ
         raw: dict[str, Any] = {}
@@ -143,10 +189,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for key, value in environ.items():
             if not key.startswith(ENV_PREFIX):
                 continue
-            name = key[len(ENV_PREFIX):].lower()
+            name = key[len(ENV_PREFIX) :].lower()
             if name not in fields:
-                raise SettingsError(f"{key}: unknown setting (known: "
-                                    f"{', '.join(ENV_PREFIX + n.upper() for n in sorted(fields))})")
+                raise SettingsError(
+                    f"{key}: unknown setting (known: "
+                    f"{', '.join(ENV_PREFIX + n.upper() for n in sorted(fields))})"
+                )
             raw[name] = _parse_env(name, value, fields[name].type)
         raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
         try:

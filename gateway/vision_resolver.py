@@ -102,31 +102,43 @@ class VisionResolver:
         self._lookup("none", "miss")
         joined = self._flight.in_flight(digest)
         done = await self._flight.do(digest, lambda: self._encode(digest, traceparent))
-        return Resolved(done.image, "joined" if joined else "encoded", (time.perf_counter() - t0) * 1e3,
-                        done.started_ns, done.put_ms)
+        return Resolved(
+            done.image,
+            "joined" if joined else "encoded",
+            (time.perf_counter() - t0) * 1e3,
+            done.started_ns,
+            done.put_ms,
+        )
 
     async def _encode(self, digest: str, traceparent: str | None) -> _Encoded:
         data = await self.images.get(digest)
         if data is None:
-            raise GatewayError("image_not_found", f"no stored image with digest {digest}",
-                               param="image_url")
+            raise GatewayError(
+                "image_not_found", f"no stored image with digest {digest}", param="image_url"
+            )
         self.encodes += 1
         started_ns, t0 = time.time_ns(), time.perf_counter()
         try:
             image = await self.encoder.encode(data, traceparent=traceparent)
         except ImageError as exc:
-            raise GatewayError(exc.code if exc.code in ("invalid_image", "image_too_large",
-                                                        "unsupported_image_format")
-                               else "invalid_image", exc.message, param="image_url") from None
-        stages = {k: float(v) for k, v in image.timings_ms.items()
-                  if k in ENCODE_STAGES}
+            raise GatewayError(
+                exc.code
+                if exc.code in ("invalid_image", "image_too_large", "unsupported_image_format")
+                else "invalid_image",
+                exc.message,
+                param="image_url",
+            ) from None
+        stages = {k: float(v) for k, v in image.timings_ms.items() if k in ENCODE_STAGES}
         # what the stages do not account for is waiting: for a batch to fill, for the worker
         queue_ms = max((time.perf_counter() - t0) * 1e3 - sum(stages.values()), 0.0)
         image.timings_ms = {"queue": round(queue_ms, 3), **image.timings_ms}
-        self._metrics.record_encode(timings_ms=stages,
-                                        batch_size=int(image.timings_ms.get("batch_size", 1)),
-                                        queue_ms=queue_ms, tokens_kept=image.tokens_kept,
-                                        tokens_total=image.tokens_total)
+        self._metrics.record_encode(
+            timings_ms=stages,
+            batch_size=int(image.timings_ms.get("batch_size", 1)),
+            queue_ms=queue_ms,
+            tokens_kept=image.tokens_kept,
+            tokens_total=image.tokens_total,
+        )
         if getattr(self.encoder, "remote", False):  # the worker stored it and traced its stages
             return _Encoded(image, None, 0.0)
         t_put = time.perf_counter()

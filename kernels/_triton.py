@@ -65,7 +65,9 @@ def jit(fn: Callable[..., Any], *, interpret: bool) -> Any:
     kernel = _JITTED.get(key)
     if kernel is None:
         if interpret and not interpreter_ready():
-            raise RuntimeError("Triton's interpreter needs TRITON_INTERPRET=1 before triton is imported")
+            raise RuntimeError(
+                "Triton's interpreter needs TRITON_INTERPRET=1 before triton is imported"
+            )
         import triton
         import triton.language
 

@@ -47,7 +47,9 @@ def _gather_tokens_kernel(
     x_ptr,  # [B, T, D]
     idx_ptr,  # [B, K] int64
     out_ptr,  # [B, K, D]
-    T, K, D,
+    T,
+    K,
+    D,
     BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -65,7 +67,9 @@ def _gather_tokens_kernel(
 def gather_tokens(x: torch.Tensor, idx: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:
     """x [B, T, D], idx [B, K] int64 (-1 = empty slot) -> kept tokens [B, K, D]."""
     if x.dim() != 3 or idx.dim() != 2 or idx.shape[0] != x.shape[0]:
-        raise ValueError(f"expected x [B, T, D] and idx [B, K], got {tuple(x.shape)}, {tuple(idx.shape)}")
+        raise ValueError(
+            f"expected x [B, T, D] and idx [B, K], got {tuple(x.shape)}, {tuple(idx.shape)}"
+        )
     if not use_triton(x, impl):
         return gather_tokens_ref(x, idx)
     b, t, d = x.shape

@@ -90,7 +90,8 @@ def _quantize_int4_kernel(
     x_ptr,  # [N, D] float
     packed_ptr,  # [N, G*HALF] uint8
     scales_ptr,  # [N, G] fp16
-    D, G,
+    D,
+    G,
     HALF: tl.constexpr,  # group / 2
     RATIOS: tl.constexpr,  # len(CLIP_RATIOS)
     RATIO_STEP: tl.constexpr,  # CLIP_RATIOS[i] = 1 - i * RATIO_STEP
@@ -128,7 +129,8 @@ def _dequantize_int4_kernel(
     packed_ptr,  # [N, G*HALF] uint8
     scales_ptr,  # [N, G] fp16
     out_ptr,  # [N, D] float32
-    D, G,
+    D,
+    G,
     HALF: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -145,7 +147,7 @@ def _dequantize_int4_kernel(
 
 
 _RATIO_STEP = 0.05
-assert CLIP_RATIOS == tuple(round(1.0 - i * _RATIO_STEP, 10) for i in range(len(CLIP_RATIOS)))
+assert tuple(round(1.0 - i * _RATIO_STEP, 10) for i in range(len(CLIP_RATIOS))) == CLIP_RATIOS
 
 
 def quantize_int4(
@@ -162,8 +164,14 @@ def quantize_int4(
     if n:
         kernel = jit(_quantize_int4_kernel, interpret=not x.is_cuda)
         kernel[(n, groups)](
-            x.contiguous(), packed, scales, d, groups,
-            HALF=group // 2, RATIOS=len(CLIP_RATIOS), RATIO_STEP=_RATIO_STEP,
+            x.contiguous(),
+            packed,
+            scales,
+            d,
+            groups,
+            HALF=group // 2,
+            RATIOS=len(CLIP_RATIOS),
+            RATIO_STEP=_RATIO_STEP,
         )
     return packed, scales
 

@@ -118,12 +118,23 @@ def resize_normalize_patchify_ref(
 
 def _resize_normalize_patchify_kernel(
     img_ptr,  # [H, W, 3] uint8
-    sy_ptr, wy_ptr,  # [OH] int32, [OH, KY] f32
-    sx_ptr, wx_ptr,  # [OW] int32, [OW, KX] f32
+    sy_ptr,
+    wy_ptr,  # [OH] int32, [OH, KY] f32
+    sx_ptr,
+    wx_ptr,  # [OW] int32, [OW, KX] f32
     out_ptr,  # [GH*GW, 3*P*P]
-    H, W, OH, OW, KY, KX,
-    scale0, scale1, scale2,  # 1 / (255 * std_c)
-    shift0, shift1, shift2,  # mean_c / std_c
+    H,
+    W,
+    OH,
+    OW,
+    KY,
+    KX,
+    scale0,
+    scale1,
+    scale2,  # 1 / (255 * std_c)
+    shift0,
+    shift1,
+    shift2,  # mean_c / std_c
     P: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -171,7 +182,9 @@ def resize_normalize_patchify(
 ) -> torch.Tensor:
     """Resize (antialiased), crop, normalize and patchify in one step; returns `out` [N, 3*P*P]."""
     if image.dtype != torch.uint8 or image.dim() != 3 or image.shape[2] != 3:
-        raise ValueError(f"expected a [H, W, 3] uint8 image, got {tuple(image.shape)} {image.dtype}")
+        raise ValueError(
+            f"expected a [H, W, 3] uint8 image, got {tuple(image.shape)} {image.dtype}"
+        )
     oh, ow = geom.out_h, geom.out_w
     if oh % patch or ow % patch:
         raise ValueError(f"output {oh}x{ow} is not a whole number of {patch}px patches")
@@ -191,10 +204,21 @@ def resize_normalize_patchify(
     block = 256
     grid = ((oh * ow + block - 1) // block,)
     kernel[grid](
-        image.contiguous(), sy, wy, sx, wx, out,
-        h, w, oh, ow, wy.shape[1], wx.shape[1],
+        image.contiguous(),
+        sy,
+        wy,
+        sx,
+        wx,
+        out,
+        h,
+        w,
+        oh,
+        ow,
+        wy.shape[1],
+        wx.shape[1],
         *(1.0 / (255.0 * s) for s in std),
-        *(m / s for m, s in zip(mean, std)),
-        P=patch, BLOCK=block,
+        *(m / s for m, s in zip(mean, std, strict=False)),
+        P=patch,
+        BLOCK=block,
     )
     return out

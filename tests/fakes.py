@@ -84,7 +84,7 @@ class FakeEngine:
         if self.start_delay_s:
             await asyncio.sleep(self.start_delay_s)
         # set from the test's thread, not this loop's: polled, so shutting down still cancels it
-        while self.loaded is not None and not self.loaded.is_set():  # noqa: ASYNC110
+        while self.loaded is not None and not self.loaded.is_set():
             await asyncio.sleep(0.01)
         self._ready = True
 
@@ -223,7 +223,7 @@ class FakeEncoder:
         try:
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
-            while self.gate is not None and not self.gate.is_set():  # noqa: ASYNC110
+            while self.gate is not None and not self.gate.is_set():
                 await asyncio.sleep(0.01)  # set from any thread (see FakeEngine.start)
             check_image(data, self.max_image_bytes, self.max_pixels)  # ImageError: real codes
             seed = int(digest[:8], 16)

@@ -247,8 +247,13 @@ def _points(m: Any, resource: dict[str, Any]) -> list[ReceivedPoint]:
         for p in m.histogram.data_points:
             out.append(
                 ReceivedPoint(
-                    m.name, "histogram", m.unit, _attrs(p.attributes), resource,
-                    count=int(p.count), sum=float(p.sum),
+                    m.name,
+                    "histogram",
+                    m.unit,
+                    _attrs(p.attributes),
+                    resource,
+                    count=int(p.count),
+                    sum=float(p.sum),
                     bucket_counts=[int(c) for c in p.bucket_counts],
                     explicit_bounds=[float(b) for b in p.explicit_bounds],
                 )
@@ -256,8 +261,12 @@ def _points(m: Any, resource: dict[str, Any]) -> list[ReceivedPoint]:
     return out
 
 
-def _wait(fetch: Callable[[], list[Any]], predicate: Callable[[list[Any]], bool],
-          timeout: float, what: str) -> list[Any]:
+def _wait(
+    fetch: Callable[[], list[Any]],
+    predicate: Callable[[list[Any]], bool],
+    timeout: float,
+    what: str,
+) -> list[Any]:
     deadline = time.monotonic() + timeout
     while True:
         items = fetch()

@@ -96,8 +96,13 @@ def detect_family(checkpoint_dir: str | Path) -> str | None:
     return module
 
 
-def load_family(checkpoint_dir: str | Path, device: torch.device, dtype: torch.dtype) -> VisionFamily:
-    """Build the family's encoder for a checkpoint; UnsupportedCheckpoint names what is supported."""
+def load_family(
+    checkpoint_dir: str | Path, device: torch.device, dtype: torch.dtype
+) -> VisionFamily:
+    """Build the family's encoder for a checkpoint.
+
+    UnsupportedCheckpoint names what is supported.
+    """
     config = read_config(checkpoint_dir)
     module = FAMILIES.get(config.get("model_type", ""))
     if module is None:

@@ -46,8 +46,19 @@ log = structlog.get_logger("encoder_worker.families.llava")
 _TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 # image-processor fields that shape pixel values (the rest is bookkeeping)
-_PIXEL_FIELDS = ("do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale",
-                 "rescale_factor", "do_normalize", "image_mean", "image_std", "do_convert_rgb")
+_PIXEL_FIELDS = (
+    "do_resize",
+    "size",
+    "resample",
+    "do_center_crop",
+    "crop_size",
+    "do_rescale",
+    "rescale_factor",
+    "do_normalize",
+    "image_mean",
+    "image_std",
+    "do_convert_rgb",
+)
 
 
 def _load_config(path: Path):
@@ -81,7 +92,7 @@ def _feature_layers(config) -> tuple[list[int], bool]:
     n = config.vision_config.num_hidden_layers
     layers = [layer] if isinstance(layer, int) else list(layer)
     absolute = [i if i >= 0 else n + 1 + i for i in layers]
-    for i, a in zip(layers, absolute):
+    for i, a in zip(layers, absolute, strict=False):
         if not 0 <= a <= n:
             raise UnsupportedCheckpoint(f"vision_feature_layer {i} is out of range for {n} layers")
     return absolute, not isinstance(layer, int)
@@ -117,7 +128,8 @@ def _resolve_prefix(index: dict, prefixes: tuple[str, ...], probe: str, levels=(
             if prefix + level + probe in index:
                 return prefix + level
     raise UnsupportedCheckpoint(
-        f"no weight named like {prefixes[0]}{probe} (tried {', '.join(prefixes)})")
+        f"no weight named like {prefixes[0]}{probe} (tried {', '.join(prefixes)})"
+    )
 
 
 class Family:
@@ -156,13 +168,24 @@ class Family:
         self.has_cls = hasattr(getattr(tower, "embeddings", None), "class_embedding")
         self._captured: dict[str, torch.Tensor] = {}
         self._hooked = self._hook_saliency(run)
-        log.info("family.loaded", family=self.name, path=str(self.path), device=str(self.device),
-                 dtype=str(dtype), vision=vc.model_type, layers_run=run, lm_hidden=self.lm_hidden_size,
-                 feature_layer=config.vision_feature_layer, strategy=self.strategy)
+        log.info(
+            "family.loaded",
+            family=self.name,
+            path=str(self.path),
+            device=str(self.device),
+            dtype=str(dtype),
+            vision=vc.model_type,
+            layers_run=run,
+            lm_hidden=self.lm_hidden_size,
+            feature_layer=config.vision_feature_layer,
+            strategy=self.strategy,
+        )
 
     # -- loading ------------------------------------------------------------------------------
 
-    def _load(self, module: nn.Module, prefixes: tuple[str, ...], levels: tuple[str, ...]) -> nn.Module:
+    def _load(
+        self, module: nn.Module, prefixes: tuple[str, ...], levels: tuple[str, ...]
+    ) -> nn.Module:
         """Materialize `module` (built on meta) from the checkpoint's tensors, by key."""
         index = safetensors_index(self.path)
         names = list(module.state_dict())
@@ -187,6 +210,7 @@ class Family:
         def keep(name: str):
             def hook(_module, _inputs, output) -> None:
                 self._captured[name] = output
+
             return hook
 
         q.register_forward_hook(keep("q"))
@@ -240,6 +264,15 @@ class Family:
 def _sizes(processor: dict) -> list[int]:
     size = processor.get("size") or {}
     crop = processor.get("crop_size") or {}
-    values = [v for v in (size.get("shortest_edge"), size.get("height"), size.get("width"),
-                          crop.get("height"), crop.get("width")) if isinstance(v, int)]
+    values = [
+        v
+        for v in (
+            size.get("shortest_edge"),
+            size.get("height"),
+            size.get("width"),
+            crop.get("height"),
+            crop.get("width"),
+        )
+        if isinstance(v, int)
+    ]
     return values or [0]

@@ -62,7 +62,9 @@ class SeqKV:
         return len(self.layers) * t.numel() * t.element_size()
 
     @staticmethod
-    def bytes_per_position(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_position(
+        num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         return num_layers * 2 * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     def reserve(self, length: int) -> None:
@@ -73,7 +75,9 @@ class SeqKV:
         while cap < length:
             cap *= 2
         for i, old in enumerate(self.layers):
-            new = torch.empty(2, self.kv_heads, cap, self.head_dim, dtype=self.dtype, device=self.device)
+            new = torch.empty(
+                2, self.kv_heads, cap, self.head_dim, dtype=self.dtype, device=self.device
+            )
             new[:, :, : self.length] = old[:, :, : self.length]
             self.layers[i] = new
         self.capacity = cap
@@ -123,7 +127,7 @@ class StepBatch:
 
     # transformers calls this from every attention layer: key/value [1, Hkv, T, D]
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kw: Any):
-        for s, off in zip(self.slices, self.offsets):
+        for s, off in zip(self.slices, self.offsets, strict=False):
             dst = s.kv.layers[layer_idx]
             dst[0, :, s.start : s.start + s.length] = key[0, :, off : off + s.length]
             dst[1, :, s.start : s.start + s.length] = value[0, :, off : off + s.length]
@@ -150,7 +154,7 @@ def _attention(
     layer = module.layer_idx
     out = query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])  # [1, T, Hq, D]
     gqa = query.shape[1] != vg_step.slices[0].kv.kv_heads if vg_step.slices else False
-    for s, off in zip(vg_step.slices, vg_step.offsets):
+    for s, off in zip(vg_step.slices, vg_step.offsets, strict=False):
         end = s.start + s.length
         kv = s.kv.layers[layer]
         k = kv[0, :, :end].unsqueeze(0)  # [1, Hkv, end, D]
@@ -224,10 +228,13 @@ def run_step(
         pos = torch.cat([s.positions for s in slices], dim=1).unsqueeze(1)  # [3, 1, T]
     else:
         pos = torch.cat([s.positions for s in slices], dim=0).unsqueeze(0)  # [1, T]
-    out = decoder(inputs_embeds=embeds, position_ids=pos, use_cache=True, vg_step=step,
-                  **{cache_arg: step})
+    out = decoder(
+        inputs_embeds=embeds, position_ids=pos, use_cache=True, vg_step=step, **{cache_arg: step}
+    )
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # [1, T, H]
-    rows = [off + s.length - 1 for s, off in zip(slices, step.offsets) if s.want_logits]
+    rows = [
+        off + s.length - 1 for s, off in zip(slices, step.offsets, strict=False) if s.want_logits
+    ]
     for s in slices:
         s.kv.length = max(s.kv.length, s.start + s.length)
     if not rows:

@@ -1,7 +1,8 @@
 """Per-token generation helpers, independent of how the forward pass is batched.
 
 `sample_next` is greedy or temperature + top-p over one sequence's logits; `StreamDecoder` turns
-generated ids into text deltas that never hold broken UTF-8 and never leak a stop string. None of these know about threads or requests.
+generated ids into text deltas that never hold broken UTF-8 and never leak a stop string.
+None of these know about threads or requests.
 """
 
 from __future__ import annotations

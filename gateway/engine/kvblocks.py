@@ -63,7 +63,7 @@ def common_prefix(
 ) -> int:
     """Length of the common prefix: equal block hashes, then equal positions."""
     blocks = 0
-    for ha, hb in zip(a_hashes, b_hashes):
+    for ha, hb in zip(a_hashes, b_hashes, strict=False):
         if ha != hb:
             break
         blocks += 1

@@ -117,7 +117,7 @@ def decode_entry(raw: bytes, seed: bytes) -> KVEntry:
     if block_hashes(header.tokens, images, header.block_size, seed) != header.hashes:
         raise CorruptEntry("block hashes do not match the tokens")
     tensors, offset = [], 0
-    for shape, size in zip(header.shapes, sizes):
+    for shape, size in zip(header.shapes, sizes, strict=False):
         flat = (
             torch.frombuffer(body, dtype=torch.uint8, count=size, offset=offset)
             if size
@@ -125,7 +125,7 @@ def decode_entry(raw: bytes, seed: bytes) -> KVEntry:
         )
         tensors.append(flat.view(dtype).reshape(shape))
         offset += size
-    layers = list(zip(tensors[0::2], tensors[1::2]))
+    layers = list(zip(tensors[0::2], tensors[1::2], strict=False))
     return KVEntry(list(header.tokens), images, header.block_size, list(header.hashes), layers)
 
 

@@ -91,7 +91,8 @@ class LocalEngine:
         self._kv_redis_url = kv_spill_redis_url
         self._kv_ttl_s = kv_ttl_s
         self._device = device
-        # intra-op threads of the scheduler's thread (torch keeps them per thread); None: the default
+        # intra-op threads of the scheduler's thread (torch keeps them per thread);
+        # None: the default
         self._torch_threads = torch_threads
         self._dtype = dtype
         self._max_batch = max_batch
@@ -103,6 +104,7 @@ class LocalEngine:
             else str(model_path).rstrip("/").split("/")[-1]
         )
         self.hidden_size = 576 if model_path is None else 0  # set from the config on start
+        self.context_tokens = 8192  # set from the config on start
         self.embedding_rms = 0.0  # RMS of the token-embedding rows; set on start
         self.kv_store: KVStore | None = None
         self._weights: LoadedModel | None = None
@@ -164,13 +166,15 @@ class LocalEngine:
         self.embedding_rms = round(float(table.double().pow(2).mean().sqrt()), 8)
         text_config = w.model.config.get_text_config()
         max_positions = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 30)
+        self.context_tokens = max_positions
         # the async side counts tokens; a Rust tokenizer is not safe to share across threads
         self._count_tokenizer = copy.deepcopy(w.tokenizer)
         spill_seed = None
         if self._kv_redis_url is not None:  # KV leaves the process: name the weights themselves
             # configs, safetensors headers and 4 KiB samples of every tensor: cheap at any size
             weights_id = await asyncio.to_thread(
-                checkpoint_id, w.path, _no_tensor_whole, sample_others=4096)
+                checkpoint_id, w.path, _no_tensor_whole, sample_others=4096
+            )
             spill_seed = chain_seed(w.model_id, f"{w.weights}|{weights_id}", self._kv_block_size)
         self.kv_store = self._make_store(spill_seed)
         self._scheduler = Scheduler(
@@ -202,9 +206,13 @@ class LocalEngine:
         await asyncio.to_thread(self._scheduler.barrier, 30.0)
         self._ready = True
         log.info(
-            "engine.ready", model_id=self.model_id, warmup_ms=ms(time.perf_counter() - started),
-            max_batch=self._max_batch, prefill_chunk_tokens=self._prefill_chunk_tokens,
-            kv_budget_bytes=self._kv_budget_bytes, prefix_caching=self._prefix_caching,
+            "engine.ready",
+            model_id=self.model_id,
+            warmup_ms=ms(time.perf_counter() - started),
+            max_batch=self._max_batch,
+            prefill_chunk_tokens=self._prefill_chunk_tokens,
+            kv_budget_bytes=self._kv_budget_bytes,
+            prefix_caching=self._prefix_caching,
         )
 
     def _make_store(self, seed: bytes | None) -> KVStore | None:
@@ -253,7 +261,7 @@ class LocalEngine:
         if self.kv_store is not None:
             await asyncio.to_thread(self.kv_store.close)
 
-    async def flush_kv(self, timeout: float = 30.0) -> bool:
+    async def flush_kv(self, timeout: float = 30.0) -> bool:  # noqa: ASYNC109 - a bounded wait
         """Wait until finished requests' KV is in the prefix cache and written to Redis (if any)."""
 
         def wait() -> bool:

@@ -60,7 +60,7 @@ class PrefixMatch:
 
 def _common(a: Sequence[PositionKey], b: Sequence[PositionKey]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
@@ -150,7 +150,9 @@ class PrefixCache:
             h = hashes[i]
             block = self._blocks.get(h)
             if block is None:
-                block = self._add(h, parent, tuple(keys[i * bs : (i + 1) * bs]), layers, i * bs, bs, True)
+                block = self._add(
+                    h, parent, tuple(keys[i * bs : (i + 1) * bs]), layers, i * bs, bs, True
+                )
             chain.append(block)
             parent = h
         start = full * bs
@@ -163,7 +165,9 @@ class PrefixCache:
                 for c in list(siblings.values()):
                     if not c.full and not c.pins and tail[: len(c.keys)] == c.keys:
                         self._remove(c)
-                tid = hashlib.blake2b(b"tail" + parent + _encode(list(tail)), digest_size=16).digest()
+                tid = hashlib.blake2b(
+                    b"tail" + parent + _encode(list(tail)), digest_size=16
+                ).digest()
                 covering = self._add(tid, parent, tail, layers, start, len(tail), False)
             chain.append(covering)
         self._touch(chain)
@@ -237,7 +241,9 @@ class PrefixCache:
         recently used first) go too when unpinned blocks are not enough. Returns bytes freed."""
         before = self.nbytes
         while self.nbytes > target_bytes:
-            victims = sorted((b for b in self._blocks.values() if not b.pins), key=lambda b: b.stamp)
+            victims = sorted(
+                (b for b in self._blocks.values() if not b.pins), key=lambda b: b.stamp
+            )
             if victims:
                 for block in victims:
                     self._remove(block)

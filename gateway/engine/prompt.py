@@ -222,7 +222,7 @@ def _render_laid_out(
         return Prompt(segments=[ids] if ids else [], tokens=list(ids))
     image_id = _single_token_id(tokenizer, placeholder)
     expanded = [chunks[0]]
-    for layout, chunk in zip(layouts, chunks[1:]):
+    for layout, chunk in zip(layouts, chunks[1:], strict=False):
         expanded.extend(p if isinstance(p, str) else placeholder * p for p in layout.pieces)
         expanded.append(chunk)
     ids: list[int] = tokenizer("".join(expanded), add_special_tokens=False)["input_ids"]

@@ -73,6 +73,7 @@ __all__ = ("Scheduler",)
 
 log = structlog.get_logger(__name__)
 
+
 class Scheduler:
     """The engine thread: admission, step building, sampling, finishing. See the module doc."""
 
@@ -315,7 +316,9 @@ class Scheduler:
                 seq.generator.seed()
         tok = w.tokenizer
         seq.decoder = StreamDecoder(
-            lambda ids: tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False),
+            lambda ids: tok.decode(
+                ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+            ),
             sp.stop,
         )
 
@@ -328,8 +331,14 @@ class Scheduler:
         hashes = block_hashes(tokens, seq.prompt.images, self.cfg.block_size, seq.seed)
         limit = seq.known - 1  # at least one position is fed: its logits give the next token
         found = self.cache.match(seq.seed, keys, hashes, limit)
-        kv = SeqKV(self.num_layers, self.kv_heads, self.head_dim, seq.known + GROW,
-                   self.w.dtype, self.w.device)
+        kv = SeqKV(
+            self.num_layers,
+            self.kv_heads,
+            self.head_dim,
+            seq.known + GROW,
+            self.w.dtype,
+            self.w.device,
+        )
         at = 0
         for block, n in found.blocks:
             kv.load(block.kv.unbind(0), at, n)
@@ -411,8 +420,12 @@ class Scheduler:
         self._preemptions += 1
         with self._cond:
             self._waiting.appendleft(seq)
-        log.info("engine.preempted", request_id=seq.request.request_id,
-                 positions=seq.known, generated=len(seq.generated))
+        log.info(
+            "engine.preempted",
+            request_id=seq.request.request_id,
+            positions=seq.known,
+            generated=len(seq.generated),
+        )
 
     def _step(self) -> None:
         now = time.perf_counter()
@@ -427,14 +440,15 @@ class Scheduler:
         for s, start, n in plan:
             embeds, positions = sequence_inputs(self.w, s, start, n)
             slices.append(Slice(s.kv, start, n, embeds, positions, start + n == s.known))  # type: ignore[arg-type]
-        logits = run_step(self.w.decoder, self.w.lm_head, slices, mrope=self.w.mrope,
-                          cache_arg=self.cache_arg)
+        logits = run_step(
+            self.w.decoder, self.w.lm_head, slices, mrope=self.w.mrope, cache_arg=self.cache_arg
+        )
         self._last_batch, self._last_tokens = len(plan), sum(n for _, _, n in plan)
         now = time.perf_counter()
         # NaN (or +inf) logits mean the sequence's KV is NaN too: it fails and is never cached
         broken = (logits.isnan() | logits.isposinf()).any(dim=-1).tolist()  # [rows], one sync
         row = 0
-        for (s, start, n), sl in zip(plan, slices):
+        for (s, start, n), sl in zip(plan, slices, strict=False):
             s.fed = start + n
             if start < s.prompt.length:  # type: ignore[union-attr]
                 s.prefill_chunks += 1
@@ -445,8 +459,12 @@ class Scheduler:
                     self._advance(s, logits[row], now)
                 except Exception as exc:  # this sequence's failure, not the batch's
                     log.exception("engine.sample_failed", request_id=s.request.request_id)
-                    self._fail(s, exc if isinstance(exc, EngineError)
-                               else EngineError(f"generation failed: {exc}"))
+                    self._fail(
+                        s,
+                        exc
+                        if isinstance(exc, EngineError)
+                        else EngineError(f"generation failed: {exc}"),
+                    )
                 row += 1
 
     def _advance(self, seq: Sequence, logits: torch.Tensor, now: float) -> None:
@@ -487,10 +505,17 @@ class Scheduler:
                 self._emit(seq, tail, now)
         result = sequence_result(seq, finish, now)
         seq.job.post(result)
-        log.info("engine.generated", request_id=seq.request.request_id, finish_reason=finish,
-                 input_tokens=result.input_tokens, cached_tokens=result.cached_tokens,
-                 output_tokens=result.output_tokens, prefill_ms=result.prefill_ms,
-                 decode_ms=result.decode_ms, preemptions=seq.preemptions)
+        log.info(
+            "engine.generated",
+            request_id=seq.request.request_id,
+            finish_reason=finish,
+            input_tokens=result.input_tokens,
+            cached_tokens=result.cached_tokens,
+            output_tokens=result.output_tokens,
+            prefill_ms=result.prefill_ms,
+            decode_ms=result.decode_ms,
+            preemptions=seq.preemptions,
+        )
         try:
             self._publish(seq, keep_session=True)
         except Exception:  # losing a cache entry costs speed only
@@ -530,10 +555,14 @@ class Scheduler:
                 tokens = tokens[:n]
             if n > 0:
                 entry = KVEntry(
-                    tokens, whole, self.cfg.block_size,
+                    tokens,
+                    whole,
+                    self.cfg.block_size,
                     block_hashes(tokens, whole, self.cfg.block_size, self.base_seed),
-                    [(t[0, :, :n].unsqueeze(0).clone(), t[1, :, :n].unsqueeze(0).clone())
-                     for t in layers],
+                    [
+                        (t[0, :, :n].unsqueeze(0).clone(), t[1, :, :n].unsqueeze(0).clone())
+                        for t in layers
+                    ],
                 )
                 self.kv_store.put(kv_key, entry)
         budget = self.cfg.kv_budget_bytes
@@ -552,4 +581,3 @@ class _Call:
 
     def set(self) -> None:
         self._fn()
-

@@ -145,15 +145,20 @@ def check_request(req: GenerationRequest, hidden: int) -> None:
         )
 
 
-def sequence_inputs(w: LoadedModel, seq: Sequence, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_inputs(
+    w: LoadedModel, seq: Sequence, start: int, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Input embeddings [n, H] and rotary positions ([n] or [3, n]) of positions [start, +n)."""
     prompt = seq.prompt
     assert prompt is not None
     end = start + n
     parts = []
     if start < prompt.length:
-        parts.append(embed_positions(w.embed, prompt, start, w.dtype, w.device,
-                                     end=min(end, prompt.length))[0])
+        parts.append(
+            embed_positions(w.embed, prompt, start, w.dtype, w.device, end=min(end, prompt.length))[
+                0
+            ]
+        )
     if end > prompt.length:
         lo = max(start, prompt.length) - prompt.length
         ids = torch.tensor(seq.generated[lo : end - prompt.length], device=w.device)
@@ -189,8 +194,9 @@ def sequence_result(seq: Sequence, finish: str, now: float) -> GenerationResult:
         image_tokens=prompt.image_tokens,
         output_tokens=len(seq.generated),
         cached_tokens=seq.cached,
-        cached_image_tokens=sum(max(0, min(sp.start + sp.length, seq.cached) - sp.start)
-                                for sp in prompt.images),
+        cached_image_tokens=sum(
+            max(0, min(sp.start + sp.length, seq.cached) - sp.start) for sp in prompt.images
+        ),
         queue_ms=queue_ms,
         prefill_ms=ms(first - started),
         decode_ms=ms(now - first),

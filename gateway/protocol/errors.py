@@ -35,8 +35,14 @@ ERROR_CODES: dict[str, tuple[str, int]] = {
 class GatewayError(Exception):
     """A request the gateway refuses, with a stable `code` (a key of ERROR_CODES)."""
 
-    def __init__(self, code: str, message: str, *, param: str | None = None,
-                 retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         if code not in ERROR_CODES:
             raise ValueError(f"unknown error code {code!r}")
         message = clip(message, 500)  # client strings it quotes stay bounded

@@ -214,7 +214,9 @@ class StatusError(Struct, omit_defaults=True):
 
 class StatusDetails(Struct, omit_defaults=True):
     type: Literal["completed", "cancelled", "incomplete", "failed"] | None = None
-    reason: Literal["client_cancelled", "max_output_tokens", "turn_detected", "content_filter"] | None = None
+    reason: (
+        Literal["client_cancelled", "max_output_tokens", "turn_detected", "content_filter"] | None
+    ) = None
     error: StatusError | None = None
 
 
@@ -306,9 +308,20 @@ class OutputTextDone(Struct, tag="response.output_text.done", tag_field="type"):
 
 
 ServerEvent = (
-    ErrorEvent | SessionCreated | SessionUpdated | ConversationItemAdded | ConversationItemDone
-    | ImageEncoded | ResponseCreated | ResponseDone | OutputItemAdded | OutputItemDone
-    | ContentPartAdded | ContentPartDone | OutputTextDelta | OutputTextDone
+    ErrorEvent
+    | SessionCreated
+    | SessionUpdated
+    | ConversationItemAdded
+    | ConversationItemDone
+    | ImageEncoded
+    | ResponseCreated
+    | ResponseDone
+    | OutputItemAdded
+    | OutputItemDone
+    | ContentPartAdded
+    | ContentPartDone
+    | OutputTextDelta
+    | OutputTextDone
 )
 
 
@@ -337,7 +350,9 @@ class WireCodec:
         return self._encode(event)
 
     def decode(self, frame: bytes | str) -> ClientEvent:
-        """Parse one client frame or raise GatewayError(invalid_json | unknown_event | invalid_event).
+        """Parse one client frame, or raise GatewayError.
+
+        The error's code is invalid_json, unknown_event or invalid_event.
 
         The raised error's `event_id` attribute carries the client's event_id when one could be
         read, so the error event can echo it.
@@ -351,15 +366,20 @@ class WireCodec:
             if not isinstance(kind, str) or kind not in CLIENT_EVENT_TYPES:
                 err = GatewayError(
                     "unknown_event" if isinstance(kind, str) else "invalid_event",
-                    f"unknown event type {kind!r}; supported: {', '.join(sorted(CLIENT_EVENT_TYPES))}"
-                    if isinstance(kind, str) else "an event needs a string `type`",
+                    f"unknown event type {kind!r}; "
+                    f"supported: {', '.join(sorted(CLIENT_EVENT_TYPES))}"
+                    if isinstance(kind, str)
+                    else "an event needs a string `type`",
                     param="type",
                 )
             else:
                 text = str(exc)
                 match = _PATH.search(text)
-                err = GatewayError("invalid_event", f"invalid {kind}: {text}",
-                                   param=match.group(1) if match else None)
+                err = GatewayError(
+                    "invalid_event",
+                    f"invalid {kind}: {text}",
+                    param=match.group(1) if match else None,
+                )
             err.event_id = event_id  # type: ignore[attr-defined]
             raise err from None
         except msgspec.DecodeError as exc:

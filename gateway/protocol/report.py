@@ -35,5 +35,9 @@ class CacheReport(Struct):
 
     @classmethod
     def of(cls, finished: Finished) -> CacheReport:
-        return cls(vision=finished.vision, vision_hits=finished.vision_hits,
-                   vision_misses=finished.vision_misses, kv_tokens_reused=finished.cached_tokens)
+        return cls(
+            vision=finished.vision,
+            vision_hits=finished.vision_hits,
+            vision_misses=finished.vision_misses,
+            kv_tokens_reused=finished.cached_tokens,
+        )

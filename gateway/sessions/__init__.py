@@ -13,8 +13,15 @@ from gateway.sessions.session import Session, SessionStore, StoredItem, StoredPa
 if TYPE_CHECKING:
     from gateway.sessions.redis import RedisSessionStore
 
-__all__ = ("MemorySessionStore", "RedisSessionStore", "Session", "SessionStore", "StoredItem",
-           "StoredPart", "make_session_store")
+__all__ = (
+    "MemorySessionStore",
+    "RedisSessionStore",
+    "Session",
+    "SessionStore",
+    "StoredItem",
+    "StoredPart",
+    "make_session_store",
+)
 
 
 def make_session_store(redis_url: str | None, ttl_s: float) -> SessionStore:

@@ -1,4 +1,5 @@
-"""In-process SessionStore: a dict with an idle TTL. The embedded default; nothing survives a restart.
+"""In-process SessionStore: a dict with an idle TTL.
+The embedded default; nothing survives a restart.
 
 Session ids are per owner: two API keys may both have a session "my-chat", and neither can tell
 whether the other's exists."""
@@ -38,12 +39,15 @@ class MemorySessionStore:
 
     async def save(self, session: Session) -> None:
         session.updated_at = time.time()
-        self._sessions[(session.owner, session.id)] = (self._clock() + self.ttl_s,
-                                                       msgspec.msgpack.encode(session))
+        self._sessions[(session.owner, session.id)] = (
+            self._clock() + self.ttl_s,
+            msgspec.msgpack.encode(session),
+        )
         self._expire()
 
-    async def update(self, session_id: str, owner: str, mutate: Callable[[Session], T]
-                     ) -> tuple[Session, T]:
+    async def update(
+        self, session_id: str, owner: str, mutate: Callable[[Session], T]
+    ) -> tuple[Session, T]:
         # no await between read and write: atomic on the event loop
         session = await self.load(session_id, owner)
         result = mutate(session)

@@ -49,30 +49,40 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
 # KEYS: session key, index. ARGV: encoded session, ttl ms, session id.
-_SAVE = _NOW_MS + """
+_SAVE = (
+    _NOW_MS
+    + """
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
 return 1
 """
+)
 
 # KEYS: session key, index. ARGV: encoded session, ttl ms, session id. Stores only a new id.
-_CREATE = _NOW_MS + """
+_CREATE = (
+    _NOW_MS
+    + """
 if redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'NX') == false then
   return 0
 end
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
 return 1
 """
+)
 
 # KEYS: session key, index. ARGV: ttl ms, session id. Refreshes only a key that still exists.
-_TOUCH = """
+_TOUCH = (
+    """
 if redis.call('PEXPIRE', KEYS[1], ARGV[1]) == 0 then
   return 0
 end
-""" + _NOW_MS + """
+"""
+    + _NOW_MS
+    + """
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[1]), ARGV[2])
 return 1
 """
+)
 
 # KEYS: session key, index. ARGV: the encoded value the caller checked, session id.
 # Deletes only if the value is still the one whose owner was checked.
@@ -87,7 +97,9 @@ return 1
 
 # KEYS: session key, index. ARGV: value read, new value, ttl ms, session id. Replaces the value
 # only if it is still the one read (compare-and-set), so concurrent writers never lose updates.
-_REPLACE = _NOW_MS + """
+_REPLACE = (
+    _NOW_MS
+    + """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return 0
 end
@@ -95,12 +107,16 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[4])
 return 1
 """
+)
 
 # KEYS: index.
-_COUNT = _NOW_MS + """
+_COUNT = (
+    _NOW_MS
+    + """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 return redis.call('ZCARD', KEYS[1])
 """
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Session)
@@ -130,8 +146,12 @@ class RedisSessionStore:
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._index = f"{namespace}:sessions"
         self._client = Redis.from_url(
-            redis_url, socket_connect_timeout=2.0, socket_timeout=5.0, decode_responses=False,
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2))
+            redis_url,
+            socket_connect_timeout=2.0,
+            socket_timeout=5.0,
+            decode_responses=False,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+        )
         self._save: AsyncScript = self._client.register_script(_SAVE)
         self._create: AsyncScript = self._client.register_script(_CREATE)
         self._replace: AsyncScript = self._client.register_script(_REPLACE)
@@ -150,36 +170,69 @@ class RedisSessionStore:
     async def load(self, session_id: str, owner: str) -> Session:
         key = self.key(owner, session_id)
         session, _ = await self._read(key, session_id, owner)
-        await self._call("load", self._touch(keys=[key, self._index],
-                                             args=[self._ttl_ms, self._member(owner, session_id)]))
+        await self._call(
+            "load",
+            self._touch(
+                keys=[key, self._index], args=[self._ttl_ms, self._member(owner, session_id)]
+            ),
+        )
         return session
 
     async def save(self, session: Session) -> None:
         session.updated_at = time.time()
-        await self._call("save", self._save(
-            keys=[self.key(session.owner, session.id), self._index],
-            args=[_encoder.encode(session), self._ttl_ms, self._member(session.owner, session.id)]))
+        await self._call(
+            "save",
+            self._save(
+                keys=[self.key(session.owner, session.id), self._index],
+                args=[
+                    _encoder.encode(session),
+                    self._ttl_ms,
+                    self._member(session.owner, session.id),
+                ],
+            ),
+        )
 
-    async def update(self, session_id: str, owner: str, mutate: Callable[[Session], T]
-                     ) -> tuple[Session, T]:
+    async def update(
+        self, session_id: str, owner: str, mutate: Callable[[Session], T]
+    ) -> tuple[Session, T]:
         key = self.key(owner, session_id)
         for _ in range(UPDATE_ATTEMPTS):
             session, raw = await self._read(key, session_id, owner)
             result = mutate(session)
             session.updated_at = time.time()
-            done = await self._call("update", self._replace(
-                keys=[key, self._index], args=[raw, _encoder.encode(session), self._ttl_ms,
-                                               self._member(owner, session_id)]))
+            done = await self._call(
+                "update",
+                self._replace(
+                    keys=[key, self._index],
+                    args=[
+                        raw,
+                        _encoder.encode(session),
+                        self._ttl_ms,
+                        self._member(owner, session_id),
+                    ],
+                ),
+            )
             if done:
                 return session, result
-        raise GatewayError("busy", f"session {session_id!r} is being changed by too many writers at once")
+        raise GatewayError(
+            "busy", f"session {session_id!r} is being changed by too many writers at once"
+        )
 
     async def create(self, session: Session) -> bool:
         session.updated_at = time.time()
-        return bool(await self._call("create", self._create(
-            keys=[self.key(session.owner, session.id), self._index],
-            args=[_encoder.encode(session), self._ttl_ms,
-                  self._member(session.owner, session.id)])))
+        return bool(
+            await self._call(
+                "create",
+                self._create(
+                    keys=[self.key(session.owner, session.id), self._index],
+                    args=[
+                        _encoder.encode(session),
+                        self._ttl_ms,
+                        self._member(session.owner, session.id),
+                    ],
+                ),
+            )
+        )
 
     async def delete(self, session_id: str, owner: str) -> bool:
         key = self.key(owner, session_id)
@@ -190,8 +243,10 @@ class RedisSessionStore:
                 if exc.code == "session_not_found":
                     return False
                 raise
-            deleted = await self._call("delete", self._delete(
-                keys=[key, self._index], args=[raw, self._member(owner, session_id)]))
+            deleted = await self._call(
+                "delete",
+                self._delete(keys=[key, self._index], args=[raw, self._member(owner, session_id)]),
+            )
             if deleted:
                 return True
         return False

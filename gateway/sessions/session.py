@@ -67,16 +67,24 @@ class Session(msgspec.Struct, omit_defaults=True):
         return list(seen)
 
     @classmethod
-    def new(cls, owner: str, *, instructions: str, max_output_tokens: int,
-            session_id: str | None = None) -> Session:
+    def new(
+        cls, owner: str, *, instructions: str, max_output_tokens: int, session_id: str | None = None
+    ) -> Session:
         now = time.time()
-        return cls(id=session_id or new_id("sess"), owner=owner, created_at=now, updated_at=now,
-                   instructions=instructions, max_output_tokens=max_output_tokens)
+        return cls(
+            id=session_id or new_id("sess"),
+            owner=owner,
+            created_at=now,
+            updated_at=now,
+            instructions=instructions,
+            max_output_tokens=max_output_tokens,
+        )
 
 
 def not_found(session_id: str) -> GatewayError:
-    return GatewayError("session_not_found", f"no session {session_id!r} for this API key",
-                        param="session_id")
+    return GatewayError(
+        "session_not_found", f"no session {session_id!r} for this API key", param="session_id"
+    )
 
 
 @runtime_checkable
@@ -87,8 +95,9 @@ class SessionStore(Protocol):
     async def save(self, session: Session) -> None:
         """Store the whole session (refreshing its idle TTL). Last write wins."""
 
-    async def update(self, session_id: str, owner: str, mutate: Callable[[Session], T]
-                     ) -> tuple[Session, T]:
+    async def update(
+        self, session_id: str, owner: str, mutate: Callable[[Session], T]
+    ) -> tuple[Session, T]:
         """Read-modify-write without lost updates: load the stored session, apply `mutate` (a
         plain function; it may run more than once when writers race), store it only if nobody
         wrote in between, else retry. Returns the stored session and mutate's result. Raises

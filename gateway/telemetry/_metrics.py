@@ -46,39 +46,134 @@ log = structlog.get_logger(__name__)
 
 # Multimodal TTFT spans a text-only follow-up (tens of ms) to a cold multi-image encode (seconds).
 TTFT_BUCKETS_S: tuple[float, ...] = (
-    0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0,
-    15.0, 20.0, 30.0,
+    0.05,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    3.0,
+    4.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
 )
 DURATION_BUCKETS_S: tuple[float, ...] = (
-    0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0,
-    90.0, 120.0,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    45.0,
+    60.0,
+    90.0,
+    120.0,
 )
 TPOT_BUCKETS_S: tuple[float, ...] = (
-    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-    0.3, 0.5, 1.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
 )
 # One encode stage takes from about a millisecond (INT4 pack on GPU) to seconds (CPU tower).
 ENCODE_BUCKETS_S: tuple[float, ...] = (
-    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-    1.0, 2.0, 5.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.0,
+    5.0,
 )
 # Gaps between streamed text deltas: a few ms (small model, light batch) to seconds (a step
 # stalled behind long prefill chunks or preemption). 0.25 s is the ITL objective's bound.
 ITL_BUCKETS_S: tuple[float, ...] = (
-    0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25,
-    0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.06,
+    0.075,
+    0.1,
+    0.125,
+    0.15,
+    0.2,
+    0.25,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
 )
 BATCH_SIZE_BUCKETS: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0)
 
 # OTel instrument name -> (kind, unit, description)
 METRICS: dict[str, tuple[str, str, str]] = {
     "gen_ai.server.time_to_first_token": (
-        "histogram", "s", "Time from response start to its first output token"),
+        "histogram",
+        "s",
+        "Time from response start to its first output token",
+    ),
     "gen_ai.server.time_per_output_token": (
-        "histogram", "s", "Mean time per output token after the first"),
+        "histogram",
+        "s",
+        "Mean time per output token after the first",
+    ),
     "gen_ai.server.request.duration": ("histogram", "s", "Whole response duration"),
     "visiongate.llm.inter_token_latency": (
-        "histogram", "s", "Gap between consecutive streamed text deltas of one response"),
+        "histogram",
+        "s",
+        "Gap between consecutive streamed text deltas of one response",
+    ),
     "visiongate.encode.stage.duration": ("histogram", "s", "Duration of one image encode stage"),
     "visiongate.encode.queue.duration": ("histogram", "s", "Wait in the encode queue"),
     "visiongate.encode.batch.size": ("histogram", "{image}", "Images per encoder batch"),
@@ -94,13 +189,22 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "visiongate.encode.queue.depth": ("gauge", "{job}", "Encode jobs waiting"),
     "visiongate.cache.bytes": ("gauge", "By", "Bytes held by each cache"),
     "visiongate.scheduler.requests": (
-        "gauge", "{request}", "Requests in the engine's batch (running) or queued (waiting)"),
+        "gauge",
+        "{request}",
+        "Requests in the engine's batch (running) or queued (waiting)",
+    ),
     "visiongate.scheduler.batch.size": ("gauge", "{sequence}", "Sequences in the last step"),
     "visiongate.scheduler.step.tokens": (
-        "gauge", "{token}", "Tokens (prefill chunks and decodes) in the last step"),
+        "gauge",
+        "{token}",
+        "Tokens (prefill chunks and decodes) in the last step",
+    ),
     "visiongate.kv.blocks": ("gauge", "{block}", "KV cache blocks by state (used/cached/free)"),
     "visiongate.scheduler.preemptions": (
-        "observable_counter", "{preemption}", "Requests preempted (KV freed, later recomputed)"),
+        "observable_counter",
+        "{preemption}",
+        "Requests preempted (KV freed, later recomputed)",
+    ),
 }
 
 # OTel instrument name -> the series name Prometheus stores (histograms: add _bucket/_sum/_count).
@@ -173,8 +277,11 @@ class SchedulerStats(Protocol):
 def _kv_block_states(stats: SchedulerStats) -> dict[str, int]:
     """used + cached + free == total; ``free`` never goes negative on a torn snapshot."""
     used, cached = int(stats.kv_blocks_used), int(stats.kv_blocks_cached)
-    return {"used": used, "cached": cached,
-            "free": max(int(stats.kv_blocks_total) - used - cached, 0)}
+    return {
+        "used": used,
+        "cached": cached,
+        "free": max(int(stats.kv_blocks_total) - used - cached, 0),
+    }
 
 
 class GatewayMetrics:
@@ -316,8 +423,11 @@ class GatewayMetrics:
             callbacks += _scheduler_callbacks(engine_stats)
         for name, callback in callbacks:
             kind, unit, description = METRICS[name]
-            create = (self._meter.create_observable_counter if kind == "observable_counter"
-                      else self._meter.create_observable_gauge)
+            create = (
+                self._meter.create_observable_counter
+                if kind == "observable_counter"
+                else self._meter.create_observable_gauge
+            )
             create(name, callbacks=[callback], unit=unit, description=description)
 
 
@@ -350,13 +460,27 @@ def _scheduler_callbacks(
         return callback
 
     return [
-        ("visiongate.scheduler.requests", observe(lambda s: [
-            Observation(int(s.running), {"state": "running"}),
-            Observation(int(s.waiting), {"state": "waiting"})])),
+        (
+            "visiongate.scheduler.requests",
+            observe(
+                lambda s: [
+                    Observation(int(s.running), {"state": "running"}),
+                    Observation(int(s.waiting), {"state": "waiting"}),
+                ]
+            ),
+        ),
         ("visiongate.scheduler.batch.size", observe(lambda s: [Observation(int(s.batch_size))])),
         ("visiongate.scheduler.step.tokens", observe(lambda s: [Observation(int(s.step_tokens))])),
-        ("visiongate.kv.blocks", observe(lambda s: [
-            Observation(n, {"state": state}) for state, n in _kv_block_states(s).items()])),
-        ("visiongate.scheduler.preemptions",
-         observe(lambda s: [Observation(int(s.preemptions_total))])),
+        (
+            "visiongate.kv.blocks",
+            observe(
+                lambda s: [
+                    Observation(n, {"state": state}) for state, n in _kv_block_states(s).items()
+                ]
+            ),
+        ),
+        (
+            "visiongate.scheduler.preemptions",
+            observe(lambda s: [Observation(int(s.preemptions_total))]),
+        ),
     ]

@@ -43,10 +43,14 @@ class TelemetryConfig(msgspec.Struct, frozen=True):
 
 def _protocol(env: Mapping[str, str], signal: str) -> Protocol:
     raw = (
-        env.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
-        or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or "http/protobuf"
-    ).strip().lower()
+        (
+            env.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL")
+            or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+            or "http/protobuf"
+        )
+        .strip()
+        .lower()
+    )
     if raw not in _PROTOCOLS:
         raise ValueError(f"unsupported OTLP protocol {raw!r}; expected one of {_PROTOCOLS}")
     return raw  # type: ignore[return-value]

@@ -55,17 +55,34 @@ def test_percentile_counts_lost_turns_as_infinitely_late() -> None:
     assert percentile([100.0] * 99 + [math.inf], 95) == 100.0  # 1% lost: P95 unaffected
 
 
-def _ok(session: int, turn: int, ttft: float, done_s: float, tokens: int = 10,
-        itl: tuple[float, ...] = (50.0,)) -> TurnRecord:
-    return TurnRecord(session=session, turn=turn, sent_s=done_s - 1.0, done_s=done_s,
-                      ttft_ms=ttft, total_ms=ttft + 500.0, output_tokens=tokens,
-                      itl_ms=list(itl), cached_tokens=100 * turn)
+def _ok(
+    session: int,
+    turn: int,
+    ttft: float,
+    done_s: float,
+    tokens: int = 10,
+    itl: tuple[float, ...] = (50.0,),
+) -> TurnRecord:
+    return TurnRecord(
+        session=session,
+        turn=turn,
+        sent_s=done_s - 1.0,
+        done_s=done_s,
+        ttft_ms=ttft,
+        total_ms=ttft + 500.0,
+        output_tokens=tokens,
+        itl_ms=list(itl),
+        cached_tokens=100 * turn,
+    )
 
 
 def test_summarize_splits_first_and_follow_up_turns_and_counts_failures() -> None:
     records = [
-        _ok(0, 0, 900.0, 2.0), _ok(0, 1, 200.0, 3.0), _ok(0, 2, 220.0, 4.0),
-        _ok(1, 0, 1100.0, 5.0, itl=(40.0, 60.0)), _ok(1, 1, 240.0, 11.0),  # finishes after the window
+        _ok(0, 0, 900.0, 2.0),
+        _ok(0, 1, 200.0, 3.0),
+        _ok(0, 2, 220.0, 4.0),
+        _ok(1, 0, 1100.0, 5.0, itl=(40.0, 60.0)),
+        _ok(1, 1, 240.0, 11.0),  # finishes after the window
         TurnRecord(session=2, turn=0, sent_s=6.0, status="busy", error_code="busy"),
         TurnRecord(session=3, turn=0, sent_s=7.0, status="error", error_code="invalid_image"),
         TurnRecord(session=1, turn=2, sent_s=9.5, status="abandoned"),
@@ -144,11 +161,21 @@ def test_qps_at_slo_takes_the_highest_rate_within_the_slo() -> None:
 
 def test_headline_ratios_and_fallback_concurrency() -> None:
     def closed(config: str, c: int, tok: float, f50: float, f95: float) -> dict:
-        return {"kind": "closed", "config": config, "concurrency": c, "output_tok_per_s": tok,
-                "ttft_followup_p50_ms": f50, "ttft_followup_p95_ms": f95}
+        return {
+            "kind": "closed",
+            "config": config,
+            "concurrency": c,
+            "output_tok_per_s": tok,
+            "ttft_followup_p50_ms": f50,
+            "ttft_followup_p95_ms": f95,
+        }
 
-    points = [closed("baseline", 1, 10, 1000, 1100), closed("visiongate", 1, 12, 200, 250),
-              closed("baseline", 2, 10, 2000, 2500), closed("visiongate", 2, 30, 300, 400)]
+    points = [
+        closed("baseline", 1, 10, 1000, 1100),
+        closed("visiongate", 1, 12, 200, 250),
+        closed("baseline", 2, 10, 2000, 2500),
+        closed("visiongate", 2, 30, 300, 400),
+    ]
     h = headline(points, {"baseline": 0.5, "visiongate": 2.0})
     assert h["concurrency"] == 2  # no 8-session point: the highest below it
     assert h["vg_tok_per_s_ratio"] == pytest.approx(2.5)
@@ -156,14 +183,20 @@ def test_headline_ratios_and_fallback_concurrency() -> None:
     assert h["baseline_followup_p95_ratio"] == pytest.approx(2.5)
     assert h["qps_at_slo_ratio"] == pytest.approx(4.0)
     assert h["qps_at_slo_lower_bound"] == {"baseline": False, "visiongate": False}
-    opened = [{"kind": "open", "config": c, "offered_turns_per_s": r}
-              for c in ("baseline", "visiongate") for r in (0.5, 1.0, 2.0)]
+    opened = [
+        {"kind": "open", "config": c, "offered_turns_per_s": r}
+        for c in ("baseline", "visiongate")
+        for r in (0.5, 1.0, 2.0)
+    ]
     bound = headline(points + opened, {"baseline": 0.5, "visiongate": 2.0})
     assert bound["qps_at_slo_lower_bound"] == {"baseline": False, "visiongate": True}
     assert ">= 4.00x" in headline_text(bound, 1000.0, "rule")
     assert headline(points, {"baseline": None, "visiongate": 2.0})["qps_at_slo_ratio"] is None
-    row = table_row("closed c=2", None, {**points[3], "turns_per_s": 1.0, "errors": 0,
-                                         "busy": 0, "abandoned": 0})
+    row = table_row(
+        "closed c=2",
+        None,
+        {**points[3], "turns_per_s": 1.0, "errors": 0, "busy": 0, "abandoned": 0},
+    )
     assert row.startswith("closed c=2") and "-" in row
 
 
@@ -172,9 +205,14 @@ def test_headline_ratios_and_fallback_concurrency() -> None:
 
 def test_write_json_is_strict_and_keeps_every_point(tmp_path: Path) -> None:
     rec = TurnRecord(session=0, turn=1, sent_s=0.5, ttft_ms=12.3456, itl_ms=[1.0, math.inf])
-    report = {"points": [{"config": "baseline", "slo_p95_ms": math.inf, "records": [rec]},
-                         {"config": "visiongate", "slo_p95_ms": 10.0, "nan": math.nan}],
-              "path": tmp_path, "pair": (1, 2)}
+    report = {
+        "points": [
+            {"config": "baseline", "slo_p95_ms": math.inf, "records": [rec]},
+            {"config": "visiongate", "slo_p95_ms": 10.0, "nan": math.nan},
+        ],
+        "path": tmp_path,
+        "pair": (1, 2),
+    }
     path = write_json(tmp_path / "load.json", report)
     text = path.read_text()
     assert "Infinity" not in text and "NaN" not in text
@@ -211,12 +249,16 @@ def test_quick_arguments_and_the_reference_point() -> None:
 
 
 def test_gateway_settings_only_pass_fields_the_gateway_has(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("VISIONGATE_REDIS_URL", "redis://10.1.2.3:6379/0")  # never off loopback
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://10.1.2.3:4318")
     monkeypatch.setenv("VISIONGATE_LM_DTYPE", "bfloat16")  # the model's choice is inherited
-    gw = GatewayProcess("t", {"vision_cache_bytes": 0, "no_such_setting": 3, "log_level": "warning"},
-                        tmp_path / "gw.log")
+    gw = GatewayProcess(
+        "t",
+        {"vision_cache_bytes": 0, "no_such_setting": 3, "log_level": "warning"},
+        tmp_path / "gw.log",
+    )
     assert gw.applied == {"vision_cache_bytes": 0, "log_level": "warning"}
     assert gw.skipped == ["no_such_setting"]
     assert gw.env["VISIONGATE_VISION_CACHE_BYTES"] == "0"
@@ -229,7 +271,7 @@ def test_gateway_settings_only_pass_fields_the_gateway_has(
     gw.stop()  # never started: nothing to stop, no error
 
 
-# ---------------------------------------------------------------- the client against a scripted peer
+# ------------------------------------------------------- the client against a scripted peer
 # A loopback WebSocket peer that answers with fixed timings (or refuses), to check what the
 # client measures and how it classifies failures; the end-to-end test below uses real gateways.
 
@@ -252,9 +294,20 @@ class ScriptedPeer:
             if self.behaviour == "silent":
                 continue
             if self.behaviour == "busy":
-                await ws.send(json.dumps({"type": "error", "error": {
-                    "type": "server_error", "code": "busy", "message": "engine queue is full",
-                    "param": None, "event_id": event["event_id"]}}))
+                await ws.send(
+                    json.dumps(
+                        {
+                            "type": "error",
+                            "error": {
+                                "type": "server_error",
+                                "code": "busy",
+                                "message": "engine queue is full",
+                                "param": None,
+                                "event_id": event["event_id"],
+                            },
+                        }
+                    )
+                )
                 continue
             await ws.send(json.dumps({"type": "response.created", "response": {"id": "resp_1"}}))
             await asyncio.sleep(0.06)
@@ -262,12 +315,27 @@ class ScriptedPeer:
                 if i:
                     await asyncio.sleep(0.04)
                 await ws.send(json.dumps({"type": "response.output_text.delta", "delta": f"w{i} "}))
-            await ws.send(json.dumps({"type": "response.done", "response": {
-                "id": "resp_1", "status": "completed",
-                "output": [{"content": [{"type": "output_text", "text": "w0 w1 w2 "}]}],
-                "usage": {"input_tokens": 50, "output_tokens": 3,
-                          "input_token_details": {"cached_tokens": 7}},
-                "visiongate": {"timings": {"encode_ms": 1.5}, "cache": {"vision": "hit"}}}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "response.done",
+                        "response": {
+                            "id": "resp_1",
+                            "status": "completed",
+                            "output": [{"content": [{"type": "output_text", "text": "w0 w1 w2 "}]}],
+                            "usage": {
+                                "input_tokens": 50,
+                                "output_tokens": 3,
+                                "input_token_details": {"cached_tokens": 7},
+                            },
+                            "visiongate": {
+                                "timings": {"encode_ms": 1.5},
+                                "cache": {"vision": "hit"},
+                            },
+                        },
+                    }
+                )
+            )
 
     async def __aenter__(self) -> str:
         import websockets
@@ -281,8 +349,9 @@ class ScriptedPeer:
         await self.server.wait_closed()
 
 
-PLAN = SessionPlan(index=5, image_url="data:image/jpeg;base64,/9j/AA==",
-                   questions=("q1", "q2", "q3"))
+PLAN = SessionPlan(
+    index=5, image_url="data:image/jpeg;base64,/9j/AA==", questions=("q1", "q2", "q3")
+)
 PLAY = {"typing_s": 0.0, "max_tokens": 8, "turn_timeout_s": 10.0}
 
 
@@ -301,16 +370,27 @@ async def test_client_measures_ttft_and_gaps_between_deltas(mode: str) -> None:
         assert all(g > 0 for g in r.itl_ms) and r.ttft_ms + sum(r.itl_ms) >= 140.0
         assert (r.output_tokens, r.cached_tokens, r.vision, r.encode_wait_ms) == (3, 7, "hit", 1.5)
         assert r.total_ms >= r.ttft_ms and r.done_s > r.sent_s
-    kinds = [[(i["role"], [p["type"] for p in i["content"]]) for i in conn]
-             for conn in peer.items_per_connection]
+    kinds = [
+        [(i["role"], [p["type"] for p in i["content"]]) for i in conn]
+        for conn in peer.items_per_connection
+    ]
     if mode == "stateful":  # one connection: the photo alone first, then each question
-        assert kinds == [[("user", ["input_image"]), ("user", ["input_text"]),
-                          ("user", ["input_text"]), ("user", ["input_text"])]]
+        assert kinds == [
+            [
+                ("user", ["input_image"]),
+                ("user", ["input_text"]),
+                ("user", ["input_text"]),
+                ("user", ["input_text"]),
+            ]
+        ]
     else:  # a connection per turn, resending the conversation with the photo in the question
         first = ("user", ["input_image", "input_text"])
         answer, question = ("assistant", ["output_text"]), ("user", ["input_text"])
-        assert kinds == [[first], [first, answer, question],
-                         [first, answer, question, answer, question]]
+        assert kinds == [
+            [first],
+            [first, answer, question],
+            [first, answer, question, answer, question],
+        ]
         assert peer.items_per_connection[2][1]["content"][0]["text"] == "w0 w1 w2 "
 
 
@@ -328,8 +408,9 @@ async def test_client_classifies_busy_refused_and_abandoned_turns() -> None:
 
     async with ScriptedPeer("silent") as url:
         hung: list[TurnRecord] = []
-        task = asyncio.create_task(play_session(url, PLAN, "stateful", hung, origin=loop.time(),
-                                                stop_at=None, **PLAY))
+        task = asyncio.create_task(
+            play_session(url, PLAN, "stateful", hung, origin=loop.time(), stop_at=None, **PLAY)
+        )
         await asyncio.sleep(0.3)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -342,9 +423,16 @@ async def test_closed_loop_is_bounded_in_time() -> None:
     plans = itertools.count()
     async with ScriptedPeer("silent") as url:
         t0 = loop.time()
-        records = await closed_loop(url, "stateful", 3, lambda: SessionPlan(next(plans), PLAN.image_url,
-                                                                             PLAN.questions),
-                                    window_s=0.4, drain_s=0.3, max_sessions=10, **PLAY)
+        records = await closed_loop(
+            url,
+            "stateful",
+            3,
+            lambda: SessionPlan(next(plans), PLAN.image_url, PLAN.questions),
+            window_s=0.4,
+            drain_s=0.3,
+            max_sessions=10,
+            **PLAY,
+        )
         assert loop.time() - t0 < 3.0
     assert len(records) == 3 and all(r.status == "abandoned" for r in records)
 
@@ -355,9 +443,15 @@ async def test_closed_loop_is_bounded_in_time() -> None:
 @pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "bench.load", "--quick", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=280, check=False,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.load", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "headline" in proc.stdout and "closed c=2" in proc.stdout
     report = json.loads((out / "load.json").read_text())
@@ -372,8 +466,10 @@ def test_quick_run_end_to_end(tmp_path: Path) -> None:
         assert {("closed", 1), ("closed", 2), ("open", None)} <= kinds, kinds
     for p in points:
         assert p["turns"] > 0 and p["errors"] == 0 and p["busy"] == 0, p
-    records = {c: [r for p in points if p["config"] == c for r in p["records"] if r["status"] == "ok"]
-               for c in ("baseline", "visiongate")}
+    records = {
+        c: [r for p in points if p["config"] == c for r in p["records"] if r["status"] == "ok"]
+        for c in ("baseline", "visiongate")
+    }
     # stateless serving reuses nothing; visiongate's follow-ups reuse the session's KV
     assert all(r["cached_tokens"] == 0 for r in records["baseline"])
     assert any(r["turn"] > 0 and r["cached_tokens"] > 0 for r in records["visiongate"])

@@ -28,11 +28,32 @@ from tests.deploy.conftest import PROMETHEUS_DIR
 from tests.gateway.telemetry.test_metrics import record_one_of_each
 
 _KEYWORDS = {
-    "by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless",
-    "bool", "offset", "inf", "nan",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
     # aggregation operators, which may be followed by "by (...)" before their parenthesis
-    "sum", "avg", "min", "max", "count", "group", "stddev", "stdvar", "topk", "bottomk",
-    "quantile", "count_values",
+    "sum",
+    "avg",
+    "min",
+    "max",
+    "count",
+    "group",
+    "stddev",
+    "stdvar",
+    "topk",
+    "bottomk",
+    "quantile",
+    "count_values",
 }
 
 
@@ -108,7 +129,7 @@ def test_uids_and_panel_ids_unique() -> None:
         assert len(ids) == len(set(ids)), uid
         for p in dashboard["panels"]:
             pos = p["gridPos"]
-            assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24, (uid, p["title"])
+            assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24, (uid, p["title"])
 
 
 def test_queries_name_only_exported_metrics() -> None:
@@ -116,7 +137,7 @@ def test_queries_name_only_exported_metrics() -> None:
     seen = set()
     for where, expr in _all_exprs():
         if expr.startswith("label_values("):
-            names = {expr[len("label_values("):].split(",")[0].strip()}
+            names = {expr[len("label_values(") :].split(",")[0].strip()}
         else:
             names = _metric_names(expr)
         assert names, (where, expr)
@@ -148,12 +169,16 @@ def test_overview_has_the_scheduler_row() -> None:
     titles = [p["title"] for p in panels]
     start = titles.index("Scheduler")
     assert panels[start]["type"] == "row"
-    row_panels = panels[start + 1:]
+    row_panels = panels[start + 1 :]
     exprs = " ".join(t["expr"] for p in row_panels for t in p.get("targets", []))
-    for series in ("visiongate_scheduler_requests", "visiongate_scheduler_batch_size",
-                   "visiongate_kv_blocks", "visiongate_scheduler_preemptions_total",
-                   "visiongate_llm_inter_token_latency_seconds_bucket",
-                   "gen_ai_server_time_per_output_token_seconds_bucket"):
+    for series in (
+        "visiongate_scheduler_requests",
+        "visiongate_scheduler_batch_size",
+        "visiongate_kv_blocks",
+        "visiongate_scheduler_preemptions_total",
+        "visiongate_llm_inter_token_latency_seconds_bucket",
+        "gen_ai_server_time_per_output_token_seconds_bucket",
+    ):
         assert series in exprs, series
     for state in ("running", "waiting"):
         assert f'state="{state}"' in exprs
@@ -192,27 +217,31 @@ def test_objectives_match_prometheus_rules() -> None:
     alerts = yaml.safe_load((PROMETHEUS_DIR / "rules" / "visiongate-alerts.yml").read_text())
     exprs = {r["alert"]: r["expr"] for g in alerts["groups"] for r in g["rules"]}
     assert exprs["VisiongateTTFTP95AboveSLO"].strip().endswith(f"> {TTFT_OBJECTIVE_S:g}")
-    assert exprs["VisiongateResponseTimeP95AboveSLO"].strip().endswith(
-        f"> {RESPONSE_TIME_OBJECTIVE_S:g}"
+    assert (
+        exprs["VisiongateResponseTimeP95AboveSLO"]
+        .strip()
+        .endswith(f"> {RESPONSE_TIME_OBJECTIVE_S:g}")
     )
     recording = (PROMETHEUS_DIR / "rules" / "visiongate-recording.yml").read_text()
     assert f'le="{TTFT_OBJECTIVE_S}"' in recording
     assert f'le="{RESPONSE_TIME_OBJECTIVE_S}"' in recording
 
-    itl = next(r for g in alerts["groups"] for r in g["rules"]
-               if r.get("alert") == "VisiongateITLP95AboveSLO")
+    itl = next(
+        r
+        for g in alerts["groups"]
+        for r in g["rules"]
+        if r.get("alert") == "VisiongateITLP95AboveSLO"
+    )
     assert itl["expr"].strip().endswith(f"> {ITL_OBJECTIVE_S:g}")
     assert itl["for"] == ITL_ALERT_FOR
     assert f'le="{ITL_OBJECTIVE_S}"' in recording
     assert ITL_OBJECTIVE_S in ITL_BUCKETS_S  # a bucket bound: the SLI is exact, not interpolated
     grafana = next(r for r in alert_rules() if r["labels"]["slo"] == "itl")
     assert grafana["for"] == ITL_ALERT_FOR
-    assert grafana["data"][2]["model"]["conditions"][0]["evaluator"]["params"] == [
-        ITL_OBJECTIVE_S
-    ]
-    assert "visiongate_llm_inter_token_latency_seconds_bucket" in grafana["data"][0]["model"][
-        "expr"
-    ]
+    assert grafana["data"][2]["model"]["conditions"][0]["evaluator"]["params"] == [ITL_OBJECTIVE_S]
+    assert (
+        "visiongate_llm_inter_token_latency_seconds_bucket" in grafana["data"][0]["model"]["expr"]
+    )
 
 
 def test_alert_rules_shape() -> None:

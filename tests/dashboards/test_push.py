@@ -57,8 +57,13 @@ class FakeGrafana:
             if body.get("folderUid") not in self.folders:
                 return 400, {"message": "folder does not exist"}
             self.dashboards[dash["uid"]] = body
-            return 200, {"id": 1, "uid": dash["uid"], "url": f"/d/{dash['uid']}/x",
-                         "status": "success", "version": 1}
+            return 200, {
+                "id": 1,
+                "uid": dash["uid"],
+                "url": f"/d/{dash['uid']}/x",
+                "status": "success",
+                "version": 1,
+            }
         if path.startswith("/api/v1/provisioning/alert-rules"):
             uid = path.rsplit("/", 1)[1] if path.count("/") == 5 else None
             if method == "GET" and uid:

@@ -117,9 +117,10 @@ def test_k8s_manifests(k8s: list[dict[str, Any]], compose: dict[str, Any]) -> No
     assert gateway["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == str(
         port_names["http"]
     )
-    assert service["spec"]["selector"].items() <= gateway["spec"]["template"]["metadata"][
-        "labels"
-    ].items()
+    assert (
+        service["spec"]["selector"].items()
+        <= gateway["spec"]["template"]["metadata"]["labels"].items()
+    )
     assert all(p["targetPort"] in port_names for p in service["spec"]["ports"])
     for env in (_env(g), _env(e)):
         assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].endswith(":4318")

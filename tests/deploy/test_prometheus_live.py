@@ -142,9 +142,16 @@ def wait_for(base: str, promql: str, ok: Any, timeout: float = 15.0) -> list[dic
 
 def record_ttft(telemetry: Telemetry, ttft_s: float) -> None:
     telemetry.metrics.record_response(
-        model="smol", status="completed", ttft_s=ttft_s, duration_s=ttft_s + 1.0,
-        output_tokens=10, input_tokens=20, image_tokens=64, cached_tokens=0,
-        time_per_output_token_s=0.02, api="realtime",
+        model="smol",
+        status="completed",
+        ttft_s=ttft_s,
+        duration_s=ttft_s + 1.0,
+        output_tokens=10,
+        input_tokens=20,
+        image_tokens=64,
+        cached_tokens=0,
+        time_per_output_token_s=0.02,
+        api="realtime",
     )
 
 

@@ -12,7 +12,11 @@ from tests.deploy.conftest import PROMETHEUS_DIR
 
 def _promtool(promtool: str, *args: str) -> str:
     done = subprocess.run(
-        [promtool, *args], check=False, capture_output=True, text=True, timeout=60,
+        [promtool, *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
         cwd=PROMETHEUS_DIR.parent,
     )
     assert done.returncode == 0, f"promtool {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"

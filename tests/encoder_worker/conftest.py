@@ -38,8 +38,12 @@ def tiny_clip_dir(tmp_path_factory) -> str:
 
     torch.manual_seed(0)
     cfg = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        image_size=32, patch_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
     )
     return _save(CLIPVisionModel(cfg).eval(), tmp_path_factory.mktemp("tiny-clip"))
 
@@ -50,7 +54,11 @@ def tiny_siglip_dir(tmp_path_factory) -> str:
 
     torch.manual_seed(1)
     cfg = SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-        image_size=32, patch_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
     )
     return _save(SiglipVisionModel(cfg).eval(), tmp_path_factory.mktemp("tiny-siglip"))

@@ -29,11 +29,19 @@ def _code(data: bytes, **kw) -> str:
 
 def _png_claiming(width: int, height: int) -> bytes:
     """A ~100-byte PNG whose header claims width x height pixels: a decompression bomb."""
+
     def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )
 
 
 def test_decompression_bomb_is_refused_from_the_header():
@@ -47,7 +55,9 @@ def test_byte_limit():
     assert _decode(data, max_bytes=len(data)).shape == (64, 64, 3)
 
 
-@pytest.mark.parametrize("data", [b"", b"hello world", b"\x89PNG\r\n\x1a\n" + b"\0" * 40, b"\xff\xd8\xff" + b"\x00" * 10])
+@pytest.mark.parametrize(
+    "data", [b"", b"hello world", b"\x89PNG\r\n\x1a\n" + b"\0" * 40, b"\xff\xd8\xff" + b"\x00" * 10]
+)
 def test_not_an_image(data):
     assert _code(data) == "invalid_image"
 
@@ -116,8 +126,11 @@ def test_big_images_are_reduced_but_keep_twice_the_needed_side():
 
 @pytest.mark.parametrize("mode", ["P", "1", "I;16"])
 def test_large_palette_bilevel_and_16bit_images_decode_reduced(mode: str) -> None:
-    img = Image.new("RGB", (1000, 1000), (10, 200, 30)).convert("P") if mode == "P" \
+    img = (
+        Image.new("RGB", (1000, 1000), (10, 200, 30)).convert("P")
+        if mode == "P"
         else Image.new(mode, (1000, 1000))
+    )
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     arr = decode_image(buf.getvalue(), 10**7, 10**8, min_side=224)

@@ -55,19 +55,27 @@ def hf_image_features(model, pixel_values: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = model.get_image_features(pixel_values=pixel_values)
     feats = out.pooler_output if hasattr(out, "pooler_output") else out
-    return torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats.reshape(-1, feats.shape[-1])
+    return (
+        torch.cat(list(feats))
+        if isinstance(feats, (list, tuple))
+        else feats.reshape(-1, feats.shape[-1])
+    )
 
 
 @pytest.mark.parametrize("name", PHOTOS)
 def test_embeds_equal_get_image_features(family, hf, name) -> None:
     model, processor = hf
     rgb = getattr(skimage.data, name)()
-    pixels = processor(images=Image.fromarray(rgb), text="<image>", return_tensors="pt")["pixel_values"]
+    pixels = processor(images=Image.fromarray(rgb), text="<image>", return_tensors="pt")[
+        "pixel_values"
+    ]
     assert torch.equal(family.pixel_values(rgb), pixels)  # the checkpoint's own preprocessing
     expected = hf_image_features(model, pixels)  # [N, lm_hidden]
     out = family.encode(rgb)
     assert out.embeds.shape == expected.shape == (64, 64)
-    assert torch.allclose(out.embeds, expected, atol=1e-5, rtol=0), (out.embeds - expected).abs().max()
+    assert torch.allclose(out.embeds, expected, atol=1e-5, rtol=0), (
+        (out.embeds - expected).abs().max()
+    )
     assert out.runs == [64] and out.mrope is None
     assert out.saliency.shape == (64,) and torch.isfinite(out.saliency).all()
     # CLS attention over the patch rows: positive, at most one unit of mass per head
@@ -78,7 +86,9 @@ def test_embeds_equal_get_image_features(family, hf, name) -> None:
 def test_layout_is_the_processor_expansion(family, hf) -> None:
     model, processor = hf
     rgb = skimage.data.chelsea()
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}
+    ]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
     assert prompt.count(family.placeholder) == 1
     ids = processor(images=Image.fromarray(rgb), text=prompt, return_tensors="pt")["input_ids"][0]
@@ -104,17 +114,21 @@ def test_only_the_encoder_side_is_loaded(family, ckpt) -> None:
     from safetensors import safe_open
 
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
-        sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}
-    vision = sum(int(np.prod(s)) for k, s in sizes.items()
-                 if k.startswith(("vision_tower.", "multi_modal_projector."))
-                 and "layers.2." not in k)
+        sizes = {k: f.get_slice(k).get_shape() for k in f}
+    vision = sum(
+        int(np.prod(s))
+        for k, s in sizes.items()
+        if k.startswith(("vision_tower.", "multi_modal_projector.")) and "layers.2." not in k
+    )
     assert loaded == vision
     assert family.lm_hidden_size == 64 and family.describe()["feature_layer"] == -2
 
 
 @pytest.mark.parametrize("layout", ["model", "vision_model"])
 def test_key_layouts_load_the_same_weights(family, tmp_path, layout) -> None:
-    other = load_family(llava.build(tmp_path / layout, seed=0, key_layout=layout), CPU, torch.float32)
+    other = load_family(
+        llava.build(tmp_path / layout, seed=0, key_layout=layout), CPU, torch.float32
+    )
     rgb = skimage.data.coffee()
     assert torch.equal(other.encode(rgb).embeds, family.encode(rgb).embeds)
 
@@ -127,14 +141,20 @@ def test_feature_layer_list_and_full_strategy(hf, tmp_path) -> None:
     model = LlavaForConditionalGeneration.from_pretrained(path, local_files_only=True).eval()
     processor = AutoProcessor.from_pretrained(path, local_files_only=True)
     rgb = skimage.data.rocket()
-    pixels = processor(images=Image.fromarray(rgb), text="<image>", return_tensors="pt")["pixel_values"]
+    pixels = processor(images=Image.fromarray(rgb), text="<image>", return_tensors="pt")[
+        "pixel_values"
+    ]
     expected = hf_image_features(model, pixels)
     out = fam.encode(rgb)
     assert out.embeds.shape == expected.shape == (65, 64)  # CLS kept under "full"
     assert torch.allclose(out.embeds, expected, atol=1e-5, rtol=0)
     assert len(fam.tower.encoder.layers) == 3
-    assert processor(images=Image.fromarray(rgb), text="<image>")["input_ids"][0].count(
-        model.config.image_token_id) == fam.layout([65], out).rows
+    assert (
+        processor(images=Image.fromarray(rgb), text="<image>")["input_ids"][0].count(
+            model.config.image_token_id
+        )
+        == fam.layout([65], out).rows
+    )
 
 
 def test_fingerprint_follows_the_checkpoint(ckpt, tmp_path) -> None:
@@ -197,8 +217,12 @@ def test_float_header_checks() -> None:
     from encoder_worker.payload import FloatHeader
 
     good = float_tokens(torch.ones(2, 8), torch.arange(2), 4, "fp32")
-    for header in (FloatHeader(1, 2, 8, "fp16", 4), FloatHeader(2, 2, 8, "fp32", 4),
-                   FloatHeader(1, 2, 0, "fp32", 4), FloatHeader(1, 2, 8, "fp32", 4, 3)):
+    for header in (
+        FloatHeader(1, 2, 8, "fp16", 4),
+        FloatHeader(2, 2, 8, "fp32", 4),
+        FloatHeader(1, 2, 0, "fp32", 4),
+        FloatHeader(1, 2, 8, "fp32", 4, 3),
+    ):
         forged = FloatTokens(header, good.values, good.positions).to_bytes()
         with pytest.raises(ValueError):
             FloatTokens.from_bytes(forged)
@@ -208,8 +232,12 @@ def test_float_header_checks() -> None:
 
 @pytest.mark.parametrize("mode", ["topk", "dynamic", "random"])
 def test_pruning_keeps_a_subset_in_order(ckpt, family, mode) -> None:
-    pipe = EncoderPipeline(EncoderConfig(tower=str(ckpt), device="cpu", pruning=mode,
-                                         visual_tokens="fp32", keep_ratio=0.25), 64)
+    pipe = EncoderPipeline(
+        EncoderConfig(
+            tower=str(ckpt), device="cpu", pruning=mode, visual_tokens="fp32", keep_ratio=0.25
+        ),
+        64,
+    )
     data = encode_image(skimage.data.chelsea(), "PNG")
     try:
         (image,) = pipe.encode_batch([data])
@@ -233,8 +261,9 @@ def test_dynamic_merge_acts_as_dynamic_for_checkpoints(ckpt) -> None:
     data = encode_image(skimage.data.coffee(), "PNG")
     got = {}
     for mode in ("dynamic", "dynamic+merge"):
-        pipe = EncoderPipeline(EncoderConfig(tower=str(ckpt), device="cpu", pruning=mode,
-                                             visual_tokens="fp32"), 64)
+        pipe = EncoderPipeline(
+            EncoderConfig(tower=str(ckpt), device="cpu", pruning=mode, visual_tokens="fp32"), 64
+        )
         try:
             (got[mode],) = pipe.encode_batch([data])
         finally:
@@ -244,8 +273,9 @@ def test_dynamic_merge_acts_as_dynamic_for_checkpoints(ckpt) -> None:
 
 
 def test_unsupported_vlm_names_the_supported_families(tmp_path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llava_next", "vision_config": {}, "text_config": {}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "llava_next", "vision_config": {}, "text_config": {}})
+    )
     with pytest.raises(UnsupportedCheckpoint, match="llava.*qwen2_5_vl"):
         tower_family(str(tmp_path))
     with pytest.raises(UnsupportedCheckpoint, match="supported: "):

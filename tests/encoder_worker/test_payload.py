@@ -8,7 +8,9 @@ import torch
 from encoder_worker.payload import VisualTokens, quantize_tokens, to_embeds
 
 
-def _payload(n: int = 40, hidden: int = 576, group: int = 64, seed: int = 0) -> tuple[VisualTokens, torch.Tensor]:
+def _payload(
+    n: int = 40, hidden: int = 576, group: int = 64, seed: int = 0
+) -> tuple[VisualTokens, torch.Tensor]:
     x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed)) * 0.05
     positions = torch.arange(0, 2 * n, 2)
     return quantize_tokens(x, positions, 196, group, n_contextual=3), x

@@ -26,10 +26,18 @@ def test_fused_preprocess_matches_the_pillow_pipeline():
     for arr in (skimage.data.chelsea(), skimage.data.rocket()):
         for spec in (
             PreprocessSpec(image_size=224, patch_size=16),
-            PreprocessSpec(image_size=64, patch_size=8, resize="squash", resample="bilinear",
-                           mean=(0.5,) * 3, std=(0.5,) * 3),
+            PreprocessSpec(
+                image_size=64,
+                patch_size=8,
+                resize="squash",
+                resample="bilinear",
+                mean=(0.5,) * 3,
+                std=(0.5,) * 3,
+            ),
         ):
-            rows = preprocess_batch([torch.from_numpy(arr.copy())], spec, torch.device("cpu"), torch.float32)
+            rows = preprocess_batch(
+                [torch.from_numpy(arr.copy())], spec, torch.device("cpu"), torch.float32
+            )
             assert rows.shape == (1, spec.num_patches, 3 * spec.patch_size**2)
             ours = _as_image(rows[0], spec)
             ref = pil_preprocess(arr, spec)
@@ -42,7 +50,9 @@ def test_patch_rows_feed_a_conv_patch_embedding_identically():
     """Patch row layout is (c, y, x), the order a Conv2d patch embedding flattens its weight in."""
     spec = PreprocessSpec(image_size=32, patch_size=8)
     arr = skimage.data.astronaut()
-    rows = preprocess_batch([torch.from_numpy(arr.copy())], spec, torch.device("cpu"), torch.float32)
+    rows = preprocess_batch(
+        [torch.from_numpy(arr.copy())], spec, torch.device("cpu"), torch.float32
+    )
     conv = torch.nn.Conv2d(3, 5, 8, 8, bias=False)
     pixels = torch.from_numpy(_as_image(rows[0], spec))[None]
     expected = conv(pixels).flatten(2).transpose(1, 2)  # [1, N, 5]

@@ -15,9 +15,7 @@ def _batch(b: int = 2, n: int = 64, d: int = 16, seed: int = 0):
     return feats, sal, keys
 
 
-@pytest.mark.parametrize(
-    ("mode", "expected"), [("none", 64), ("random", 16), ("topk", 16)]
-)
+@pytest.mark.parametrize(("mode", "expected"), [("none", 64), ("random", 16), ("topk", 16)])
 def test_fixed_modes_keep_count_order_and_positions(mode, expected):
     feats, sal, keys = _batch()
     cfg = EncoderConfig(pruning=mode, keep_ratio=0.25)
@@ -55,7 +53,9 @@ def test_dynamic_mode_keeps_fewer_for_concentrated_saliency():
     feats, _, keys = _batch(b=2, n=100)
     sal = torch.ones(2, 100)
     sal[0, 40:44] = 500.0  # image 0: attention on four patches
-    cfg = EncoderConfig(pruning="dynamic", min_keep_ratio=0.05, max_keep_ratio=0.6, saliency_mass=0.5)
+    cfg = EncoderConfig(
+        pruning="dynamic", min_keep_ratio=0.05, max_keep_ratio=0.6, saliency_mass=0.5
+    )
     peaked, spread = prune(feats, sal, keys, cfg, seeds=[0, 0])
     assert peaked.tokens.shape[0] == 5 and spread.tokens.shape[0] == 50
     assert set(range(40, 44)) <= set(peaked.positions.tolist())
@@ -63,7 +63,9 @@ def test_dynamic_mode_keeps_fewer_for_concentrated_saliency():
 
 def test_dynamic_merge_adds_contextual_tokens_within_budget():
     feats, sal, keys = _batch(b=1, n=64)
-    cfg = EncoderConfig(pruning="dynamic+merge", min_keep_ratio=0.25, max_keep_ratio=0.25, merge_tokens=4)
+    cfg = EncoderConfig(
+        pruning="dynamic+merge", min_keep_ratio=0.25, max_keep_ratio=0.25, merge_tokens=4
+    )
     (p,) = prune(feats, sal, keys, cfg, seeds=[0])
     assert p.tokens.shape[0] == 16 and p.n_contextual == 4
     dominant = p.positions[:12]

@@ -35,7 +35,9 @@ def test_clip_checkpoint_features_and_cls_saliency(tiny_clip_dir, feature_layer)
     with torch.no_grad():
         out = tower(rows)
     ref = _hf_reference(tiny_clip_dir, CLIPVisionModel, pixels, feature_layer)
-    torch.testing.assert_close(out.features, ref.hidden_states[feature_layer][:, 1:], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        out.features, ref.hidden_states[feature_layer][:, 1:], atol=1e-5, rtol=1e-4
+    )
     # the CLS row, computed alone, equals row 0 of the full attention map of the last layer run
     attn = ref.attentions[len(tower.layers) - 1]  # [B, H, T, T]
     torch.testing.assert_close(out.saliency, attn[:, :, 0, 1:].sum(1), atol=1e-5, rtol=1e-4)
@@ -51,7 +53,9 @@ def test_siglip_checkpoint_uses_norm_saliency(tiny_siglip_dir):
         out = tower(rows)
     ref = _hf_reference(tiny_siglip_dir, SiglipVisionModel, pixels, -2)
     torch.testing.assert_close(out.features, ref.hidden_states[-2], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(out.saliency, ref.hidden_states[-2].norm(dim=-1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        out.saliency, ref.hidden_states[-2].norm(dim=-1), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_cls_attention_row_equals_the_slow_way():
@@ -72,7 +76,9 @@ def test_synthetic_towers_are_seeded_and_shaped():
 
 def test_checkpoint_through_the_config_path(tiny_clip_dir, tiny_siglip_dir, photos):
     for path in (tiny_clip_dir, tiny_siglip_dir):
-        pipe = EncoderPipeline(EncoderConfig(tower=path, pruning="topk", keep_ratio=0.5), hidden_size=24)
+        pipe = EncoderPipeline(
+            EncoderConfig(tower=path, pruning="topk", keep_ratio=0.5), hidden_size=24
+        )
         try:
             results = pipe.encode_batch([photos["coffee"], photos["rocket"]])
         finally:

@@ -15,8 +15,13 @@ MiB = 1024 * 1024
 
 
 def gateway_settings(**overrides) -> Settings:
-    base = dict(max_output_tokens=24, max_image_bytes=2 * MiB, max_pixels=4_000_000,
-                engine_max_queue=8, cache_dir=os.environ.get("VISIONGATE_CACHE_DIR"))
+    base = dict(
+        max_output_tokens=24,
+        max_image_bytes=2 * MiB,
+        max_pixels=4_000_000,
+        engine_max_queue=8,
+        cache_dir=os.environ.get("VISIONGATE_CACHE_DIR"),
+    )
     base.update(overrides)
     return Settings.load(base, environ={})
 

@@ -21,8 +21,9 @@ class Peer:
 
     @classmethod
     async def open(cls, url: str, session_id: str | None = None) -> Peer:
-        ws = await websockets.connect(url + (f"?session_id={session_id}" if session_id else ""),
-                                      max_size=None)
+        ws = await websockets.connect(
+            url + (f"?session_id={session_id}" if session_id else ""), max_size=None
+        )
         created = json.loads(await ws.recv())
         return cls(ws, created)
 
@@ -36,7 +37,9 @@ class Peer:
     async def recv(self, timeout: float = 120.0) -> dict[str, Any]:
         return json.loads(await asyncio.wait_for(self.ws.recv(), timeout))
 
-    async def until(self, *types: str, timeout: float = 180.0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    async def until(
+        self, *types: str, timeout: float = 180.0
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """Read until an event of one of `types`; returns it and everything read before it."""
         seen: list[dict[str, Any]] = []
         while True:
@@ -45,10 +48,13 @@ class Peer:
                 return event, seen
             seen.append(event)
 
-    async def add(self, parts: list[dict[str, Any]], event_id: str | None = None,
-                  role: str = "user") -> None:
-        event: dict[str, Any] = {"type": "conversation.item.create",
-                                 "item": {"type": "message", "role": role, "content": parts}}
+    async def add(
+        self, parts: list[dict[str, Any]], event_id: str | None = None, role: str = "user"
+    ) -> None:
+        event: dict[str, Any] = {
+            "type": "conversation.item.create",
+            "item": {"type": "message", "role": role, "content": parts},
+        }
         if event_id:
             event["event_id"] = event_id
         await self.send(event)

@@ -67,8 +67,9 @@ class Watch:
 
 
 async def open_peer(server: ServerThread, key: str) -> Peer:
-    ws = await websockets.connect(server.ws_url, max_size=None,
-                                  additional_headers={"Authorization": f"Bearer {key}"})
+    ws = await websockets.connect(
+        server.ws_url, max_size=None, additional_headers={"Authorization": f"Bearer {key}"}
+    )
     return Peer(ws, json.loads(await ws.recv()))
 
 
@@ -90,8 +91,14 @@ def prompt_parts(i: int) -> list[dict]:
     return parts
 
 
-async def ask(server: ServerThread, key: str, i: int, *, max_tokens: int = 24,
-              cancel_after_first: bool = False) -> tuple[str, dict]:
+async def ask(
+    server: ServerThread,
+    key: str,
+    i: int,
+    *,
+    max_tokens: int = 24,
+    cancel_after_first: bool = False,
+) -> tuple[str, dict]:
     peer = await open_peer(server, key)
     try:
         await peer.send({"type": "session.update", "session": {"instructions": f"Be brief. #{i}"}})
@@ -113,7 +120,7 @@ async def test_batch_of_eight_is_token_identical_to_alone(batch_server: ServerTh
     with Watch(batch_server) as watch:
         together = await asyncio.gather(*(ask(batch_server, "key-batch", i) for i in range(8)))
     assert watch.max_batch >= 4, "the eight sessions never ran in one batch"
-    for i, ((text_a, resp_a), (text_b, resp_b)) in enumerate(zip(alone, together)):
+    for i, ((text_a, resp_a), (text_b, resp_b)) in enumerate(zip(alone, together, strict=False)):
         assert text_a and text_a == text_b, f"session {i} changed in a batch"
         assert resp_a["usage"]["output_tokens"] == resp_b["usage"]["output_tokens"]
         # the other key's KV was never reused: the batch prefilled its prompts itself
@@ -122,8 +129,10 @@ async def test_batch_of_eight_is_token_identical_to_alone(batch_server: ServerTh
 
 async def test_cancelling_one_of_eight_leaves_the_others_unchanged(batch_server) -> None:
     alone = [await ask(batch_server, "key-alone", i, max_tokens=32) for i in range(8)]
-    runs = [ask(batch_server, "key-other", i, max_tokens=32, cancel_after_first=(i == 3))
-            for i in range(8)]
+    runs = [
+        ask(batch_server, "key-other", i, max_tokens=32, cancel_after_first=(i == 3))
+        for i in range(8)
+    ]
     together = await asyncio.gather(*runs)
     assert together[3][1]["status"] == "cancelled"
     assert together[3][1]["usage"]["output_tokens"] < alone[3][1]["usage"]["output_tokens"]
@@ -152,8 +161,13 @@ async def test_full_queue_answers_busy_and_http_429(tiny_queue_server: ServerThr
         await peers[0].until("response.output_text.delta")  # running
         await peers[1].send({"type": "response.create", "response": {"max_output_tokens": 4}})
         await asyncio.sleep(0.3)  # waiting: the one queue slot is taken
-        await peers[2].send({"type": "response.create", "event_id": "evt-full",
-                             "response": {"max_output_tokens": 4}})
+        await peers[2].send(
+            {
+                "type": "response.create",
+                "event_id": "evt-full",
+                "response": {"max_output_tokens": 4},
+            }
+        )
         done, seen = await peers[2].until("response.done")
         errors = [e for e in seen if e["type"] == "error"]
         assert done["response"]["status"] == "failed"
@@ -161,9 +175,14 @@ async def test_full_queue_answers_busy_and_http_429(tiny_queue_server: ServerThr
         assert not errors or errors[0]["error"]["code"] == "busy"
 
         async with httpx.AsyncClient(base_url=server.http_url, timeout=60) as client:
-            r = await client.post("/v1/chat/completions", json={
-                "model": gateway_state(server).engine.model_id, "max_tokens": 4,
-                "messages": [{"role": "user", "content": "Hello"}]})
+            r = await client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": gateway_state(server).engine.model_id,
+                    "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "Hello"}],
+                },
+            )
         assert r.status_code == 429
         assert int(r.headers["retry-after"]) >= 1
         assert r.json()["error"]["code"] == "busy"
@@ -194,10 +213,11 @@ async def test_small_kv_budget_preempts_and_answers_stay_identical(
     reference = [await ask(gateway_server, "", i, max_tokens=96) for i in questions]
     engine = gateway_state(small_kv_server).engine
     before = engine.stats().preemptions_total
-    constrained = await asyncio.gather(*(ask(small_kv_server, "", i, max_tokens=96)
-                                         for i in questions))
+    constrained = await asyncio.gather(
+        *(ask(small_kv_server, "", i, max_tokens=96) for i in questions)
+    )
     assert engine.stats().preemptions_total > before, "the budget never forced a preemption"
-    for (text_ref, resp_ref), (text, resp) in zip(reference, constrained):
+    for (text_ref, resp_ref), (text, resp) in zip(reference, constrained, strict=False):
         assert resp["status"] == resp_ref["status"]
         assert text == text_ref
     assert max(r["usage"]["output_tokens"] for _, r in constrained) > 64
@@ -207,8 +227,10 @@ def test_stateless_http_conversation_reuses_previous_turns(gateway_server: Serve
     """The full history sent again each turn, no session id: every previous turn is cached."""
     client = OpenAI(base_url=gateway_server.http_url + "/v1", api_key="unused")
     model = gateway_state(gateway_server).engine.model_id
-    messages = [{"role": "system", "content": "You answer in one short sentence. #stateless"},
-                {"role": "user", "content": "What is the largest planet?"}]
+    messages = [
+        {"role": "system", "content": "You answer in one short sentence. #stateless"},
+        {"role": "user", "content": "What is the largest planet?"},
+    ]
     previous = None
     for follow_up in ("And the smallest?", "Which one has rings?", None):
         done = client.chat.completions.create(model=model, messages=messages, max_tokens=16)
@@ -223,5 +245,7 @@ def test_stateless_http_conversation_reuses_previous_turns(gateway_server: Serve
         previous = usage
         if follow_up is None:
             break
-        messages += [{"role": "assistant", "content": done.choices[0].message.content},
-                     {"role": "user", "content": follow_up}]
+        messages += [
+            {"role": "assistant", "content": done.choices[0].message.content},
+            {"role": "user", "content": follow_up},
+        ]

@@ -42,8 +42,13 @@ async def test_encoder_crash_ends_the_response_as_failed(gateway_server, faulty_
     image = fresh_image(21)
     faulty_encoder[image] = "crash"
     peer = await Peer.open(gateway_server.ws_url)
-    await peer.add([{"type": "input_image", "image_url": data_url(image, "image/png")},
-                    {"type": "input_text", "text": "What is this?"}], event_id="item")
+    await peer.add(
+        [
+            {"type": "input_image", "image_url": data_url(image, "image/png")},
+            {"type": "input_text", "text": "What is this?"},
+        ],
+        event_id="item",
+    )
     await peer.send({"type": "response.create", "event_id": "go"})
     done, seen = await peer.until("response.done", timeout=60)
     assert done["response"]["status"] == "failed"
@@ -62,8 +67,12 @@ async def test_cancel_while_waiting_for_an_encode(gateway_server, faulty_encoder
     image = fresh_image(22)
     faulty_encoder[image] = "stall"
     peer = await Peer.open(gateway_server.ws_url)
-    await peer.add([{"type": "input_image", "image_url": data_url(image, "image/png")},
-                    {"type": "input_text", "text": "What is this?"}])
+    await peer.add(
+        [
+            {"type": "input_image", "image_url": data_url(image, "image/png")},
+            {"type": "input_text", "text": "What is this?"},
+        ]
+    )
     await peer.send({"type": "response.create"})
     await peer.until("response.created")
     t0 = time.perf_counter()
@@ -117,16 +126,42 @@ async def test_oversized_text_and_bad_sampling_values_are_refused(gateway_server
     limit = gateway_state(gateway_server).settings.max_text_chars
     peer = await Peer.open(gateway_server.ws_url)
     cases = [
-        ({"type": "conversation.item.create", "event_id": "big", "item": {
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "x" * (limit + 1)}]}},
-         "input_too_large"),
-        ({"type": "response.create", "event_id": "p0", "response": {"top_p": 0}}, "invalid_request"),
-        ({"type": "response.create", "event_id": "s-", "response": {"seed": -1}}, "invalid_request"),
-        ({"type": "session.update", "event_id": "t9", "session": {"temperature": 9}}, "invalid_request"),
-        ({"type": "response.create", "event_id": "in", "response": {"input": []}}, "invalid_request"),
-        ({"type": "response.create", "event_id": "tl", "response": {"tools": [{"type": "function",
-                                                                           "name": "f"}]}},
-         "invalid_request"),
+        (
+            {
+                "type": "conversation.item.create",
+                "event_id": "big",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "x" * (limit + 1)}],
+                },
+            },
+            "input_too_large",
+        ),
+        (
+            {"type": "response.create", "event_id": "p0", "response": {"top_p": 0}},
+            "invalid_request",
+        ),
+        (
+            {"type": "response.create", "event_id": "s-", "response": {"seed": -1}},
+            "invalid_request",
+        ),
+        (
+            {"type": "session.update", "event_id": "t9", "session": {"temperature": 9}},
+            "invalid_request",
+        ),
+        (
+            {"type": "response.create", "event_id": "in", "response": {"input": []}},
+            "invalid_request",
+        ),
+        (
+            {
+                "type": "response.create",
+                "event_id": "tl",
+                "response": {"tools": [{"type": "function", "name": "f"}]},
+            },
+            "invalid_request",
+        ),
     ]
     for frame, code in cases:
         await peer.send(frame)

@@ -13,24 +13,49 @@ from tests.conftest import photo_bytes
 def test_client_events_decode_with_unknown_fields_ignored(binary: bool) -> None:
     codec = rt.WireCodec(binary=binary)
     enc = msgspec.msgpack.encode if binary else msgspec.json.encode
-    event = codec.decode(enc({"type": "conversation.item.create", "event_id": "e", "item": {
-        "type": "message", "role": "user", "object": "realtime.item", "future_field": 1,
-        "content": [{"type": "input_text", "text": "hi"}]}}))
+    event = codec.decode(
+        enc(
+            {
+                "type": "conversation.item.create",
+                "event_id": "e",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "object": "realtime.item",
+                    "future_field": 1,
+                    "content": [{"type": "input_text", "text": "hi"}],
+                },
+            }
+        )
+    )
     assert isinstance(event, rt.ConversationItemCreate)
     assert event.item.content[0].text == "hi" and event.event_id == "e"
     assert isinstance(codec.decode(enc({"type": "response.cancel"})), rt.ResponseCancel)
 
 
-@pytest.mark.parametrize("frame, code, param, event_id", [
-    (b"{", "invalid_json", None, None),
-    (b'{"type":"input_audio_buffer.append","event_id":"a"}', "unknown_event", "type", "a"),
-    (b'{"event_id":"b"}', "invalid_event", "type", "b"),
-    (b'{"type":"session.update","event_id":"c","session":{"temperature":"hot"}}', "invalid_event",
-     "session.temperature", "c"),
-    (b'{"type":"conversation.item.create","item":{"role":"robot","content":[]}}', "invalid_event",
-     "item.role", None),
-])
-def test_bad_frames_classified(frame: bytes, code: str, param: str | None, event_id: str | None) -> None:
+@pytest.mark.parametrize(
+    "frame, code, param, event_id",
+    [
+        (b"{", "invalid_json", None, None),
+        (b'{"type":"input_audio_buffer.append","event_id":"a"}', "unknown_event", "type", "a"),
+        (b'{"event_id":"b"}', "invalid_event", "type", "b"),
+        (
+            b'{"type":"session.update","event_id":"c","session":{"temperature":"hot"}}',
+            "invalid_event",
+            "session.temperature",
+            "c",
+        ),
+        (
+            b'{"type":"conversation.item.create","item":{"role":"robot","content":[]}}',
+            "invalid_event",
+            "item.role",
+            None,
+        ),
+    ],
+)
+def test_bad_frames_classified(
+    frame: bytes, code: str, param: str | None, event_id: str | None
+) -> None:
     with pytest.raises(GatewayError) as err:
         rt.WireCodec().decode(frame)
     assert err.value.code == code
@@ -39,12 +64,24 @@ def test_bad_frames_classified(frame: bytes, code: str, param: str | None, event
 
 
 def test_server_events_encode_in_realtime_shape() -> None:
-    ev = rt.ErrorEvent("event_1", rt.ErrorBody(type="invalid_request_error", code="invalid_json",
-                                               message="bad", event_id="x"))
+    ev = rt.ErrorEvent(
+        "event_1",
+        rt.ErrorBody(
+            type="invalid_request_error", code="invalid_json", message="bad", event_id="x"
+        ),
+    )
     out = msgspec.json.decode(rt.WireCodec().encode(ev))
-    assert out == {"type": "error", "event_id": "event_1", "error": {
-        "type": "invalid_request_error", "code": "invalid_json", "message": "bad", "param": None,
-        "event_id": "x"}}
+    assert out == {
+        "type": "error",
+        "event_id": "event_1",
+        "error": {
+            "type": "invalid_request_error",
+            "code": "invalid_json",
+            "message": "bad",
+            "param": None,
+            "event_id": "x",
+        },
+    }
 
 
 def test_image_urls() -> None:
@@ -55,12 +92,14 @@ def test_image_urls() -> None:
     assert parse_image_url(url, max_bytes=10**6) == jpeg
     ref = parse_image_url("visiongate:sha256:" + "a" * 64, max_bytes=10)
     assert isinstance(ref, ImageRef) and ref == "a" * 64
-    for bad, code in [("https://example.com/a.jpg", "invalid_image"),
-                      ("data:image/jpeg,rawbytes", "invalid_image"),
-                      ("data:text/plain;base64,aGk=", "unsupported_image_format"),
-                      ("visiongate:sha256:xyz", "invalid_image"),
-                      ("data:image/png;base64,!!!", "invalid_image"),
-                      (url, "image_too_large")]:
+    for bad, code in [
+        ("https://example.com/a.jpg", "invalid_image"),
+        ("data:image/jpeg,rawbytes", "invalid_image"),
+        ("data:text/plain;base64,aGk=", "unsupported_image_format"),
+        ("visiongate:sha256:xyz", "invalid_image"),
+        ("data:image/png;base64,!!!", "invalid_image"),
+        (url, "image_too_large"),
+    ]:
         with pytest.raises(GatewayError) as err:
             parse_image_url(bad, max_bytes=100)
         assert err.value.code == code, bad

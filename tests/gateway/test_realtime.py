@@ -19,8 +19,12 @@ pytestmark = pytest.mark.slow
 async def test_two_turn_conversation_with_image(ws_url: str) -> None:
     peer = await Peer.open(ws_url)
     assert peer.created["type"] == "session.created"
-    await peer.add([{"type": "input_image", "image_url": data_url(unique_photo("astronaut"))},
-                    {"type": "input_text", "text": "What is in this photo?"}])
+    await peer.add(
+        [
+            {"type": "input_image", "image_url": data_url(unique_photo("astronaut"))},
+            {"type": "input_text", "text": "What is in this photo?"},
+        ]
+    )
     added, _ = await peer.until("conversation.item.added")
     assert added["item"]["content"][0]["image_url"].startswith("visiongate:sha256:")
     encoded, _ = await peer.until("visiongate.image.encoded")
@@ -36,7 +40,9 @@ async def test_two_turn_conversation_with_image(ws_url: str) -> None:
     u1 = r1["usage"]
     assert u1["input_token_details"]["image_tokens"] == encoded["tokens_kept"]
     assert u1["input_tokens"] > u1["input_token_details"]["image_tokens"]
-    assert u1["output_tokens"] > 0 and u1["total_tokens"] == u1["input_tokens"] + u1["output_tokens"]
+    assert (
+        u1["output_tokens"] > 0 and u1["total_tokens"] == u1["input_tokens"] + u1["output_tokens"]
+    )
     assert r1["visiongate"]["image_tokens_total"] == encoded["tokens_total"]
     assert r1["visiongate"]["cache"]["vision"] == "miss"
     for key in ("queue_ms", "encode_ms", "prefill_ms", "ttft_ms", "total_ms"):
@@ -84,32 +90,99 @@ def _png_bytes(size: int) -> bytes:
 
 async def test_bad_frames_get_error_codes_and_connection_survives(ws_url: str) -> None:
     peer = await Peer.open(ws_url)
-    big = base64.b64encode(b"\xff\xd8\xff" + bytes(3 * 1024 * 1024)).decode()  # over the 2 MiB limit
+    big = base64.b64encode(
+        b"\xff\xd8\xff" + bytes(3 * 1024 * 1024)
+    ).decode()  # over the 2 MiB limit
     cases = [
         ("{not json", "invalid_json", None),
         ('{"type": "conversation.delete_everything", "event_id": "e1"}', "unknown_event", "e1"),
-        ('{"type": "response.create", "event_id": "e2", "response": {"max_output_tokens": "lots"}}',
-         "invalid_event", "e2"),
-        ({"type": "conversation.item.create", "event_id": "e3", "item": {
-            "type": "message", "role": "user",
-            "content": [{"type": "input_image", "image_url": "data:image/png;base64,@@@notbase64"}]}},
-         "invalid_image", "e3"),
-        ({"type": "conversation.item.create", "event_id": "e4", "item": {
-            "type": "message", "role": "user",
-            "content": [{"type": "input_image", "image_url": data_url(b"just some text, not pixels")}]}},
-         "invalid_image", "e4"),
-        ({"type": "conversation.item.create", "event_id": "e5", "item": {
-            "type": "message", "role": "user",
-            "content": [{"type": "input_image", "image_url": f"data:image/jpeg;base64,{big}"}]}},
-         "image_too_large", "e5"),
-        ({"type": "conversation.item.create", "event_id": "e6", "item": {
-            "type": "message", "role": "user",
-            "content": [{"type": "input_image", "image_url": data_url(_png_bytes(2100), "image/png")}]}},
-         "image_too_large", "e6"),  # 4.4 MP over the 4 MP pixel limit
-        ({"type": "conversation.item.create", "event_id": "e7", "item": {
-            "type": "message", "role": "user",
-            "content": [{"type": "input_image", "image_url": "visiongate:sha256:" + "ab" * 32}]}},
-         "image_not_found", "e7"),
+        (
+            '{"type": "response.create", "event_id": "e2", '
+            '"response": {"max_output_tokens": "lots"}}',
+            "invalid_event",
+            "e2",
+        ),
+        (
+            {
+                "type": "conversation.item.create",
+                "event_id": "e3",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": "data:image/png;base64,@@@notbase64"}
+                    ],
+                },
+            },
+            "invalid_image",
+            "e3",
+        ),
+        (
+            {
+                "type": "conversation.item.create",
+                "event_id": "e4",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "input_image",
+                            "image_url": data_url(b"just some text, not pixels"),
+                        }
+                    ],
+                },
+            },
+            "invalid_image",
+            "e4",
+        ),
+        (
+            {
+                "type": "conversation.item.create",
+                "event_id": "e5",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": f"data:image/jpeg;base64,{big}"}
+                    ],
+                },
+            },
+            "image_too_large",
+            "e5",
+        ),
+        (
+            {
+                "type": "conversation.item.create",
+                "event_id": "e6",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "input_image",
+                            "image_url": data_url(_png_bytes(2100), "image/png"),
+                        }
+                    ],
+                },
+            },
+            "image_too_large",
+            "e6",
+        ),  # 4.4 MP over the 4 MP pixel limit
+        (
+            {
+                "type": "conversation.item.create",
+                "event_id": "e7",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": "visiongate:sha256:" + "ab" * 32}
+                    ],
+                },
+            },
+            "image_not_found",
+            "e7",
+        ),
         ({"type": "response.cancel", "event_id": "e8"}, "response_not_found", "e8"),
     ]
     for frame, code, event_id in cases:
@@ -164,11 +237,17 @@ async def test_disconnect_mid_response_frees_the_engine(ws_url: str) -> None:
 async def test_resume_by_session_id(ws_url: str, chelsea_jpeg: bytes) -> None:
     first = await Peer.open(ws_url)
     session_id = first.session_id
-    await first.send({"type": "session.update", "session": {"type": "realtime", "instructions": "Be brief."}})
+    await first.send(
+        {"type": "session.update", "session": {"type": "realtime", "instructions": "Be brief."}}
+    )
     updated, _ = await first.until("session.updated")
     assert updated["session"]["instructions"] == "Be brief."
-    await first.add([{"type": "input_image", "image_url": data_url(chelsea_jpeg)},
-                     {"type": "input_text", "text": "What animal is this?"}])
+    await first.add(
+        [
+            {"type": "input_image", "image_url": data_url(chelsea_jpeg)},
+            {"type": "input_text", "text": "What animal is this?"},
+        ]
+    )
     await first.until("conversation.item.done")
     done1, _ = await first.respond()
     answer1 = done1["response"]["output"][0]["content"][0]["text"]
@@ -205,10 +284,23 @@ async def test_msgpack_subprotocol(ws_url: str) -> None:
         assert ws.subprotocol == "visiongate.v1.msgpack"
         created = msgspec.msgpack.decode(await ws.recv())
         assert created["type"] == "session.created"
-        await ws.send(msgspec.msgpack.encode({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}}))
-        await ws.send(msgspec.msgpack.encode({"type": "response.create",
-                                              "response": {"max_output_tokens": 3}}))
+        await ws.send(
+            msgspec.msgpack.encode(
+                {
+                    "type": "conversation.item.create",
+                    "item": {
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_text", "text": "Hi"}],
+                    },
+                }
+            )
+        )
+        await ws.send(
+            msgspec.msgpack.encode(
+                {"type": "response.create", "response": {"max_output_tokens": 3}}
+            )
+        )
         while True:
             event = msgspec.msgpack.decode(await asyncio.wait_for(ws.recv(), 120))
             if event["type"] == "response.done":
@@ -249,10 +341,16 @@ async def test_official_openai_realtime_client(gateway_server, astronaut_jpeg: b
 
     client = AsyncOpenAI(base_url=f"{gateway_server.http_url}/v1", api_key="not-needed")
     async with client.realtime.connect(model="SmolLM2-135M-Instruct") as conn:
-        await conn.conversation.item.create(item={
-            "type": "message", "role": "user",
-            "content": [{"type": "input_image", "image_url": data_url(astronaut_jpeg)},
-                        {"type": "input_text", "text": "Describe the image."}]})
+        await conn.conversation.item.create(
+            item={
+                "type": "message",
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": data_url(astronaut_jpeg)},
+                    {"type": "input_text", "text": "Describe the image."},
+                ],
+            }
+        )
         await conn.response.create(response={"max_output_tokens": 12})
         text, done = [], None
         async for event in conn:

@@ -32,8 +32,12 @@ def fresh_image(seed: int) -> bytes:
 
 async def two_turns(url: str, image: bytes, *, session_id: str | None = None) -> list[dict]:
     peer = await Peer.open(url, session_id)
-    await peer.add([{"type": "input_image", "image_url": data_url(image, "image/png")},
-                    {"type": "input_text", "text": QUESTION_1}])
+    await peer.add(
+        [
+            {"type": "input_image", "image_url": data_url(image, "image/png")},
+            {"type": "input_text", "text": QUESTION_1},
+        ]
+    )
     await peer.until("conversation.item.done")
     done1, _ = await peer.respond(max_output_tokens=16)
     await peer.add([{"type": "input_text", "text": QUESTION_2}])
@@ -42,7 +46,9 @@ async def two_turns(url: str, image: bytes, *, session_id: str | None = None) ->
     return [done1["response"], done2["response"]]
 
 
-async def test_followup_reuses_tokens_and_kv_and_answers_the_same(gateway_server, uncached_server) -> None:
+async def test_followup_reuses_tokens_and_kv_and_answers_the_same(
+    gateway_server, uncached_server
+) -> None:
     image = fresh_image(1)
     state = gateway_state(gateway_server)
     encodes_before = state.require().vision.encodes
@@ -74,8 +80,12 @@ async def test_eight_concurrent_turns_on_one_new_image_encode_once(gateway_serve
 
     async def turn() -> tuple[dict, dict]:
         peer = await Peer.open(gateway_server.ws_url)
-        await peer.add([{"type": "input_image", "image_url": data_url(image, "image/png")},
-                        {"type": "input_text", "text": "Describe it."}])
+        await peer.add(
+            [
+                {"type": "input_image", "image_url": data_url(image, "image/png")},
+                {"type": "input_text", "text": "Describe it."},
+            ]
+        )
         await peer.send({"type": "response.create", "response": {"max_output_tokens": 2}})
         encoded, _ = await peer.until("visiongate.image.encoded")
         done, _ = await peer.until("response.done")
@@ -104,8 +114,12 @@ async def test_pre_encoding_hides_the_encode_from_the_response(gateway_server) -
 
     # image and question together: the response waits for the encode
     peer = await Peer.open(gateway_server.ws_url)
-    await peer.add([{"type": "input_image", "image_url": data_url(fresh_image(4), "image/png")},
-                    {"type": "input_text", "text": QUESTION_1}])
+    await peer.add(
+        [
+            {"type": "input_image", "image_url": data_url(fresh_image(4), "image/png")},
+            {"type": "input_text", "text": QUESTION_1},
+        ]
+    )
     done, _ = await peer.respond(max_output_tokens=2)
     assert done["response"]["visiongate"]["timings"]["encode_ms"] > 0.0
     await peer.close()
@@ -118,8 +132,12 @@ async def test_image_reference_by_digest(gateway_server) -> None:
     encoded, _ = await peer.until("visiongate.image.encoded")
     await peer.close()
     other = await Peer.open(gateway_server.ws_url)
-    await other.add([{"type": "input_image", "image_url": f"visiongate:sha256:{encoded['digest']}"},
-                     {"type": "input_text", "text": QUESTION_1}])
+    await other.add(
+        [
+            {"type": "input_image", "image_url": f"visiongate:sha256:{encoded['digest']}"},
+            {"type": "input_text", "text": QUESTION_1},
+        ]
+    )
     again, _ = await other.until("visiongate.image.encoded")
     assert again["cache"] == "hit" and again["encode_ms"] == 0.0
     assert again["tokens_kept"] == encoded["tokens_kept"]
@@ -133,8 +151,12 @@ async def test_restart_on_the_same_redis_resumes_without_re_encoding(redis_url: 
         a.wait_ready()
         peer = await Peer.open(a.ws_url)
         session_id = peer.session_id
-        await peer.add([{"type": "input_image", "image_url": data_url(image, "image/png")},
-                        {"type": "input_text", "text": QUESTION_1}])
+        await peer.add(
+            [
+                {"type": "input_image", "image_url": data_url(image, "image/png")},
+                {"type": "input_text", "text": QUESTION_1},
+            ]
+        )
         await peer.until("conversation.item.done")
         done1, _ = await peer.respond(max_output_tokens=12)
         answer1 = done1["response"]["output"][0]["content"][0]["text"]
@@ -154,6 +176,8 @@ async def test_restart_on_the_same_redis_resumes_without_re_encoding(redis_url: 
         assert gateway_state(b).require().vision.encodes == 0
         # KV blocks came back from Redis too: turn 1 is not prefilled again
         turn1 = done1["response"]["usage"]
-        assert r2["usage"]["input_token_details"]["cached_tokens"] >= \
-            turn1["input_tokens"] + turn1["output_tokens"] - 1
+        assert (
+            r2["usage"]["input_token_details"]["cached_tokens"]
+            >= turn1["input_tokens"] + turn1["output_tokens"] - 1
+        )
         await peer.close()

@@ -12,15 +12,18 @@ def test_environment_overrides_defaults_and_flags_override_environment() -> None
     assert Settings.load(environ=env).port == 9100
 
 
-@pytest.mark.parametrize("env, fragment", [
-    ({"VISIONGATE_PORT": "eighty"}, "VISIONGATE_PORT"),
-    ({"VISIONGATE_PORT": "70000"}, "VISIONGATE_PORT"),
-    ({"VISIONGATE_PRUNING": "most"}, "VISIONGATE_PRUNING"),
-    ({"VISIONGATE_REDIS_URL": "http://x"}, "VISIONGATE_REDIS_URL"),
-    ({"VISIONGATE_MAX_OUTPUT_TOKENS": "0"}, "VISIONGATE_MAX_OUTPUT_TOKENS"),
-    ({"VISIONGATE_TYPO": "1"}, "unknown setting"),
-    ({"VISIONGATE_MODEL_PATH": "/no/such/dir"}, "VISIONGATE_MODEL_PATH"),
-])
+@pytest.mark.parametrize(
+    "env, fragment",
+    [
+        ({"VISIONGATE_PORT": "eighty"}, "VISIONGATE_PORT"),
+        ({"VISIONGATE_PORT": "70000"}, "VISIONGATE_PORT"),
+        ({"VISIONGATE_PRUNING": "most"}, "VISIONGATE_PRUNING"),
+        ({"VISIONGATE_REDIS_URL": "http://x"}, "VISIONGATE_REDIS_URL"),
+        ({"VISIONGATE_MAX_OUTPUT_TOKENS": "0"}, "VISIONGATE_MAX_OUTPUT_TOKENS"),
+        ({"VISIONGATE_TYPO": "1"}, "unknown setting"),
+        ({"VISIONGATE_MODEL_PATH": "/no/such/dir"}, "VISIONGATE_MODEL_PATH"),
+    ],
+)
 def test_bad_values_name_the_variable(env: dict[str, str], fragment: str) -> None:
     with pytest.raises(SettingsError) as err:
         Settings.load(environ=env)

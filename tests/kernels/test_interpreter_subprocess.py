@@ -23,8 +23,22 @@ def test_interpreter_comparisons_in_a_fresh_process():
     here = Path(__file__).parent
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "interpreter", str(here)],
-        cwd=here.parent.parent, env=env, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "interpreter",
+            str(here),
+        ],
+        cwd=here.parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout

@@ -60,14 +60,18 @@ def test_taps_are_normalized_and_in_bounds():
         assert int(starts.min()) >= 0 and int(starts.max()) < in_size
 
 
-@pytest.mark.parametrize(("kind", "pil"), [("bicubic", Image.BICUBIC), ("bilinear", Image.BILINEAR)])
+@pytest.mark.parametrize(
+    ("kind", "pil"), [("bicubic", Image.BICUBIC), ("bilinear", Image.BILINEAR)]
+)
 def test_reference_resize_agrees_with_pillow(kind, pil):
     """Same filter family as Pillow's resize (Pillow rounds to uint8 between passes)."""
     img = _image(96, 80, seed=2).numpy()
     img = np.asarray(Image.fromarray(img).filter(ImageFilter.SMOOTH))
     out = torch.empty(30, 3 * 8 * 8)
     geom = ResizeCrop(48, 40, 0, 0, 48, 40, kind)
-    resize_normalize_patchify_ref(torch.from_numpy(img.copy()), geom, (0, 0, 0), (1 / 255,) * 3, 8, out, exact=True)
+    resize_normalize_patchify_ref(
+        torch.from_numpy(img.copy()), geom, (0, 0, 0), (1 / 255,) * 3, 8, out, exact=True
+    )
     ours = out.view(6, 5, 3, 8, 8).permute(0, 3, 1, 4, 2).reshape(48, 40, 3).numpy()
     theirs = np.asarray(Image.fromarray(img).resize((40, 48), pil), dtype=np.float32)
     diff = np.abs(ours - theirs)

@@ -19,13 +19,18 @@ from tests.fakes import FakeEncoder, FakeEngine
 OWNER = "owner-a"
 
 
-def build(engine: FakeEngine, sessions: MemorySessionStore | None = None
-          ) -> tuple[ChatService, MemorySessionStore]:
+def build(
+    engine: FakeEngine, sessions: MemorySessionStore | None = None
+) -> tuple[ChatService, MemorySessionStore]:
     sessions = sessions or MemorySessionStore(3600)
-    vision = VisionResolver(FakeEncoder(hidden_size=engine.hidden_size),
-                            make_vision_cache(None, 1 << 24, 60), make_image_store(None, 1 << 24, 60))
-    service = ChatService(engine=engine, vision=vision, sessions=sessions,
-                          max_output_tokens_limit=256)
+    vision = VisionResolver(
+        FakeEncoder(hidden_size=engine.hidden_size),
+        make_vision_cache(None, 1 << 24, 60),
+        make_image_store(None, 1 << 24, 60),
+    )
+    service = ChatService(
+        engine=engine, vision=vision, sessions=sessions, max_output_tokens_limit=256
+    )
     return service, sessions
 
 
@@ -74,7 +79,11 @@ async def test_auto_truncation_leaves_out_the_oldest_turns_and_keeps_them_stored
 async def test_disabled_truncation_refuses_and_the_session_stays_usable() -> None:
     engine = FakeEngine(context_tokens=400)
     service, sessions = build(engine)
-    session = await long_session(sessions, turns=6, words=60, )
+    session = await long_session(
+        sessions,
+        turns=6,
+        words=60,
+    )
     refused = await run(service, session, ResponseOptions(truncation="disabled"))
     assert refused.status == "failed"
     assert refused.error is not None and refused.error.code == "context_length_exceeded"

@@ -776,9 +776,15 @@ class Peer:
         while self.active is not None:
             await self.recv(max(0.1, deadline - loop.time()))
         await self.round_trip()
-        item = {"type": "conversation.item.create", "event_id": "final_item",
-                "item": {"type": "message", "role": "user",
-                         "content": [{"type": "input_text", "text": "final check"}]}}
+        item = {
+            "type": "conversation.item.create",
+            "event_id": "final_item",
+            "item": {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "final check"}],
+            },
+        }
         self.sent_ids.add("final_item")
         await self.send(self.encode(item))
         for attempt in range(3):
@@ -786,10 +792,22 @@ class Peer:
             # is refused as in progress, and asked again once that one is done
             eid = f"final_response_{attempt}"
             self.sent_ids.add(eid)
-            await self.send(self.encode({"type": "response.create", "event_id": eid,
-                                         "response": {"max_output_tokens": 8}}))
-            seen = await self.until(lambda e, eid=eid: e["type"] == "response.done" or (
-                e["type"] == "error" and e["error"]["event_id"] == eid), timeout=15)
+            await self.send(
+                self.encode(
+                    {
+                        "type": "response.create",
+                        "event_id": eid,
+                        "response": {"max_output_tokens": 8},
+                    }
+                )
+            )
+            seen = await self.until(
+                lambda e, eid=eid: (
+                    e["type"] == "response.done"
+                    or (e["type"] == "error" and e["error"]["event_id"] == eid)
+                ),
+                timeout=15,
+            )
             if seen[-1]["type"] == "response.done":
                 break
             if seen[-1]["error"]["code"] != "response_in_progress":
@@ -1270,7 +1288,9 @@ async def test_http_chat_bodies(gateway: ServerThread, http: httpx.AsyncClient) 
         data = to_json(body, rng)
         headers = {"content-type": "application/json"}
         if rng.random() < 0.1:
-            headers["x-session-id"] = rng.choice((b"", b"s" * 129, b"sess-fuzz-1", b"a b", "\u00e9t\u00e9".encode(), b"\xff"))
+            headers["x-session-id"] = rng.choice(
+                (b"", b"s" * 129, b"sess-fuzz-1", b"a b", "\u00e9t\u00e9".encode(), b"\xff")
+            )
         await fuzz.request(
             index, body, "POST", "/v1/chat/completions", content=data, headers=headers
         )
@@ -1343,8 +1363,9 @@ async def test_http_raw_bodies(gateway: ServerThread, http: httpx.AsyncClient) -
         rng = case_rng("http_raw", index)
         body, headers = raw_chat_body(rng)
         # other methods: test_wrong_method_gets_the_openai_error_shape
-        await fuzz.request(index, (headers, body), "POST", "/v1/chat/completions", content=body,
-                           headers=headers)
+        await fuzz.request(
+            index, (headers, body), "POST", "/v1/chat/completions", content=body, headers=headers
+        )
     await fuzz.healthy(-1, None)
 
 
@@ -1420,8 +1441,11 @@ async def test_deep_nesting_http(gateway: ServerThread, http: httpx.AsyncClient)
 # ---------------------------------------------------------------- known bugs, one case each
 
 
-@pytest.mark.xfail(strict=True, reason="a text frame on the msgpack subprotocol reaches the "
-                   "msgpack decoder as str: TypeError -> internal_error")
+@pytest.mark.xfail(
+    strict=True,
+    reason="a text frame on the msgpack subprotocol reaches the "
+    "msgpack decoder as str: TypeError -> internal_error",
+)
 async def test_text_frame_on_msgpack(gateway: ServerThread) -> None:
     peer = await Peer.open(gateway.ws_url, binary=True, group="ws_text_on_msgpack")
     peer.case = '{"type":null}'
@@ -1429,8 +1453,10 @@ async def test_text_frame_on_msgpack(gateway: ServerThread) -> None:
     await peer.finish()
 
 
-@pytest.mark.xfail(strict=True, reason="an empty event_id is echoed as null (`or` in "
-                   "RealtimeConnection._handle_frame)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="an empty event_id is echoed as null (`or` in RealtimeConnection._handle_frame)",
+)
 async def test_empty_event_id_is_echoed(gateway: ServerThread) -> None:
     peer = await Peer.open(gateway.ws_url, binary=False, group="ws_empty_event_id")
     peer.sent_ids.add("")
@@ -1440,31 +1466,50 @@ async def test_empty_event_id_is_echoed(gateway: ServerThread) -> None:
     await peer.finish()
 
 
-@pytest.mark.xfail(strict=True, reason="405 under /v1 is Litestar's {status_code, detail}, "
-                   "not the OpenAI error object")
+@pytest.mark.xfail(
+    strict=True,
+    reason="405 under /v1 is Litestar's {status_code, detail}, not the OpenAI error object",
+)
 @pytest.mark.parametrize("method", ["GET", "PUT"])
-async def test_wrong_method_gets_the_openai_error_shape(http: httpx.AsyncClient, method: str) -> None:
+async def test_wrong_method_gets_the_openai_error_shape(
+    http: httpx.AsyncClient, method: str
+) -> None:
     response = await http.request(method, "/v1/chat/completions", content=b"{}")
     assert response.status_code == 405
     check_error_body(response.content, response.status_code)
 
 
-@pytest.mark.xfail(strict=True, reason="image bytes under 4 bytes that Pillow cannot identify: "
-                   "a plugin's signature check raises struct.error -> internal_error / HTTP 500")
+@pytest.mark.xfail(
+    strict=True,
+    reason="image bytes under 4 bytes that Pillow cannot identify: "
+    "a plugin's signature check raises struct.error -> internal_error / HTTP 500",
+)
 @pytest.mark.parametrize("transport", ["realtime", "http"])
-async def test_tiny_image_bytes(gateway: ServerThread, http: httpx.AsyncClient,
-                                transport: str) -> None:
+async def test_tiny_image_bytes(
+    gateway: ServerThread, http: httpx.AsyncClient, transport: str
+) -> None:
     url = data_url(b"\0\0\0")  # data:image/png;base64,AAAA
     if transport == "http":
-        body = {"model": MODEL, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": url}}]}]}
+        body = {
+            "model": MODEL,
+            "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}
+            ],
+        }
         response = await http.post("/v1/chat/completions", json=body)
         assert response.status_code == 400, response.text
         assert check_error_body(response.content, 400).error.code == "invalid_image"
         return
     peer = await Peer.open(gateway.ws_url, binary=False, group="ws_tiny_image")
-    event = {"type": "conversation.item.create", "event_id": "tiny", "item": {
-        "type": "message", "role": "user", "content": [{"type": "input_image", "image_url": url}]}}
+    event = {
+        "type": "conversation.item.create",
+        "event_id": "tiny",
+        "item": {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_image", "image_url": url}],
+        },
+    }
     peer.remember(event)
     peer.case = event
     await peer.send(json.dumps(event))
@@ -1473,15 +1518,20 @@ async def test_tiny_image_bytes(gateway: ServerThread, http: httpx.AsyncClient,
     await peer.finish()
 
 
-@pytest.mark.xfail(strict=True, reason="a WebSocket upgrade whose request line is over ~8 KB is "
-                   "never answered nor closed (uvicorn websockets-sansio), and such a connection "
-                   "left open makes the server's shutdown fail")
+@pytest.mark.xfail(
+    strict=True,
+    reason="a WebSocket upgrade whose request line is over ~8 KB is "
+    "never answered nor closed (uvicorn websockets-sansio), and such a connection "
+    "left open makes the server's shutdown fail",
+)
 async def test_long_upgrade_request_line(gateway: ServerThread) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
     try:
-        writer.write(f"GET /v1/realtime?session_id={'a' * 9000} HTTP/1.1\r\nHost: x\r\n"
-                     "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
-                     "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".encode())
+        writer.write(
+            f"GET /v1/realtime?session_id={'a' * 9000} HTTP/1.1\r\nHost: x\r\n"
+            "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".encode()
+        )
         await writer.drain()
         try:
             head = await asyncio.wait_for(reader.read(64), 5)

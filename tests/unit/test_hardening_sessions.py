@@ -35,8 +35,18 @@ async def until(ws, kind: str) -> dict:
 
 
 async def add_text(ws, text: str) -> dict:
-    await ws.send(json.dumps({"type": "conversation.item.create", "item": {
-        "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}}))
+    await ws.send(
+        json.dumps(
+            {
+                "type": "conversation.item.create",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": text}],
+                },
+            }
+        )
+    )
     while True:
         event = await recv(ws)
         if event["type"] in ("conversation.item.done", "error"):
@@ -57,26 +67,43 @@ def session_items(base: str, session_id: str) -> list[dict]:
 
 
 async def test_deeply_nested_frames_are_invalid_json_and_the_connection_stays(fake_gateway) -> None:
-    deep_json = ('{"type":"response.create","response":{"input":' + "[" * 50_000 + "]" * 50_000
-                 + "}}")
+    deep_json = (
+        '{"type":"response.create","response":{"input":' + "[" * 50_000 + "]" * 50_000 + "}}"
+    )
     async with websockets.connect(fake_gateway.ws_url, max_size=None) as ws:
         await until(ws, "session.created")
         await ws.send(deep_json)
         error = await until(ws, "error")
         assert error["error"]["code"] == "invalid_json"
         await still_open(ws)
-    deep_msgpack = (b"\x82" + msgspec.msgpack.encode("type") + msgspec.msgpack.encode(
-        "response.create") + msgspec.msgpack.encode("response") + b"\x81"
-        + msgspec.msgpack.encode("input") + b"\x91" * 50_000 + b"\x90")
-    async with websockets.connect(fake_gateway.ws_url, subprotocols=[MSGPACK_SUBPROTOCOL],
-                                  max_size=None) as ws:
+    deep_msgpack = (
+        b"\x82"
+        + msgspec.msgpack.encode("type")
+        + msgspec.msgpack.encode("response.create")
+        + msgspec.msgpack.encode("response")
+        + b"\x81"
+        + msgspec.msgpack.encode("input")
+        + b"\x91" * 50_000
+        + b"\x90"
+    )
+    async with websockets.connect(
+        fake_gateway.ws_url, subprotocols=[MSGPACK_SUBPROTOCOL], max_size=None
+    ) as ws:
         await until(ws, "session.created")
         await ws.send(deep_msgpack)
         assert (await until(ws, "error"))["error"]["code"] == "invalid_json"
-    body = ('{"model":"fake-echo","messages":[{"role":"user","content":"hi"}],"tools":'
-            + "[" * 50_000 + "]" * 50_000 + "}")
-    r = httpx.post(f"{fake_gateway.http_url}/v1/chat/completions", content=body,
-                   headers={"content-type": "application/json"}, timeout=30)
+    body = (
+        '{"model":"fake-echo","messages":[{"role":"user","content":"hi"}],"tools":'
+        + "[" * 50_000
+        + "]" * 50_000
+        + "}"
+    )
+    r = httpx.post(
+        f"{fake_gateway.http_url}/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     assert httpx.get(f"{fake_gateway.http_url}/healthz").status_code == 200
 
@@ -85,11 +112,15 @@ async def test_deeply_nested_frames_are_invalid_json_and_the_connection_stays(fa
 
 
 async def test_a_request_over_the_conversation_size_is_refused_before_the_engine(
-        make_gateway) -> None:
+    make_gateway,
+) -> None:
     gw = make_gateway(settings=dict(max_conversation_chars=200_000, max_text_chars=60_000))
     messages = [{"role": "user", "content": "x " * 25_000} for _ in range(5)]  # 250k chars
-    r = httpx.post(f"{gw.http_url}/v1/chat/completions", timeout=30,
-                   json={"model": MODEL, "messages": messages})
+    r = httpx.post(
+        f"{gw.http_url}/v1/chat/completions",
+        timeout=30,
+        json={"model": MODEL, "messages": messages},
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == "input_too_large"
     assert gw.engine.requests == []
     # the same over the WebSocket: items are refused once the session would pass the limit,
@@ -113,14 +144,16 @@ async def test_session_events_carry_a_bounded_summary(fake_gateway) -> None:
         await ws.send(json.dumps({"type": "session.update", "session": {"temperature": 0.5}}))
         updated = (await until(ws, "session.updated"))["session"]["visiongate"]
         assert "items" not in updated and updated["item_count"] == 40
-    async with websockets.connect(f"{fake_gateway.ws_url}?session_id={session_id}",
-                                  max_size=None) as ws:
+    async with websockets.connect(
+        f"{fake_gateway.ws_url}?session_id={session_id}", max_size=None
+    ) as ws:
         raw = await asyncio.wait_for(ws.recv(), 10)
         created = json.loads(raw)["session"]["visiongate"]
     assert len(raw) < 100_000  # the session holds 200k characters
     assert created["item_count"] == 40 and created["items_omitted"] == 8
     assert [i["content"][0]["text"].split()[0] for i in created["items"]] == [
-        str(n) for n in range(8, 40)]
+        str(n) for n in range(8, 40)
+    ]
     assert all(len(i["content"][0]["text"]) < 2100 for i in created["items"])
     full = session_items(fake_gateway.http_url, session_id)  # the whole history, unclipped
     assert len(full) == 40 and len(full[0]["content"][0]["text"]) == 5002
@@ -136,6 +169,7 @@ async def test_a_disconnect_mid_answer_keeps_the_partial_answer(make_gateway) ->
         await add_text(ws, "one two three four five six seven eight nine ten")
         await ws.send(json.dumps({"type": "response.create"}))
         deltas = [(await until(ws, "response.output_text.delta"))["delta"] for _ in range(3)]
+
     # the connection is gone; the answer so far stays in the session, marked incomplete
     def answer() -> dict | None:
         items = session_items(gw.http_url, session_id)
@@ -167,10 +201,21 @@ async def test_an_image_that_fails_after_the_socket_closed_leaves_no_item(make_g
     async with websockets.connect(gw.ws_url) as ws:
         session_id = (await until(ws, "session.created"))["session"]["id"]
         await add_text(ws, "first")
-        await ws.send(json.dumps({"type": "conversation.item.create", "item": {
-            "type": "message", "role": "user", "content": [
-                {"type": "input_text", "text": "what is this?"},
-                {"type": "input_image", "image_url": image}]}}))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "conversation.item.create",
+                    "item": {
+                        "type": "message",
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "what is this?"},
+                            {"type": "input_image", "image_url": image},
+                        ],
+                    },
+                }
+            )
+        )
         await until(ws, "conversation.item.added")
     # closed before the encode failed: the item is removed all the same
     await eventually(lambda: len(session_items(gw.http_url, session_id)) == 1)
@@ -206,8 +251,9 @@ async def test_http_truncation_is_chosen_by_the_client(make_gateway) -> None:
     refused = httpx.post(url, json={"model": MODEL, "messages": history}, timeout=10)
     assert refused.status_code == 400
     assert refused.json()["error"]["code"] == "context_length_exceeded"
-    ok = httpx.post(url, json={"model": MODEL, "messages": history, "truncation": "auto"},
-                    timeout=10)
+    ok = httpx.post(
+        url, json={"model": MODEL, "messages": history, "truncation": "auto"}, timeout=10
+    )
     assert ok.status_code == 200, ok.text
     assert ok.json()["visiongate"]["truncated_items"] > 0
     assert ok.json()["choices"][0]["message"]["content"] == "and now? [0 images]"

@@ -24,10 +24,12 @@ PATCH_SIZE = 8
 # renders as "<image>\n" where it stands in the content.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if message['content'] is string %}{% set parts = [{'type': 'text', 'text': message['content']}] %}"
+    "{% if message['content'] is string %}"
+    "{% set parts = [{'type': 'text', 'text': message['content']}] %}"
     "{% else %}{% set parts = message['content'] %}{% endif %}"
     "{% if message['role'] == 'system' %}"
-    "{% for part in parts %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% for part in parts %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}"
     "{{ '\n' }}"
     "{% else %}"
     "{{ message['role'].upper() + ': ' }}"
@@ -43,8 +45,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def build(target: Path, *, seed: int = 0, feature_layer: int | list[int] = -2,
-          select_strategy: str = "default", key_layout: str = "saved") -> Path:
+def build(
+    target: Path,
+    *,
+    seed: int = 0,
+    feature_layer: int | list[int] = -2,
+    select_strategy: str = "default",
+    key_layout: str = "saved",
+) -> Path:
     """Save a tiny LLaVA checkpoint into `target` and return it.
 
     `key_layout` names the weights as "saved" (what `save_pretrained` writes: `vision_tower.*`,
@@ -70,20 +78,38 @@ def build(target: Path, *, seed: int = 0, feature_layer: int | list[int] = -2,
     image_token_id = tokenizer.convert_tokens_to_ids("<image>")
 
     vision = CLIPVisionConfig(
-        hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=48, hidden_act="quick_gelu",
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+        projection_dim=48,
+        hidden_act="quick_gelu",
     )
     text = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        initializer_range=0.3, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=0.3,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=image_token_id,
-        vision_feature_layer=feature_layer, vision_feature_select_strategy=select_strategy,
-        projector_hidden_act="gelu", image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2,
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_token_id,
+        vision_feature_layer=feature_layer,
+        vision_feature_select_strategy=select_strategy,
+        projector_hidden_act="gelu",
+        image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2,
     )
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).eval()
@@ -96,12 +122,17 @@ def build(target: Path, *, seed: int = 0, feature_layer: int | list[int] = -2,
         _rename_keys(target / "model.safetensors", key_layout)
 
     image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-        do_center_crop=True, resample=3,
+        size={"shortest_edge": IMAGE_SIZE},
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        do_center_crop=True,
+        resample=3,
     )
     processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
-        vision_feature_select_strategy=select_strategy, chat_template=CHAT_TEMPLATE,
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy=select_strategy,
+        chat_template=CHAT_TEMPLATE,
         num_additional_image_tokens=1,
     )
     processor.save_pretrained(target)
@@ -112,17 +143,19 @@ def _rename_keys(path: Path, layout: str) -> None:
     from safetensors.torch import load_file, save_file
 
     renames = {
-        "model": (("vision_tower.", "model.vision_tower."),
-                  ("multi_modal_projector.", "model.multi_modal_projector."),
-                  ("language_model.model.", "model.language_model."),
-                  ("language_model.lm_head.", "lm_head.")),
+        "model": (
+            ("vision_tower.", "model.vision_tower."),
+            ("multi_modal_projector.", "model.multi_modal_projector."),
+            ("language_model.model.", "model.language_model."),
+            ("language_model.lm_head.", "lm_head."),
+        ),
         "vision_model": (("vision_tower.", "vision_tower.vision_model."),),
     }[layout]
     out = {}
     for key, value in load_file(path).items():
         for old, new in renames:
             if key.startswith(old):
-                key = new + key[len(old):]
+                key = new + key[len(old) :]
                 break
         out[key] = value
     save_file(out, path, metadata={"format": "pt"})

@@ -102,7 +102,9 @@ def build(target: Path, *, seed: int = 0, module_keys: bool = False) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS)})
     tokenizer.chat_template = CHAT_TEMPLATE
-    ids = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))))
+    ids = dict(
+        zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)), strict=False)
+    )
 
     vision = {
         "depth": 4,

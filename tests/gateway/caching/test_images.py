@@ -126,8 +126,9 @@ async def test_concurrent_puts_of_one_image(make_store) -> None:
 async def redis_store(redis_url: str):
     made: list[RedisImageStore] = []
 
-    def make(memory_bytes: int = 1 << 24, ttl_s: float = 60.0, url: str | None = None,
-             **kw) -> RedisImageStore:
+    def make(
+        memory_bytes: int = 1 << 24, ttl_s: float = 60.0, url: str | None = None, **kw
+    ) -> RedisImageStore:
         store = RedisImageStore(MemoryImageStore(memory_bytes), url or redis_url, ttl_s, **kw)
         made.append(store)
         return store
@@ -172,7 +173,8 @@ async def test_corrupted_redis_value_misses(redis_store, raw_redis) -> None:
     with capture_logs() as logs:
         assert await store.get(digest) is None
     assert [(e["event"], e["log_level"]) for e in logs] == [
-        ("image_store_redis_value_corrupt", "error")]
+        ("image_store_redis_value_corrupt", "error")
+    ]
     assert not await store.memory.contains(digest)
     await store.put(digest, data)
     assert await redis_store().get(digest) == data

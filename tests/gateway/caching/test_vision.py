@@ -150,8 +150,9 @@ async def tiered(redis_url: str):
     made: list[TieredVisionCache] = []
 
     def make(memory_bytes: int = 1 << 20, ttl_s: float = 60.0, **kw) -> TieredVisionCache:
-        cache = TieredVisionCache(MemoryVisionCache(memory_bytes), kw.pop("url", redis_url),
-                                  ttl_s, **kw)
+        cache = TieredVisionCache(
+            MemoryVisionCache(memory_bytes), kw.pop("url", redis_url), ttl_s, **kw
+        )
         made.append(cache)
         return cache
 

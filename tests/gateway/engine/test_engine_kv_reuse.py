@@ -24,7 +24,10 @@ def request(
     messages: list[Message], kv_key: str | None, max_tokens: int = 16, salt: str | None = None
 ) -> GenerationRequest:
     return GenerationRequest(
-        "kv", messages, SamplingParams(max_output_tokens=max_tokens), kv_key=kv_key,
+        "kv",
+        messages,
+        SamplingParams(max_output_tokens=max_tokens),
+        kv_key=kv_key,
         cache_salt=salt or kv_key or uuid.uuid4().hex,
     )
 

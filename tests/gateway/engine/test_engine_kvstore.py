@@ -37,7 +37,11 @@ def same(a: KVEntry, b: KVEntry) -> bool:
         a.tokens == b.tokens
         and a.images == b.images
         and a.hashes == b.hashes
-        and all(torch.equal(x, y) for pa, pb in zip(a.layers, b.layers) for x, y in zip(pa, pb))
+        and all(
+            torch.equal(x, y)
+            for pa, pb in zip(a.layers, b.layers, strict=False)
+            for x, y in zip(pa, pb, strict=False)
+        )
     )
 
 
@@ -84,7 +88,7 @@ def test_hash_mismatch_is_a_miss(make_store) -> None:
     store.put("s1", make_entry(list(range(10))))
     other = list(range(100, 110))
     assert store.get("s1", block_hashes(other, [], 4, SEED)) is None
-    same_start = list(range(8)) + [99, 98]
+    same_start = [*list(range(8)), 99, 98]
     assert store.get("s1", block_hashes(same_start, [], 4, SEED)) is not None
 
 

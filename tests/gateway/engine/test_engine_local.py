@@ -1,4 +1,7 @@
-"""LocalEngine on the real model: streaming, limits, stop strings, cancellation, queueing, images."""
+"""LocalEngine on the real model.
+
+Covers streaming, limits, stop strings, cancellation, queueing and images.
+"""
 
 from __future__ import annotations
 

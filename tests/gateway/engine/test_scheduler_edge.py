@@ -101,8 +101,15 @@ async def test_integer_image_embeds_are_refused(engine) -> None:
         {"temperature": float("inf")},
         {"temperature": 0.7, "seed": 2**64},
     ],
-    ids=["top_p=0", "top_p>1", "top_p=nan", "temperature<0", "temperature=nan", "temperature=inf",
-         "seed>64bit"],
+    ids=[
+        "top_p=0",
+        "top_p>1",
+        "top_p=nan",
+        "temperature<0",
+        "temperature=nan",
+        "temperature=inf",
+        "seed>64bit",
+    ],
 )
 async def test_sampling_out_of_range_is_refused_and_spares_the_batch(
     engine, collect, sampling
@@ -178,9 +185,12 @@ async def test_a_sequence_turning_non_finite_fails_alone_and_is_not_cached(engin
 
     def looking(embeds: torch.Tensor, salt: str) -> GenerationRequest:
         image = ImageInput("f" * 64, embeds)
-        return GenerationRequest(f"edge-unstable-{time.monotonic_ns()}",
-                                 [Message("user", [text, image, "What is it?"])],
-                                 SamplingParams(max_output_tokens=6), cache_salt=salt)
+        return GenerationRequest(
+            f"edge-unstable-{time.monotonic_ns()}",
+            [Message("user", [text, image, "What is it?"])],
+            SamplingParams(max_output_tokens=6),
+            cache_salt=salt,
+        )
 
     try:
         _, reference = await collect(twin, looking(rows.clone(), "unstable-reference"))
@@ -213,9 +223,12 @@ async def test_non_finite_kv_of_a_cancelled_prefill_is_not_cached(engine, collec
 
     def looking(embeds: torch.Tensor, salt: str) -> GenerationRequest:
         image = ImageInput("c" * 64, embeds)
-        return GenerationRequest(f"edge-cancelled-{time.monotonic_ns()}",
-                                 [Message("user", ["A picture:", image, after_text])],
-                                 SamplingParams(max_output_tokens=4), cache_salt=salt)
+        return GenerationRequest(
+            f"edge-cancelled-{time.monotonic_ns()}",
+            [Message("user", ["A picture:", image, after_text])],
+            SamplingParams(max_output_tokens=4),
+            cache_salt=salt,
+        )
 
     try:
         _, reference = await collect(twin, looking(rows.clone(), "cancelled-reference"))
@@ -253,9 +266,7 @@ async def test_a_failing_call_between_steps_does_not_stop_the_engine(engine, col
         await asyncio.wait_for(twin.aclose(), 30)
 
 
-async def test_many_tiny_requests_with_control_calls_from_another_thread(
-    engine, collect
-) -> None:
+async def test_many_tiny_requests_with_control_calls_from_another_thread(engine, collect) -> None:
     # stats, forget and flush_kv arrive from other threads (metrics, session deletes) while
     # sequences join and leave every step: every request still ends exactly once
     twin = engine.replica(max_batch=16, max_queue=128)
@@ -282,9 +293,7 @@ async def test_many_tiny_requests_with_control_calls_from_another_thread(
             request = ask(f"Say {i}.", 1 + i % 3, salt=f"tiny-{i % 4}")
             request.kv_key = f"edge-session-{i % 7}"
             requests.append(request)
-        results = await asyncio.wait_for(
-            asyncio.gather(*[collect(twin, r) for r in requests]), 300
-        )
+        results = await asyncio.wait_for(asyncio.gather(*[collect(twin, r) for r in requests]), 300)
         assert await twin.flush_kv(10.0)
     finally:
         stop.set()
@@ -406,9 +415,13 @@ async def test_spilled_kv_is_read_only_by_the_same_weights(
     # the spill seed named the model id and dtype only: a replica serving other weights under
     # the same name loaded the session's KV from Redis and continued from it
     def turn(messages: list[Message]) -> GenerationRequest:
-        return GenerationRequest(f"edge-spill-{time.monotonic_ns()}", messages,
-                                 SamplingParams(max_output_tokens=8), kv_key="s-weights",
-                                 cache_salt="weights")
+        return GenerationRequest(
+            f"edge-spill-{time.monotonic_ns()}",
+            messages,
+            SamplingParams(max_output_tokens=8),
+            kv_key="s-weights",
+            cache_salt="weights",
+        )
 
     writer = engine.replica(kv_spill_redis_url=redis_url)
     same = engine.replica(kv_spill_redis_url=redis_url)

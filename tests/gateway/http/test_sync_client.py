@@ -14,6 +14,7 @@ from tests.conftest import photo_bytes
 
 def drop(client: Client) -> None:
     """Cut the WebSocket under the client, as a network failure would."""
+
     async def cut(resuming: ResumingClient) -> None:
         await resuming.realtime._ws.close()
         await asyncio.sleep(0.05)
@@ -42,8 +43,14 @@ def test_sync_client_streams_and_resumes_after_a_drop(gateway_server: ServerThre
         assert second.cached_tokens > 0  # the first turn's KV, image included
         roles = [item["role"] for item in client.history]
         assert roles == ["user", "user", "assistant"]  # history as of resuming
-        assert sum(1 for i in client.history if i["role"] == "user"
-                   and i["content"][0].get("text") == "And what colour is it?") == 0
+        assert (
+            sum(
+                1
+                for i in client.history
+                if i["role"] == "user" and i["content"][0].get("text") == "And what colour is it?"
+            )
+            == 0
+        )
 
 
 def test_resume_after_the_session_is_deleted_fails_clearly(gateway_server: ServerThread) -> None:
@@ -51,7 +58,10 @@ def test_resume_after_the_session_is_deleted_fails_clearly(gateway_server: Serve
 
     with Client(gateway_server.ws_url, retries=1, backoff_s=0.01) as client:
         client.add_message([{"type": "input_text", "text": "hello"}])
-        assert httpx.delete(f"{gateway_server.http_url}/v1/sessions/{client.session_id}").status_code == 200
+        assert (
+            httpx.delete(f"{gateway_server.http_url}/v1/sessions/{client.session_id}").status_code
+            == 200
+        )
         drop(client)
         with pytest.raises(RealtimeError) as caught:
             client.answer(max_output_tokens=2)

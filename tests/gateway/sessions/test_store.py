@@ -27,10 +27,24 @@ DIGEST = "ab" * 32
 
 def conversation(owner: str = ALICE) -> Session:
     session = Session.new(owner, instructions="Be brief.", max_output_tokens=64)
-    session.items.append(StoredItem(id="item_1", role="user", parts=[
-        StoredPart("image", digest=DIGEST), StoredPart("text", text="What is in the photo?")]))
-    session.items.append(StoredItem(id="item_2", role="assistant", response_id="resp_1",
-                                    parts=[StoredPart("text", text="An astronaut.")]))
+    session.items.append(
+        StoredItem(
+            id="item_1",
+            role="user",
+            parts=[
+                StoredPart("image", digest=DIGEST),
+                StoredPart("text", text="What is in the photo?"),
+            ],
+        )
+    )
+    session.items.append(
+        StoredItem(
+            id="item_2",
+            role="assistant",
+            response_id="resp_1",
+            parts=[StoredPart("text", text="An astronaut.")],
+        )
+    )
     return session
 
 
@@ -82,7 +96,11 @@ async def test_foreign_owner_is_the_same_error_as_unknown(make_store) -> None:
     await store.delete(session.id, ALICE)
     unknown = await expect_not_found(store, session.id, ALICE)
     assert (foreign.code, foreign.type, foreign.message, foreign.param) == (
-        unknown.code, unknown.type, unknown.message, unknown.param)
+        unknown.code,
+        unknown.type,
+        unknown.message,
+        unknown.param,
+    )
 
 
 async def test_create_only_takes_a_free_id(make_store) -> None:
@@ -118,12 +136,16 @@ async def test_concurrent_updates_lose_nothing(make_store) -> None:
 
     def append(n: int):
         def mutate(s: Session) -> int:
-            s.items.append(StoredItem(id=f"item_{n}", role="user", parts=[StoredPart("text", text=str(n))]))
+            s.items.append(
+                StoredItem(id=f"item_{n}", role="user", parts=[StoredPart("text", text=str(n))])
+            )
             return len(s.items)
+
         return mutate
 
-    await asyncio.gather(*(store.update(session.id, ALICE, append(n))
-                           for n, store in enumerate([first, second] * 8)))
+    await asyncio.gather(
+        *(store.update(session.id, ALICE, append(n)) for n, store in enumerate([first, second] * 8))
+    )
     stored = await first.load(session.id, ALICE)
     assert sorted(i.id for i in stored.items[base:]) == sorted(f"item_{n}" for n in range(16))
     updated, count = await second.update(session.id, ALICE, append(99))
@@ -142,8 +164,9 @@ async def test_save_overwrites_and_stamps_updated_at(make_store) -> None:
     session = conversation()
     await store.save(session)
     first = session.updated_at
-    session.items.append(StoredItem(id="item_3", role="user",
-                                    parts=[StoredPart("text", text="And the flag?")]))
+    session.items.append(
+        StoredItem(id="item_3", role="user", parts=[StoredPart("text", text="And the flag?")])
+    )
     await asyncio.sleep(0.01)
     await store.save(session)
     loaded = await store.load(session.id, ALICE)
@@ -282,8 +305,9 @@ async def test_corrupted_value_is_not_found(redis_store, raw_redis) -> None:
         with capture_logs() as logs:
             await expect_not_found(store, session.id, ALICE)
             assert not await store.delete(session.id, ALICE)
-        assert logs and all(e["event"] == "session_corrupt" and e["log_level"] == "error"
-                            for e in logs)
+        assert logs and all(
+            e["event"] == "session_corrupt" and e["log_level"] == "error" for e in logs
+        )
     assert await store.count() == 1
     await store.save(session)  # the next save overwrites it
     assert await store.load(session.id, ALICE) == session
@@ -293,8 +317,9 @@ async def test_value_stored_under_another_id_is_not_found(redis_store, raw_redis
     store = redis_store()
     session = conversation()
     await store.save(session)
-    raw_redis.copy(f"vg:session:{session.owner}:{session.id}",
-                   f"vg:session:{session.owner}:sess_other")
+    raw_redis.copy(
+        f"vg:session:{session.owner}:{session.id}", f"vg:session:{session.owner}:sess_other"
+    )
     await expect_not_found(store, "sess_other", ALICE)
 
 

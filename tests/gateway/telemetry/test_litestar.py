@@ -1,5 +1,6 @@
 """Litestar's OTel plugin on a Telemetry: one server span per HTTP request, none for excluded
-paths (the realtime WebSocket included), and no per-chunk send/receive spans on a streamed (SSE) response."""
+paths (the realtime WebSocket included), and no per-chunk send/receive spans on a streamed
+(SSE) response."""
 
 from __future__ import annotations
 

@@ -33,9 +33,18 @@ def test_json_lines_carry_trace_ids(telemetry: Telemetry, stream: io.StringIO) -
         log.info("inside", n=1)
         logging.getLogger("uvicorn.error").warning("from stdlib %s", "logger")
         log_response(
-            api="realtime", model="smol", status="completed", session_id="s1", response_id="r1",
-            timings_ms={"queue": 1.0, "encode": 80.5, "prefill": 20.0, "ttft": 130.25,
-                        "total": 900.0},
+            api="realtime",
+            model="smol",
+            status="completed",
+            session_id="s1",
+            response_id="r1",
+            timings_ms={
+                "queue": 1.0,
+                "encode": 80.5,
+                "prefill": 20.0,
+                "ttft": 130.25,
+                "total": 900.0,
+            },
             usage={"input_tokens": 30, "output_tokens": 12, "cached_tokens": 20},
         )
     log.debug("filtered out at info")

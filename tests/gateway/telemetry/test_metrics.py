@@ -8,26 +8,47 @@ from gateway.engine.interface import EngineStats
 from gateway.telemetry import PROMETHEUS_NAMES, GatewayMetrics, Telemetry, config_from_env
 
 # what a scheduler reports mid-run: 40 + 24 of 128 blocks taken or cached, 64 empty
-SCHEDULER = EngineStats(running=3, waiting=2, batch_size=3, step_tokens=258, kv_blocks_used=40,
-                        kv_blocks_total=128, kv_blocks_cached=24, preemptions_total=7)
+SCHEDULER = EngineStats(
+    running=3,
+    waiting=2,
+    batch_size=3,
+    step_tokens=258,
+    kv_blocks_used=40,
+    kv_blocks_total=128,
+    kv_blocks_cached=24,
+    preemptions_total=7,
+)
 
 
 def record_one_of_each(m: GatewayMetrics) -> None:
     m.record_response(
-        model="smol", status="completed", ttft_s=0.42, duration_s=1.7, output_tokens=12,
-        input_tokens=30, image_tokens=64, cached_tokens=20, time_per_output_token_s=0.02,
-        api="realtime", inter_token_latencies_s=[0.008, 0.02, 0.02, 0.3],
+        model="smol",
+        status="completed",
+        ttft_s=0.42,
+        duration_s=1.7,
+        output_tokens=12,
+        input_tokens=30,
+        image_tokens=64,
+        cached_tokens=20,
+        time_per_output_token_s=0.02,
+        api="realtime",
+        inter_token_latencies_s=[0.008, 0.02, 0.02, 0.3],
     )
     m.record_encode(
         timings_ms={"preprocess": 4.0, "vision": 80.0, "prune": 1.5, "quantize": 0.8},
-        batch_size=3, queue_ms=12.0, tokens_kept=98, tokens_total=196,
+        batch_size=3,
+        queue_ms=12.0,
+        tokens_kept=98,
+        tokens_total=196,
     )
     m.record_cache_lookup(cache="vision", tier="memory", result="hit")
     m.record_kv_reuse(reused_tokens=40, prefill_tokens=10)
     m.record_error(code="image_too_large", api="chat_completions")
     m.ws_connection_opened()
     m.observe_gauges(
-        active_sessions=lambda: 2, queue_depth=lambda: 5, cache_bytes=lambda: {"vision": 1024},
+        active_sessions=lambda: 2,
+        queue_depth=lambda: 5,
+        cache_bytes=lambda: {"vision": 1024},
         engine_stats=lambda: SCHEDULER,
     )
 
@@ -61,8 +82,15 @@ def test_values_and_labels(telemetry: Telemetry) -> None:
     m = telemetry.metrics
     record_one_of_each(m)
     m.record_response(
-        model="smol", status="cancelled", ttft_s=None, duration_s=0.2, output_tokens=0,
-        input_tokens=5, image_tokens=0, cached_tokens=0, time_per_output_token_s=None,
+        model="smol",
+        status="cancelled",
+        ttft_s=None,
+        duration_s=0.2,
+        output_tokens=0,
+        input_tokens=5,
+        image_tokens=0,
+        cached_tokens=0,
+        time_per_output_token_s=None,
         api="chat_completions",
     )
     m.record_cache_lookup(cache="vision", tier="redis", result="miss")
@@ -126,8 +154,9 @@ def test_values_and_labels(telemetry: Telemetry) -> None:
     assert value(rows, "visiongate_kv_blocks", state="cached") == 24
     assert value(rows, "visiongate_kv_blocks", state="free") == 64
     assert value(rows, "visiongate_scheduler_preemptions_total") == 7
-    info = value(rows, "target_info", service_name="visiongate",
-                 service_instance_id="test-instance")
+    info = value(
+        rows, "target_info", service_name="visiongate", service_instance_id="test-instance"
+    )
     assert info == 1
 
 

@@ -27,8 +27,15 @@ def _one_response(t) -> None:
         t.stage_spans(None, time.time_ns(), {"preprocess": 2.0, "vision": 9.0})
         root.add_event(SPAN.EVENT_TTFT)
     t.metrics.record_response(
-        model="smol", status="completed", ttft_s=0.8, duration_s=2.0, output_tokens=5,
-        input_tokens=9, image_tokens=64, cached_tokens=0, time_per_output_token_s=0.05,
+        model="smol",
+        status="completed",
+        ttft_s=0.8,
+        duration_s=2.0,
+        output_tokens=5,
+        input_tokens=9,
+        image_tokens=64,
+        cached_tokens=0,
+        time_per_output_token_s=0.05,
         api="realtime",
     )
 

@@ -22,8 +22,15 @@ ITL_P95 = "visiongate:visiongate_llm_inter_token_latency_seconds:p95_5m"
 
 class Scheduler:
     def __init__(self) -> None:
-        self.snapshot = EngineStats(running=6, waiting=1, batch_size=6, step_tokens=70,
-                                    kv_blocks_used=48, kv_blocks_cached=8, kv_blocks_total=64)
+        self.snapshot = EngineStats(
+            running=6,
+            waiting=1,
+            batch_size=6,
+            step_tokens=70,
+            kv_blocks_used=48,
+            kv_blocks_cached=8,
+            kv_blocks_total=64,
+        )
 
     def stats(self) -> EngineStats:
         return self.snapshot
@@ -31,9 +38,16 @@ class Scheduler:
 
 def _stream(telemetry: Telemetry, gaps_s: list[float]) -> None:
     telemetry.metrics.record_response(
-        model="smol", status="completed", ttft_s=0.2, duration_s=2.0,
-        output_tokens=len(gaps_s) + 1, input_tokens=20, image_tokens=0, cached_tokens=0,
-        time_per_output_token_s=sum(gaps_s) / len(gaps_s), api="realtime",
+        model="smol",
+        status="completed",
+        ttft_s=0.2,
+        duration_s=2.0,
+        output_tokens=len(gaps_s) + 1,
+        input_tokens=20,
+        image_tokens=0,
+        cached_tokens=0,
+        time_per_output_token_s=sum(gaps_s) / len(gaps_s),
+        api="realtime",
         inter_token_latencies_s=gaps_s,
     )
 
@@ -48,8 +62,12 @@ def test_scheduler_rules_on_real_prometheus(
 ) -> None:
     telemetry, _ = metrics_server
     scheduler = Scheduler()
-    telemetry.metrics.observe_gauges(active_sessions=lambda: 0, queue_depth=lambda: 0,
-                                     cache_bytes=dict, engine_stats=scheduler.stats)
+    telemetry.metrics.observe_gauges(
+        active_sessions=lambda: 0,
+        queue_depth=lambda: 0,
+        cache_bytes=dict,
+        engine_stats=scheduler.stats,
+    )
     # One stream creates the series; rate() needs a scrape of it before the real traffic.
     _stream(telemetry, [0.02])
     wait_for(prometheus, "visiongate_llm_inter_token_latency_seconds_count", lambda r: True)
@@ -72,8 +90,7 @@ def test_scheduler_rules_on_real_prometheus(
 
     kv = wait_for(prometheus, "visiongate:kv_blocks_used:ratio", lambda r: True)
     assert _number(kv) == 0.75
-    rate = wait_for(prometheus, "visiongate:scheduler_preemptions:rate5m",
-                    lambda r: _number(r) > 0)
+    rate = wait_for(prometheus, "visiongate:scheduler_preemptions:rate5m", lambda r: _number(r) > 0)
     assert _number(rate) > 0
     running = query(prometheus, 'visiongate_scheduler_requests{state="running"}')
     assert _number(running) == 6

@@ -41,7 +41,9 @@ class SteppingEngine:
 
 def _register(telemetry: Telemetry, engine: object) -> None:
     telemetry.metrics.observe_gauges(
-        active_sessions=lambda: 1, queue_depth=lambda: 0, cache_bytes=dict,
+        active_sessions=lambda: 1,
+        queue_depth=lambda: 0,
+        cache_bytes=dict,
         engine_stats=getattr(engine, "stats", None),
     )
 
@@ -58,9 +60,16 @@ def test_scheduler_gauges_follow_the_engine(telemetry: Telemetry) -> None:
     assert value(rows, "visiongate_kv_blocks", state="free") == 64
     assert value(rows, "visiongate_scheduler_preemptions_total") == 0
 
-    engine.snapshot = EngineStats(running=8, waiting=5, batch_size=8, step_tokens=520,
-                                  kv_blocks_used=50, kv_blocks_total=64, kv_blocks_cached=10,
-                                  preemptions_total=2)
+    engine.snapshot = EngineStats(
+        running=8,
+        waiting=5,
+        batch_size=8,
+        step_tokens=520,
+        kv_blocks_used=50,
+        kv_blocks_total=64,
+        kv_blocks_cached=10,
+        preemptions_total=2,
+    )
     rows = samples(telemetry)
     assert value(rows, "visiongate_scheduler_requests", state="running") == 8
     assert value(rows, "visiongate_scheduler_requests", state="waiting") == 5
@@ -113,23 +122,49 @@ def test_failing_or_torn_stats_never_break_a_scrape(telemetry: Telemetry) -> Non
 
 def _result(**fields: object) -> GenerationResult:
     base: dict[str, object] = {
-        "text": "a cat", "finish_reason": "stop", "input_tokens": 120, "image_tokens": 64,
-        "output_tokens": 20, "cached_tokens": 100, "queue_ms": 4.0, "prefill_ms": 30.0,
-        "decode_ms": 380.0, "ttft_ms": 40.0,
+        "text": "a cat",
+        "finish_reason": "stop",
+        "input_tokens": 120,
+        "image_tokens": 64,
+        "output_tokens": 20,
+        "cached_tokens": 100,
+        "queue_ms": 4.0,
+        "prefill_ms": 30.0,
+        "decode_ms": 380.0,
+        "ttft_ms": 40.0,
     }
     return GenerationResult(**{**base, **fields})  # type: ignore[arg-type]
 
 
 def _finished(result: GenerationResult | None, status: str = "completed") -> Finished:
-    timings = {"queue_ms": 4.0, "encode_ms": 0.0, "prefill_ms": 30.0, "ttft_ms": 45.0,
-               "total_ms": 460.0, "decode_ms": result.decode_ms if result else 0.0}
+    timings = {
+        "queue_ms": 4.0,
+        "encode_ms": 0.0,
+        "prefill_ms": 30.0,
+        "ttft_ms": 45.0,
+        "total_ms": 460.0,
+        "decode_ms": result.decode_ms if result else 0.0,
+    }
     if result is None:
-        return Finished("resp_f", "item_f", "failed", "", timings=timings,
-                        error=GatewayError("engine_error", "the engine stopped"))
-    return Finished("resp_1", "item_1", status, result.text,  # type: ignore[arg-type]
-                    input_tokens=result.input_tokens, image_tokens=result.image_tokens,
-                    output_tokens=result.output_tokens, cached_tokens=result.cached_tokens,
-                    timings=timings)
+        return Finished(
+            "resp_f",
+            "item_f",
+            "failed",
+            "",
+            timings=timings,
+            error=GatewayError("engine_error", "the engine stopped"),
+        )
+    return Finished(
+        "resp_1",
+        "item_1",
+        status,
+        result.text,  # type: ignore[arg-type]
+        input_tokens=result.input_tokens,
+        image_tokens=result.image_tokens,
+        output_tokens=result.output_tokens,
+        cached_tokens=result.cached_tokens,
+        timings=timings,
+    )
 
 
 def test_recorded_response_feeds_itl_tpot_and_scheduler_spans(
@@ -138,8 +173,9 @@ def test_recorded_response_feeds_itl_tpot_and_scheduler_spans(
     # 19 gaps for 20 tokens: 17 quick steps, one behind a prefill chunk, one after preemption
     gaps = (10.0,) * 17 + (200.0, 400.0)
     result = _result(itl_ms=gaps, prefill_chunks=3, preemptions=1)
-    trace = ResponseTrace(telemetry, model="smol", api="chat_completions",
-                          response_id="resp_1", session_id="sess_1")
+    trace = ResponseTrace(
+        telemetry, model="smol", api="chat_completions", response_id="resp_1", session_id="sess_1"
+    )
     trace.llm(time.time_ns(), result)
     trace.finish(_finished(result))
 
@@ -180,12 +216,14 @@ def test_single_token_and_failed_responses(
     telemetry: Telemetry, span_exporter: InMemorySpanExporter
 ) -> None:
     one = _result(output_tokens=1, decode_ms=6.0, itl_ms=())
-    trace = ResponseTrace(telemetry, model="smol", api="realtime", response_id="r1",
-                          session_id=None)
+    trace = ResponseTrace(
+        telemetry, model="smol", api="realtime", response_id="r1", session_id=None
+    )
     trace.llm(time.time_ns(), one)
     trace.finish(_finished(one))
-    failed = ResponseTrace(telemetry, model="smol", api="realtime", response_id="r2",
-                           session_id=None)
+    failed = ResponseTrace(
+        telemetry, model="smol", api="realtime", response_id="r2", session_id=None
+    )
     failed.finish(_finished(None))
 
     rows = samples(telemetry)

@@ -52,7 +52,10 @@ def test_stage_spans_are_laid_end_to_end(
     finished = span_exporter.get_finished_spans()
     stages = [s for s in finished if s.name != "encode"]
     assert [s.name for s in stages] == [
-        SPAN.ENCODE_PREPROCESS, SPAN.ENCODE_VISION, SPAN.ENCODE_PRUNE, SPAN.ENCODE_QUANTIZE
+        SPAN.ENCODE_PREPROCESS,
+        SPAN.ENCODE_VISION,
+        SPAN.ENCODE_PRUNE,
+        SPAN.ENCODE_QUANTIZE,
     ]
     parent_id = parent.get_span_context().span_id
     cursor = start
