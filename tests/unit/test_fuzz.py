@@ -1421,7 +1421,6 @@ async def test_http_image_uploads(gateway: ServerThread, http: httpx.AsyncClient
     await fuzz.healthy(-1, None)
 
 
-@DEEP_NESTING_BUG
 async def test_deep_nesting_http(gateway: ServerThread, http: httpx.AsyncClient) -> None:
     body = (
         '{"model":"'
@@ -1479,11 +1478,6 @@ async def test_wrong_method_gets_the_openai_error_shape(
     check_error_body(response.content, response.status_code)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="image bytes under 4 bytes that Pillow cannot identify: "
-    "a plugin's signature check raises struct.error -> internal_error / HTTP 500",
-)
 @pytest.mark.parametrize("transport", ["realtime", "http"])
 async def test_tiny_image_bytes(
     gateway: ServerThread, http: httpx.AsyncClient, transport: str
