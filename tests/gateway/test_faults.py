@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 def faulty_encoder(gateway_server):
     """Makes the real encoder of the shared gateway fail or stall for chosen images (fault
     injection around the real component, undone after the test)."""
-    encoder = gateway_state(gateway_server).encoder
+    encoder = gateway_state(gateway_server).require().encoder
     real = encoder.encode
     faults: dict[bytes, str] = {}
 
