@@ -65,6 +65,9 @@ def build_engine(settings: Settings) -> Engine:
         model_path=settings.model_path,
         cache_dir=settings.cache_dir,
         max_queue=settings.engine_max_queue,
+        # without API keys every caller is one owner: the automatic share is the whole queue
+        max_queue_per_key=settings.engine_max_queue_per_key
+        or (0 if settings.api_keys else settings.engine_max_queue),
         kv_budget_bytes=settings.kv_budget_bytes,
         kv_spill_redis_url=settings.redis_url,
         kv_ttl_s=settings.kv_ttl_s,

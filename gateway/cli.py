@@ -57,6 +57,11 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
         help="requests waiting for a batch slot before `busy` / HTTP 429 (default 256)",
     )
     g.add_argument(
+        "--engine-max-queue-per-key",
+        type=int,
+        help="of those, requests of one API key (default 0: a quarter, at least 4)",
+    )
+    g.add_argument(
         "--prefill-chunk-tokens",
         type=int,
         help="tokens per step: decodes plus prefill chunks (default 256)",
@@ -90,6 +95,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "kv_ttl_s",
         "engine_max_batch",
         "engine_max_queue",
+        "engine_max_queue_per_key",
         "prefill_chunk_tokens",
         "prefix_caching",
     )

@@ -116,6 +116,7 @@ class EngineStats:
     kv_blocks_total: int = 0
     kv_blocks_cached: int = 0  # free but holding reusable (prefix-cached) KV
     preemptions_total: int = 0
+    owners_waiting: int = 0  # API keys with requests queued (a count, never the keys)
 
 
 Delta = TextDelta | GenerationResult

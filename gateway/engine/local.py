@@ -66,6 +66,7 @@ class LocalEngine:
         model_path: str | None = None,
         cache_dir: str | None = None,
         max_queue: int = 256,
+        max_queue_per_key: int = 0,
         kv_budget_bytes: int = 256 * MiB,
         kv_block_size: int = 16,
         kv_spill_redis_url: str | None = None,
@@ -81,11 +82,14 @@ class LocalEngine:
             raise ValueError("kv_block_size must be >= 1")
         if max_batch < 1 or max_queue < 1:
             raise ValueError("max_batch and max_queue must be >= 1")
+        if max_queue_per_key < 0:
+            raise ValueError("max_queue_per_key must be >= 0 (0: automatic)")
         if prefill_chunk_tokens < max_batch:
             raise ValueError("prefill_chunk_tokens must be >= max_batch (one token per decode)")
         self._model_path = model_path
         self._cache_dir = cache_dir
         self._max_queue = max_queue
+        self._max_queue_per_key = max_queue_per_key  # 0: a quarter of the queue, at least 4
         self._kv_budget_bytes = kv_budget_bytes
         self._kv_block_size = kv_block_size
         self._kv_redis_url = kv_spill_redis_url
@@ -120,6 +124,12 @@ class LocalEngine:
         return self._ready
 
     @property
+    def max_queue_per_key(self) -> int:
+        """Requests of one owner (API key) that may wait beyond the batch's free slots."""
+        per_key = self._max_queue_per_key or max(4, self._max_queue // 4)
+        return min(per_key, self._max_queue)
+
+    @property
     def device(self) -> Any:
         return self._weights.device if self._weights is not None else "cpu"
 
@@ -131,6 +141,7 @@ class LocalEngine:
             "model_path": self._model_path,
             "cache_dir": self._cache_dir,
             "max_queue": self._max_queue,
+            "max_queue_per_key": self._max_queue_per_key,
             "kv_budget_bytes": self._kv_budget_bytes,
             "kv_block_size": self._kv_block_size,
             "kv_spill_redis_url": self._kv_redis_url,
@@ -182,6 +193,7 @@ class LocalEngine:
             SchedulerConfig(
                 max_batch=self._max_batch,
                 max_queue=self._max_queue,
+                max_queue_per_key=self.max_queue_per_key,
                 prefill_chunk_tokens=self._prefill_chunk_tokens,
                 kv_budget_bytes=self._kv_budget_bytes,
                 block_size=self._kv_block_size,
@@ -308,11 +320,9 @@ class LocalEngine:
         if sched is None or self._closed:
             raise EngineError("engine not started", code="not_ready")
         job = Job(request, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
-        if not sched.submit(job):
-            raise EngineBusy(
-                f"engine queue is full ({self._max_queue} waiting)",
-                retry_after_s=self._retry_after(),
-            )
+        refused = sched.submit(job)
+        if refused is not None:
+            raise EngineBusy(refused, retry_after_s=self._retry_after())
         finished = False
         try:
             while True:

@@ -3,10 +3,18 @@
 Requests wait in a bounded queue; between steps the scheduler admits as many as the batch size
 and the KV budget allow, and each step runs one packed forward (`gateway.engine.batch`) over:
 one token for every decoding sequence, then prefill chunks of admitted prompts under the
-per-step token budget (`prefill_chunk_tokens`), oldest first. A long new prompt (an image and a
-long history) is therefore spread over several steps while the others keep streaming, and a
-request joins or leaves the batch at any step boundary. Cancelling a request takes it out at the
-next boundary (its KV freed); the others' tokens are untouched.
+per-step token budget (`prefill_chunk_tokens`). A long new prompt (an image and a long history)
+is therefore spread over several steps while the others keep streaming, and a request joins or
+leaves the batch at any step boundary. Cancelling a request takes it out at the next boundary
+(its KV freed); the others' tokens are untouched.
+
+The engine is shared fairly between owners (API keys, `GenerationRequest.cache_salt`; policy in
+`gateway.engine.fair_queue`): admission takes owners in turn, each owner's requests in order;
+an owner with nothing running gets a slot of a full batch at the next step (the newest sequence
+of an owner holding two or more is preempted for it); the prefill budget is split max-min
+fairly between owners, each owner's share going to its oldest prompt first; and one owner may
+keep at most `max_queue_per_key` requests waiting beyond the batch's free slots (past that, and
+past `max_queue` in all, `submit` refuses).
 
 A request is checked before it runs: image embeds must be `[N, hidden]`, floating point and
 finite (one NaN row would reach every position of its chunk, and the prefix cache); sampling
@@ -26,43 +34,42 @@ prefill, decode and the recompute after a preemption are the same operation.
 KV memory: running sequences' buffers and the prefix cache's blocks share one byte budget.
 Admission needs room for the new prompt (cached blocks are evicted, least recently used first,
 then sessions' pins). When decoding sequences outgrow the budget, the most recently admitted
-one is preempted: its computed blocks go to the prefix cache, its buffer is freed, and it goes
-back to the front of the queue with its generated tokens; on readmission it recomputes what the
-cache no longer holds and continues, token-identical for greedy decoding (and for seeded
-sampling, whose generator state it keeps). One sequence alone may exceed the budget rather than
-never run.
+sequence of the owner holding the most is preempted: its computed blocks go to the prefix
+cache, its buffer is freed, and it goes back to the front of its owner's line with its generated
+tokens and its admission order (so the oldest running sequence is never the one preempted); on
+readmission it recomputes what the cache no longer holds and continues, token-identical for
+greedy decoding (and for seeded sampling, whose generator state it keeps). One sequence alone
+may exceed the budget rather than never run.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 
 from gateway.engine.batch import SeqKV, Slice, run_step
-from gateway.engine.generation import StreamDecoder, sample_next
-from gateway.engine.interface import (
-    EngineError,
-    EngineStats,
-    TextDelta,
-)
-from gateway.engine.kvblocks import KVEntry, block_hashes, chain_seed, position_keys
+from gateway.engine.fair_queue import FairQueue, newest_of_largest, share_budget
+from gateway.engine.generation import sample_next
+from gateway.engine.interface import EngineError, EngineStats, TextDelta
+from gateway.engine.kvblocks import block_hashes, chain_seed, position_keys
 from gateway.engine.prefix_cache import PrefixCache
-from gateway.engine.prompt import render
 from gateway.engine.sequence import (
     GROW,
     Job,
     SchedulerConfig,
     Sequence,
-    check_request,
+    load_spilled,
     ms,
+    prepare_sequence,
     sequence_inputs,
     sequence_result,
+    spill_entry,
 )
 
 if TYPE_CHECKING:
@@ -72,6 +79,9 @@ if TYPE_CHECKING:
 __all__ = ("Scheduler",)
 
 log = structlog.get_logger(__name__)
+
+_owner = attrgetter("owner")
+_order = attrgetter("order")
 
 
 class Scheduler:
@@ -112,12 +122,13 @@ class Scheduler:
             weights.model_id, weights.weights, config.block_size
         )
         self.cache = PrefixCache(config.block_size, enabled=config.prefix_caching)
-        self._waiting: deque[Sequence] = deque()
+        self._waiting: FairQueue[Sequence] = FairQueue(_owner)
         self._running: list[Sequence] = []
         self._cond = threading.Condition()
         self._barriers: list[threading.Event] = []
         self._stop = False
         self._order = 0
+        self._steps = 0
         self._preemptions = 0
         self._last_batch = 0
         self._last_tokens = 0
@@ -128,16 +139,30 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: Job) -> bool:
-        """Queue a job; False when the queue is full."""
+    def submit(self, job: Job) -> str | None:
+        """Queue a job; None when queued, else why it was refused (the queue, or its owner's
+        share of it, is full)."""
+        seq = Sequence(job)
         with self._cond:
             if self._stop:
                 raise EngineError("engine closed", code="closed")
             if len(self._waiting) >= self.cfg.max_queue:
-                return False
-            self._waiting.append(Sequence(job))
+                return f"engine queue is full ({self.cfg.max_queue} waiting)"
+            # what the batch's free slots take at the next step hardly waits: a burst into an
+            # idle engine is not refused, while a full batch holds each owner to its share
+            free = max(self.cfg.max_batch - len(self._running), 0)
+            if self._waiting.depth(seq.owner) >= self.cfg.max_queue_per_key + free:
+                return (
+                    f"too many requests of this API key are waiting ({self.cfg.max_queue_per_key})"
+                )
+            self._waiting.push(seq)
             self._cond.notify()
-        return True
+        return None
+
+    @property
+    def owners_waiting(self) -> int:
+        """How many owners have requests queued (a count: owners are never exported)."""
+        return self._waiting.owners
 
     def barrier(self, timeout: float) -> bool:
         """Wait until every finished request's KV is in the cache (one full loop iteration)."""
@@ -173,6 +198,7 @@ class Scheduler:
         blocks_running = -(-used_pos // self.cfg.block_size)
         blocks_cached = -(-self.cache.nbytes // max(self.pos_bytes * self.cfg.block_size, 1))
         return EngineStats(
+            owners_waiting=self._waiting.owners,
             running=len(running),
             waiting=len(self._waiting),
             batch_size=self._last_batch,
@@ -209,7 +235,7 @@ class Scheduler:
 
     def _shutdown(self) -> None:
         with self._cond:
-            waiting, self._waiting = list(self._waiting), deque()
+            waiting = self._waiting.drain()
             barriers, self._barriers = self._barriers, []
         for seq in [*waiting, *self._running]:
             seq.job.post(EngineError("engine closed", code="closed"))
@@ -235,92 +261,72 @@ class Scheduler:
         with self._cond:  # a cancelled request leaves the queue at once, not when it is its turn
             cancelled = [s for s in self._waiting if s.request.cancel.is_set()]
             for seq in cancelled:
-                self._waiting.remove(seq)
+                self._waiting.discard(seq)
         now = time.perf_counter()
         for seq in cancelled:
             seq.job.post(sequence_result(seq, "cancelled", now))
-        while len(self._running) < self.cfg.max_batch:
+        while True:
             with self._cond:
-                if not self._waiting:
-                    return
-                seq = self._waiting[0]
+                if len(self._running) < self.cfg.max_batch:
+                    seq, victim = self._waiting.peek(), None
+                else:
+                    seq, victim = self._slot_claim()
+            if seq is None:
+                return
             req = seq.request
             if req.cancel.is_set():
-                self._pop_waiting(seq)
+                self._dequeue(seq, served=False)
                 seq.job.post(sequence_result(seq, "cancelled", time.perf_counter()))
                 continue
             try:
                 if seq.prompt is None:
-                    self._prepare(seq)
+                    prepare_sequence(seq, self.w, self.max_positions, self.cfg.block_size)
             except EngineError as exc:
-                self._pop_waiting(seq)
+                self._dequeue(seq)
                 seq.job.post(exc)
                 continue
             except Exception as exc:
                 log.exception("engine.prepare_failed", request_id=req.request_id)
-                self._pop_waiting(seq)
+                self._dequeue(seq)
                 seq.job.post(EngineError(f"generation failed: {exc}"))
                 continue
             need = self.pos_bytes * (seq.known + GROW)
             budget = self.cfg.kv_budget_bytes
-            if self._running:
-                room = budget - self._running_bytes()
-                if room < need:
-                    return  # wait for running sequences to finish
-                if self.cache.nbytes > room - need:
-                    self.cache.shrink(max(room - need, 0), unpin=True)
-            self._pop_waiting(seq)
+            staying = [s for s in self._running if s is not victim]
+            room = budget - sum(s.kv.nbytes for s in staying if s.kv is not None)
+            if staying and room < need:
+                return  # wait for running sequences to finish
+            if victim is not None:
+                self._preempt(victim, "fair_share")
+            if staying and self.cache.nbytes > room - need:
+                self.cache.shrink(max(room - need, 0), unpin=True)
+            self._dequeue(seq)
             try:
                 self._start(seq)
             except Exception as exc:  # out of the queue, not yet running: fail it here
                 log.exception("engine.admit_failed", request_id=req.request_id)
                 self._fail(seq, EngineError(f"generation failed: {exc}"))
 
-    def _pop_waiting(self, seq: Sequence) -> None:
-        with self._cond:
-            if self._waiting and self._waiting[0] is seq:
-                self._waiting.popleft()
-            else:
-                try:
-                    self._waiting.remove(seq)
-                except ValueError:
-                    pass
+    def _slot_claim(self) -> tuple[Sequence | None, Sequence | None]:
+        """With the batch full: the first waiting request, in turn order, of an owner with
+        nothing running, and whom to preempt for it (the newest sequence of the owner holding
+        the most, if that is two or more). (None, None): it waits for a slot to free."""
+        victim = newest_of_largest(self._running, _owner, _order)
+        if victim is None or sum(s.owner == victim.owner for s in self._running) < 2:
+            return None, None
+        busy = {s.owner for s in self._running}
+        for head in self._waiting.heads():
+            if head.owner not in busy:
+                return head, victim
+        return None, None
 
-    def _prepare(self, seq: Sequence) -> None:
-        """Render the prompt and set up sampling; raise EngineError on a bad request."""
-        w, req = self.w, seq.request
-        check_request(req, w.hidden_size)
-        try:
-            prompt = render(
-                w.tokenizer, req.messages, add_generation_prompt=True, image_keys=seq.image_keys
-            )
-        except ValueError as exc:
-            raise EngineError(str(exc), code="invalid_request") from None
-        if prompt.length == 0:
-            raise EngineError("empty prompt", code="invalid_request")
-        if prompt.length >= self.max_positions:
-            raise EngineError(
-                f"prompt is {prompt.length} tokens; the model takes {self.max_positions}",
-                code="context_length_exceeded",
-            )
-        sp = req.sampling
-        seq.prompt = prompt
-        seq.max_new = min(sp.max_output_tokens, self.max_positions - prompt.length)
-        salt = req.cache_salt or ""
-        seq.seed = chain_seed(w.model_id, f"{w.weights}|{salt}", self.cfg.block_size)
-        if sp.temperature > 0.0:
-            seq.generator = torch.Generator(device="cpu")
-            if sp.seed is not None:
-                seq.generator.manual_seed(sp.seed)
+    def _dequeue(self, seq: Sequence, *, served: bool = True) -> None:
+        """Take `seq` out of the queue; served (admitted or refused), its owner's turn passes."""
+        with self._cond:
+            if served:
+                self._waiting.take(seq)
             else:
-                seq.generator.seed()
-        tok = w.tokenizer
-        seq.decoder = StreamDecoder(
-            lambda ids: tok.decode(
-                ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-            ),
-            sp.stop,
-        )
+                self._waiting.discard(seq)
 
     def _start(self, seq: Sequence) -> None:
         """Admit: reuse the longest cached prefix, allocate the buffer, join the batch."""
@@ -348,51 +354,39 @@ class Scheduler:
         if kv_key is not None:
             self.cache.touch_session(kv_key)
             if self.kv_store is not None and reused < limit:
-                reused = max(reused, self._load_spilled(seq, kv, tokens, limit))
+                block = self.cfg.block_size
+                loaded = load_spilled(seq, kv, tokens, limit, self.kv_store, block, self.base_seed)
+                reused = max(reused, loaded)
         seq.kv, seq.fed = kv, reused
-        if first:
+        if first:  # a preempted sequence keeps its admission order (its seniority)
             seq.cached = reused
             seq.admitted = time.perf_counter()
-        self._order += 1
-        seq.order = self._order
+            self._order += 1
+            seq.order = self._order
         self._running.append(seq)
-
-    def _load_spilled(self, seq: Sequence, kv: SeqKV, tokens: list[int], limit: int) -> int:
-        """A session's KV from the spill store (another replica, or evicted here)."""
-        assert seq.prompt is not None and self.kv_store is not None
-        images = seq.prompt.images
-        hashes = block_hashes(tokens, images, self.cfg.block_size, self.base_seed)
-        try:
-            entry = self.kv_store.get(seq.request.kv_key, hashes)  # type: ignore[arg-type]
-        except Exception:  # a cache tier failing costs speed only
-            log.exception("kv.spill_get_failed")
-            return 0
-        if entry is None:
-            return 0
-        n = min(entry.reusable(tokens, images, hashes), limit)
-        if n <= kv.length:
-            return kv.length
-        kv.load([torch.stack((k[0], v[0])) for k, v in entry.layers], 0, n)
-        kv.length = n
-        return n
 
     # -- one step ------------------------------------------------------------------------------
 
     def _plan(self) -> list[tuple[Sequence, int, int]]:
-        """(sequence, start, length) for this step: decodes first, then prefill chunks."""
-        budget = self.cfg.prefill_chunk_tokens
+        """(sequence, start, length) for this step: decodes first, then prefill chunks, the
+        budget shared fairly between owners and each owner's share given oldest first."""
         plan: list[tuple[Sequence, int, int]] = []
         decoding = [s for s in self._running if s.known - s.fed == 1]
-        prefilling = [s for s in self._running if s.known - s.fed > 1]
         for s in decoding:
             plan.append((s, s.fed, 1))
-        budget = max(budget - len(decoding), 0)
-        for s in sorted(prefilling, key=lambda s: s.order):
-            if budget <= 0:
-                break
-            n = min(s.known - s.fed, budget)
-            plan.append((s, s.fed, n))
-            budget -= n
+        budget = max(self.cfg.prefill_chunk_tokens - len(decoding), 0)
+        lines: dict[str | None, list[Sequence]] = {}  # owners by their oldest prompt
+        for s in sorted((s for s in self._running if s.known - s.fed > 1), key=_order):
+            lines.setdefault(s.owner, []).append(s)
+        demands = [sum(s.known - s.fed for s in line) for line in lines.values()]
+        grants = share_budget(demands, budget, self._steps)
+        for line, grant in zip(lines.values(), grants, strict=True):
+            for s in line:
+                if grant <= 0:
+                    break
+                n = min(s.known - s.fed, grant)
+                plan.append((s, s.fed, n))
+                grant -= n
         return plan
 
     def _fit(self, plan: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, int, int]]:
@@ -408,21 +402,23 @@ class Scheduler:
             self.cache.shrink(max(budget - running, 0), unpin=True)
             if running + self.cache.nbytes <= budget or len(self._running) <= 1:
                 return plan
-            victim = max(self._running, key=lambda s: s.order)
-            self._preempt(victim)
+            victim = newest_of_largest(self._running, _owner, _order)
+            assert victim is not None
+            self._preempt(victim, "kv_budget")
             plan = [p for p in plan if p[0] is not victim]
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, reason: str) -> None:
         self._running.remove(seq)
         self._publish(seq)
         seq.kv, seq.fed = None, 0
         seq.preemptions += 1
         self._preemptions += 1
         with self._cond:
-            self._waiting.appendleft(seq)
+            self._waiting.push_front(seq)
         log.info(
             "engine.preempted",
             request_id=seq.request.request_id,
+            reason=reason,
             positions=seq.known,
             generated=len(seq.generated),
         )
@@ -436,6 +432,7 @@ class Scheduler:
         plan = self._fit(self._plan())
         if not plan:
             return
+        self._steps += 1
         slices = []
         for s, start, n in plan:
             embeds, positions = sequence_inputs(self.w, s, start, n)
@@ -448,7 +445,7 @@ class Scheduler:
         # NaN (or +inf) logits mean the sequence's KV is NaN too: it fails and is never cached
         broken = (logits.isnan() | logits.isposinf()).any(dim=-1).tolist()  # [rows], one sync
         row = 0
-        for (s, start, n), sl in zip(plan, slices, strict=False):
+        for (s, start, n), sl in zip(plan, slices, strict=True):
             s.fed = start + n
             if start < s.prompt.length:  # type: ignore[union-attr]
                 s.prefill_chunks += 1
@@ -549,21 +546,8 @@ class Scheduler:
             if keep_session and kv_key is not None:
                 self.cache.pin(kv_key, kept)
         if keep_session and kv_key is not None and self.kv_store is not None:
-            whole = [sp for sp in images if sp.start + sp.length <= n]
-            if len(whole) != len(images):  # an image is kept whole or not at all
-                n = min(sp.start for sp in images if sp.start + sp.length > n)
-                tokens = tokens[:n]
-            if n > 0:
-                entry = KVEntry(
-                    tokens,
-                    whole,
-                    self.cfg.block_size,
-                    block_hashes(tokens, whole, self.cfg.block_size, self.base_seed),
-                    [
-                        (t[0, :, :n].unsqueeze(0).clone(), t[1, :, :n].unsqueeze(0).clone())
-                        for t in layers
-                    ],
-                )
+            entry = spill_entry(tokens, images, layers, self.cfg.block_size, self.base_seed)
+            if entry is not None:
                 self.kv_store.put(kv_key, entry)
         budget = self.cfg.kv_budget_bytes
         over = self._running_bytes() + self.cache.nbytes - budget

@@ -2,9 +2,11 @@
 
 `Sequence` is a request's state between steps: its rendered prompt, generated tokens, KV buffer
 (`fed` positions computed), sampler and streaming detokenizer, and timings. `check_request`
-refuses what would run wrongly or cost every other stream; `sequence_inputs` builds a step's
+refuses what would run wrongly or cost every other stream; `prepare_sequence` renders the prompt
+and sets up sampling when the request is first picked up; `sequence_inputs` builds a step's
 input embeddings and rotary positions for a run of a sequence's positions (prompt rows, image
 rows, generated tokens; 1-D or M-RoPE); `sequence_result` is the `GenerationResult` it ends with.
+`load_spilled` and `spill_entry` read and build a session's KV in the spill store's form.
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import structlog
 import torch
 
+from gateway.engine.generation import StreamDecoder
 from gateway.engine.interface import EngineError, GenerationRequest, GenerationResult, ImageInput
-from gateway.engine.prompt import Prompt, embed_positions
+from gateway.engine.kvblocks import KVEntry, block_hashes, chain_seed
+from gateway.engine.prompt import ImageSpan, Prompt, embed_positions, render
 
 if TYPE_CHECKING:
     from gateway.engine.batch import SeqKV
-    from gateway.engine.generation import StreamDecoder
+    from gateway.engine.kvstore import KVStore
     from gateway.engine.weights import LoadedModel
 
 __all__ = (
@@ -32,10 +37,15 @@ __all__ = (
     "SchedulerConfig",
     "Sequence",
     "check_request",
+    "load_spilled",
     "ms",
+    "prepare_sequence",
     "sequence_inputs",
     "sequence_result",
+    "spill_entry",
 )
+
+log = structlog.get_logger(__name__)
 
 GROW = 64  # positions a sequence's buffer grows by
 # The stop check rescans every stop's prefixes against the text each token, so their number
@@ -68,6 +78,7 @@ class Job:
 class SchedulerConfig:
     max_batch: int = 16
     max_queue: int = 256
+    max_queue_per_key: int = 64  # requests of one owner waiting beyond the batch's free slots
     prefill_chunk_tokens: int = 256
     kv_budget_bytes: int = 256 << 20
     block_size: int = 16
@@ -101,6 +112,11 @@ class Sequence:
     @property
     def request(self) -> GenerationRequest:
         return self.job.request
+
+    @property
+    def owner(self) -> str | None:
+        """Whose share of the engine this request uses: its API key's owner (None: anonymous)."""
+        return self.job.request.cache_salt
 
     @property
     def known(self) -> int:
@@ -143,6 +159,41 @@ def check_request(req: GenerationRequest, hidden: int) -> None:
             f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters",
             code="invalid_request",
         )
+
+
+def prepare_sequence(seq: Sequence, w: LoadedModel, max_positions: int, block_size: int) -> None:
+    """Render the prompt and set up sampling; raise EngineError on a bad request."""
+    req = seq.request
+    check_request(req, w.hidden_size)
+    try:
+        prompt = render(
+            w.tokenizer, req.messages, add_generation_prompt=True, image_keys=seq.image_keys
+        )
+    except ValueError as exc:
+        raise EngineError(str(exc), code="invalid_request") from None
+    if prompt.length == 0:
+        raise EngineError("empty prompt", code="invalid_request")
+    if prompt.length >= max_positions:
+        raise EngineError(
+            f"prompt is {prompt.length} tokens; the model takes {max_positions}",
+            code="context_length_exceeded",
+        )
+    sp = req.sampling
+    seq.prompt = prompt
+    seq.max_new = min(sp.max_output_tokens, max_positions - prompt.length)
+    salt = req.cache_salt or ""
+    seq.seed = chain_seed(w.model_id, f"{w.weights}|{salt}", block_size)
+    if sp.temperature > 0.0:
+        seq.generator = torch.Generator(device="cpu")
+        if sp.seed is not None:
+            seq.generator.manual_seed(sp.seed)
+        else:
+            seq.generator.seed()
+    tok = w.tokenizer
+    seq.decoder = StreamDecoder(
+        lambda ids: tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False),
+        sp.stop,
+    )
 
 
 def sequence_inputs(
@@ -204,4 +255,58 @@ def sequence_result(seq: Sequence, finish: str, now: float) -> GenerationResult:
         itl_ms=tuple(seq.itl),
         prefill_chunks=seq.prefill_chunks,
         preemptions=seq.preemptions,
+    )
+
+
+def load_spilled(
+    seq: Sequence,
+    kv: SeqKV,
+    tokens: list[int],
+    limit: int,
+    store: KVStore,
+    block_size: int,
+    seed: bytes,
+) -> int:
+    """Load a session's KV from the spill store (another replica, or evicted here) into `kv`,
+    at most `limit` positions; returns the positions `kv` holds. `seed`: the spill chain seed."""
+    assert seq.prompt is not None
+    images = seq.prompt.images
+    hashes = block_hashes(tokens, images, block_size, seed)
+    try:
+        entry = store.get(seq.request.kv_key, hashes)  # type: ignore[arg-type]
+    except Exception:  # a cache tier failing costs speed only
+        log.exception("kv.spill_get_failed")
+        return 0
+    if entry is None:
+        return 0
+    n = min(entry.reusable(tokens, images, hashes), limit)
+    if n <= kv.length:
+        return kv.length
+    kv.load([torch.stack((k[0], v[0])) for k, v in entry.layers], 0, n)
+    kv.length = n
+    return n
+
+
+def spill_entry(
+    tokens: list[int],
+    images: list[ImageSpan],
+    layers: list[torch.Tensor],
+    block_size: int,
+    seed: bytes,
+) -> KVEntry | None:
+    """A session's computed positions as the spill store keeps them (copies, `[1, Hkv, n, D]`
+    keys and values per layer); an image is kept whole or not at all. None: nothing to keep."""
+    n = len(tokens)
+    whole = [sp for sp in images if sp.start + sp.length <= n]
+    if len(whole) != len(images):
+        n = min(sp.start for sp in images if sp.start + sp.length > n)
+        tokens = tokens[:n]
+    if n <= 0:
+        return None
+    return KVEntry(
+        tokens,
+        whole,
+        block_size,
+        block_hashes(tokens, whole, block_size, seed),
+        [(t[0, :, :n].unsqueeze(0).clone(), t[1, :, :n].unsqueeze(0).clone()) for t in layers],
     )

@@ -1,0 +1,428 @@
+"""Fair share of the engine between API keys (owners), on the queue policy and the real model.
+
+The policy alone (`gateway.engine.fair_queue`, pure Python): owners take turns, each owner's own
+requests keep their order, a preempted request keeps its owner's place, the prefill budget is
+split max-min fairly, and the sequence preempted is never the oldest running one.
+
+On the real engine: a key with a queue of long requests does not hold up another key's short
+one (it joins the batch at the next step and is done before most of the long ones), a long
+prompt does not take every prefill chunk while another key's short prompt waits, one key is
+held to its share of the queue while another key is still let in, and every greedy answer is
+the same as when it runs alone. Order is read from the scheduler's own steps, not from clocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from gateway.app import build_engine
+from gateway.engine.fair_queue import FairQueue, newest_of_largest, share_budget
+from gateway.engine.interface import EngineBusy, GenerationRequest, Message, SamplingParams
+from gateway.engine.local import LocalEngine
+from gateway.settings import Settings, SettingsError
+
+# -- the policy, without the model ----------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Req:
+    owner: str | None
+    n: int
+    order: int = 0
+
+
+def queue_of(*items: Req) -> FairQueue[Req]:
+    q: FairQueue[Req] = FairQueue(lambda r: r.owner)
+    for item in items:
+        q.push(item)
+    return q
+
+
+def serve_all(q: FairQueue[Req]) -> list[Req]:
+    served = []
+    while (item := q.peek()) is not None:
+        q.take(item)
+        served.append(item)
+    return served
+
+
+def test_owners_take_turns_and_each_owner_keeps_its_order() -> None:
+    hog = [Req("hog", i) for i in range(100)]
+    guest = Req("guest", 0)
+    q = queue_of(*hog)
+    q.push(guest)
+    assert len(q) == 101 and q.owners == 2
+    assert q.depth("hog") == 100 and q.depth("guest") == 1 and q.depth("nobody") == 0
+    served = serve_all(q)
+    assert served.index(guest) == 1  # one of the hog's, then the guest: not 100 of them
+    assert [r for r in served if r.owner == "hog"] == hog  # first in, first out within one
+    assert len(q) == 0 and q.owners == 0 and q.peek() is None
+
+
+def test_three_owners_alternate_until_one_runs_out() -> None:
+    a = [Req("a", i) for i in range(4)]
+    b = [Req("b", i) for i in range(2)]
+    c = [Req(None, i) for i in range(3)]  # anonymous requests are one owner
+    q = queue_of(*a, *b, *c)
+    assert q.owners == 3
+    served = serve_all(q)
+    assert [(r.owner, r.n) for r in served] == [
+        ("a", 0),
+        ("b", 0),
+        (None, 0),
+        ("a", 1),
+        ("b", 1),
+        (None, 1),
+        ("a", 2),
+        (None, 2),
+        ("a", 3),
+    ]
+
+
+def test_preempted_request_goes_first_in_its_line_without_taking_another_owners_turn() -> None:
+    a0, a1, b0, b1 = Req("a", 0), Req("a", 1), Req("b", 0), Req("b", 1)
+    q = queue_of(a0, a1, b0, b1)
+    q.take(a0)  # a0 admitted: b's turn next
+    assert q.peek() is b0
+    q.push_front(a0)  # a0 preempted: first of a's line, a keeps its place behind b
+    assert q.peek() is b0
+    assert serve_all(q) == [b0, a0, b1, a1]
+    # an owner with nothing waiting comes back after the owners that are waiting
+    c0, d0 = Req("c", 0), Req("d", 0)
+    q = queue_of(d0)
+    q.push_front(c0)
+    assert serve_all(q) == [d0, c0]
+
+
+def test_discard_and_drain_keep_the_books() -> None:
+    a0, a1, b0 = Req("a", 0), Req("a", 1), Req("b", 0)
+    q = queue_of(a0, a1, b0)
+    assert q.discard(a1) and not q.discard(a1)  # cancelled while waiting; twice is a no-op
+    assert q.discard(a0)  # the head, discarded (not served): a's turn does not pass to b...
+    assert q.owners == 1 and q.peek() is b0  # ...but a has nothing left
+    q.push(a0)
+    assert len(q) == 2 and list(q) == [b0, a0]
+    assert q.drain() == [b0, a0] and len(q) == 0 and q.owners == 0
+    with pytest.raises(KeyError):
+        q.take(a0)
+
+
+def test_an_owner_served_out_of_turn_goes_to_the_back() -> None:
+    # a full batch gives a slot to the first owner with nothing running, whoever's turn it is
+    a0, a1, b0, b1, c0 = Req("a", 0), Req("a", 1), Req("b", 0), Req("b", 1), Req("c", 0)
+    q = queue_of(a0, a1, b0, b1, c0)
+    assert list(q.heads()) == [a0, b0, c0]
+    q.take(b0)
+    assert list(q.heads()) == [a0, c0, b1]
+    q.take(a1)  # not the head of its line: no turn used
+    assert list(q.heads()) == [a0, c0, b1] and len(q) == 3
+
+
+def test_random_traffic_keeps_counts_and_turns_fair() -> None:
+    rng = random.Random(7)
+    q: FairQueue[Req] = FairQueue(lambda r: r.owner)
+    waiting: list[Req] = []
+    for step in range(4000):
+        op = rng.random()
+        if op < 0.5:
+            item = Req(rng.choice(["a", "b", "c", None]), step)
+            q.push(item)
+            waiting.append(item)
+        elif op < 0.6 and waiting:
+            item = rng.choice(waiting)
+            assert q.discard(item)
+            waiting.remove(item)
+        elif waiting:
+            head = q.peek()
+            assert head is not None
+            # the head is the oldest waiting request of its owner
+            assert head is min((r for r in waiting if r.owner == head.owner), key=lambda r: r.n)
+            q.take(head)
+            waiting.remove(head)
+        assert len(q) == len(waiting)
+        assert q.owners == len({r.owner for r in waiting})
+        for owner in ("a", "b", "c", None):
+            assert q.depth(owner) == sum(r.owner == owner for r in waiting)
+
+
+def test_while_owners_stay_busy_none_is_served_twice_before_another_once() -> None:
+    rng = random.Random(3)
+    q: FairQueue[Req] = FairQueue(lambda r: r.owner)
+    owners = ["a", "b", "c"]
+    for owner in owners:  # everyone always has more waiting
+        for i in range(50):
+            q.push(Req(owner, i))
+    served: list[str] = []
+    for _ in range(60):
+        head = q.peek()
+        assert head is not None
+        q.take(head)
+        served.append(head.owner)  # type: ignore[arg-type]
+        if rng.random() < 0.3:
+            q.push(Req(rng.choice(owners), 99))
+    for i in range(0, 60, 3):
+        assert sorted(served[i : i + 3]) == owners
+
+
+@pytest.mark.parametrize(
+    ("demands", "budget", "want"),
+    [
+        ([4000, 30], 256, [226, 30]),  # the short prompt is done in one step
+        ([4000, 4000], 256, [128, 128]),
+        ([4000, 10, 50, 4000], 255, [98, 10, 50, 97]),
+        ([5, 5], 256, [5, 5]),
+        ([0, 100], 64, [0, 64]),
+        ([100], 0, [0]),
+        ([], 64, []),
+    ],
+)
+def test_prefill_budget_is_split_max_min_fairly(demands, budget, want) -> None:
+    assert share_budget(demands, budget) == want
+
+
+def test_prefill_remainder_rotates_between_owners() -> None:
+    # 3 tokens over 4 owners that each want more: one each, from `start` on, wrapping around
+    assert share_budget([9, 9, 9, 9], 3, start=0) == [1, 1, 1, 0]
+    assert share_budget([9, 9, 9, 9], 3, start=2) == [1, 0, 1, 1]
+    assert share_budget([9, 9, 9, 9], 3, start=7) == [1, 1, 0, 1]
+
+
+def test_prefill_split_properties_on_random_demands() -> None:
+    rng = random.Random(11)
+    for _ in range(2000):
+        demands = [rng.choice([0, 1, 3, 16, 200, 5000]) for _ in range(rng.randint(1, 7))]
+        budget = rng.randint(0, 600)
+        grants = share_budget(demands, budget, start=rng.randint(0, 10))
+        assert all(0 <= g <= d for g, d in zip(grants, demands, strict=True))
+        assert sum(grants) == min(budget, sum(demands))
+        # max-min fair: an owner left wanting got at least as much as anyone else, less one
+        for g, d in zip(grants, demands, strict=True):
+            if g < d:
+                assert all(g >= other - 1 for other in grants)
+
+
+def test_preemption_takes_the_newest_of_the_owner_holding_the_most() -> None:
+    def running(*owners: str) -> list[Req]:
+        return [Req(o, 0, order=i) for i, o in enumerate(owners)]
+
+    def pick(items: list[Req]) -> Req | None:
+        return newest_of_largest(items, lambda r: r.owner, lambda r: r.order)
+
+    batch = running("a", "a", "a", "b")
+    assert pick(batch) is batch[2]  # b's one sequence is newer, but a holds three
+    batch = running("a", "b", "a", "b")
+    assert pick(batch) is batch[3]  # as many each: the newest of theirs
+    assert pick([]) is None
+    rng = random.Random(5)
+    for _ in range(500):  # the oldest running sequence is never preempted while another runs
+        batch = running(*(rng.choice("abc") for _ in range(rng.randint(2, 9))))
+        rng.shuffle(batch)
+        assert pick(batch) is not min(batch, key=lambda r: r.order)
+
+
+def test_per_key_cap_default_and_setting() -> None:
+    assert LocalEngine(max_queue=256).max_queue_per_key == 64  # a quarter
+    assert LocalEngine(max_queue=8).max_queue_per_key == 4  # at least 4
+    assert LocalEngine(max_queue=2).max_queue_per_key == 2  # never more than the queue
+    assert LocalEngine(max_queue=256, max_queue_per_key=10).max_queue_per_key == 10
+    with pytest.raises(ValueError):
+        LocalEngine(max_queue_per_key=-1)
+    with pytest.raises(SettingsError, match="ENGINE_MAX_QUEUE_PER_KEY"):
+        Settings.load({"engine_max_queue_per_key": -1}, environ={})
+    keyed = Settings.load({"api_keys": ["k1", "k2"], "engine_max_queue": 100}, environ={})
+    assert build_engine(keyed).max_queue_per_key == 25
+    # without API keys every caller is one owner: its share is the whole queue
+    open_ = Settings.load({"engine_max_queue": 100}, environ={})
+    assert build_engine(open_).max_queue_per_key == 100
+    env = Settings.load({}, environ={"VISIONGATE_ENGINE_MAX_QUEUE_PER_KEY": "7"})
+    assert build_engine(env).max_queue_per_key == 7
+
+
+# -- on the real model ----------------------------------------------------------------------------
+
+LONG = [
+    "Write a long story about a dragon who lives in a castle.",
+    "Describe, in many sentences, a walk through a forest in autumn.",
+]
+HI = "Say hi."
+
+
+def ask(text: str, max_tokens: int, salt: str | None, rid: str = "") -> GenerationRequest:
+    return GenerationRequest(
+        rid or f"fair-{time.monotonic_ns()}",
+        [Message("user", [text])],
+        SamplingParams(max_output_tokens=max_tokens),
+        cache_salt=salt,
+    )
+
+
+def record(sched) -> list[tuple[str, str]]:
+    """Events of the scheduler, in the order they happen: ("submit" | "admit" | "token" |
+    "finish", request id) and ("step", "")."""
+    events: list[tuple[str, str]] = []
+    submit, start, advance, finish, step = (
+        sched.submit,
+        sched._start,
+        sched._advance,
+        sched._finish,
+        sched._step,
+    )
+
+    def on_submit(job):
+        events.append(("submit", job.request.request_id))
+        return submit(job)
+
+    def on_start(seq):
+        events.append(("admit", seq.request.request_id))
+        return start(seq)
+
+    def on_advance(seq, logits, now):
+        events.append(("token", seq.request.request_id))
+        return advance(seq, logits, now)
+
+    def on_finish(seq, reason, now):
+        events.append(("finish", seq.request.request_id))
+        return finish(seq, reason, now)
+
+    def on_step():
+        if sched._running:
+            events.append(("step", ""))
+        return step()
+
+    sched.submit, sched._start, sched._advance = on_submit, on_start, on_advance
+    sched._finish, sched._step = on_finish, on_step
+    return events
+
+
+async def until(check) -> None:
+    async with asyncio.timeout(120):
+        while not check():
+            await asyncio.sleep(0.002)
+
+
+@pytest.mark.slow
+async def test_short_request_of_another_key_overtakes_a_queue_of_long_ones(engine, collect) -> None:
+    twin = engine.replica(max_batch=2, max_queue=32, max_queue_per_key=16)
+    await twin.start()
+    sched = twin._scheduler
+    try:
+        # each prompt alone first, under keys of their own (nothing cached is shared)
+        solo = {}
+        for i, text in enumerate(LONG):
+            solo[text] = (await collect(twin, ask(text, 16, f"solo-{i}")))[1].text
+        solo[HI] = (await collect(twin, ask(HI, 4, "solo-hi")))[1].text
+        events = record(sched)
+        hogs = [ask(LONG[i % 2], 16, "hog", f"hog-{i}") for i in range(6)]
+        hog_tasks = [asyncio.create_task(collect(twin, r)) for r in hogs]
+        await until(lambda: twin.stats().running == 2 and twin.stats().waiting == 4)
+        _, guest = await collect(twin, ask(HI, 4, "guest", "guest"))
+        results = [r for _, r in await asyncio.gather(*hog_tasks)]
+    finally:
+        await twin.aclose()
+    submitted = events.index(("submit", "guest"))
+    admitted = events.index(("admit", "guest"))
+    steps_waited = sum(kind == "step" for kind, _ in events[submitted:admitted])
+    assert steps_waited <= 1, "the guest waited for more than the step under way"
+    finished = [rid for kind, rid in events if kind == "finish"]
+    hogs_first = finished.index("guest")
+    assert hogs_first <= 2 < len(hogs) // 2, finished  # at most the two it found running
+    # the batch was full of the hog's: one of them made room, and came back later
+    assert sum(r.preemptions for r in results) >= 1
+    assert guest.text == solo[HI]
+    for request, result in zip(hogs, results, strict=True):
+        assert result.text == solo[request.messages[0].content[0]], request.request_id
+
+
+@pytest.mark.slow
+async def test_a_long_prompt_shares_the_prefill_budget_with_a_short_one(engine, collect) -> None:
+    twin = engine.replica(max_batch=4, prefill_chunk_tokens=32)
+    await twin.start()
+    sched = twin._scheduler
+    long_text = "word " * 480 + "How many words is that?"
+    try:
+        _, long_solo = await collect(twin, ask(long_text, 4, "solo-long"))
+        _, hi_solo = await collect(twin, ask(HI, 3, "solo-hi"))
+        events = record(sched)
+        long_task = asyncio.create_task(collect(twin, ask(long_text, 4, "hog", "long")))
+        await until(lambda: sched._running and sched._running[0].fed > 0)
+        _, guest = await collect(twin, ask(HI, 3, "guest", "guest"))
+        _, long_result = await long_task
+    finally:
+        await twin.aclose()
+    assert long_result.input_tokens > 400
+    # served first come, first served, the guest's prompt would wait for all ~15 chunks of
+    # the long one; sharing the budget, it is answered while the long prompt is still prefilled
+    assert events.index(("finish", "guest")) < events.index(("token", "long"))
+    assert guest.prefill_chunks <= -(-guest.input_tokens // 16)  # half the budget, each step
+    assert long_result.preemptions == 0
+    assert guest.text == hi_solo.text and long_result.text == long_solo.text
+
+
+@pytest.mark.slow
+async def test_one_key_is_held_to_its_share_of_the_queue(engine, collect) -> None:
+    twin = engine.replica(max_batch=1, max_queue=16, max_queue_per_key=2)
+    await twin.start()
+    sched = twin._scheduler
+    try:
+        events = record(sched)
+        running = ask(LONG[0], 400, "hog", "hog-running")
+        running_task = asyncio.create_task(collect(twin, running))
+        await until(lambda: twin.stats().running == 1)
+        queued = [
+            asyncio.create_task(collect(twin, ask(f"Say {i}.", 3, "hog", f"hog-{i}")))
+            for i in range(2)
+        ]
+        await until(lambda: twin.stats().waiting == 2)
+        with pytest.raises(EngineBusy) as info:
+            await collect(twin, ask("Say 9.", 3, "hog"))
+        assert info.value.code == "busy" and info.value.retry_after_s >= 1
+        assert "API key" in str(info.value)
+        # another key, and the anonymous owner (every request without a key), still get in
+        guest = asyncio.create_task(collect(twin, ask(HI, 3, "guest", "guest")))
+        anonymous = [
+            asyncio.create_task(collect(twin, ask(f"Say {i}.", 3, None, f"anon-{i}")))
+            for i in range(2)
+        ]
+        await until(lambda: twin.stats().waiting == 5)
+        assert sched.owners_waiting == 3
+        with pytest.raises(EngineBusy):  # requests without a key share one line
+            await collect(twin, ask("Say 9.", 3, None))
+        assert twin.stats().running == 1  # the long one ran all along
+        running.cancel.set()
+        _, cut = await running_task
+        outcomes = await asyncio.gather(*queued, guest, *anonymous)
+    finally:
+        await twin.aclose()
+    assert cut.finish_reason == "cancelled"
+    assert all(r.finish_reason in ("stop", "length") for _, r in outcomes)
+    admitted = [rid for kind, rid in events if kind == "admit"]
+    # in turns: the hog's line was first, then the guest's, then the anonymous one
+    assert admitted == ["hog-running", "hog-0", "guest", "anon-0", "hog-1", "anon-1"]
+
+
+@pytest.mark.slow
+async def test_a_burst_into_an_idle_batch_is_not_held_to_the_share(engine, collect) -> None:
+    # what the free slots take at the next step does not count against the key
+    twin = engine.replica(max_batch=4, max_queue=16, max_queue_per_key=2)
+    await twin.start()
+    try:
+        burst = [collect(twin, ask(f"Say {i}.", 2, "burst")) for i in range(6)]
+        results = await asyncio.gather(*burst)
+        assert all(r.output_tokens >= 1 for _, r in results)
+        long = ask(LONG[0], 300, "burst", "long")
+        running = asyncio.create_task(collect(twin, long))
+        await until(lambda: twin.stats().running == 1)
+        # 3 slots free: 2 + 3 may wait, the sixth is refused
+        more = [asyncio.create_task(collect(twin, ask(f"Say {i}.", 2, "burst"))) for i in range(5)]
+        await asyncio.sleep(0)
+        with pytest.raises(EngineBusy):
+            await collect(twin, ask("Say 9.", 2, "burst"))
+        long.cancel.set()
+        await asyncio.gather(running, *more)
+    finally:
+        await twin.aclose()
