@@ -298,12 +298,17 @@ class ChatService:
             )
             return
         trace.llm(generate_ns, result)
-        status: Status = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled"}[
-            result.finish_reason
-        ]
-        reason = {"length": "max_output_tokens", "cancelled": "client_cancelled"}.get(
-            result.finish_reason
-        )
+        status: Status = {
+            "stop": "completed",
+            "length": "incomplete",
+            "cancelled": "cancelled",
+            "slow_reader": "incomplete",
+        }[result.finish_reason]
+        reason = {
+            "length": "max_output_tokens",
+            "cancelled": "client_cancelled",
+            "slow_reader": "slow_reader",
+        }.get(result.finish_reason)
         timings.update(
             queue_ms=result.queue_ms, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms
         )

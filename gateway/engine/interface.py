@@ -34,7 +34,9 @@ __all__ = (
 )
 
 Role = Literal["system", "user", "assistant"]
-FinishReason = Literal["stop", "length", "cancelled"]
+# "slow_reader": the caller stopped taking deltas (more than the engine's unread limit were
+# waiting), so generation stopped for it
+FinishReason = Literal["stop", "length", "cancelled", "slow_reader"]
 
 
 @dataclass(slots=True, frozen=True)

@@ -327,6 +327,7 @@ class LocalEngine:
         try:
             while True:
                 item = await job.out.get()
+                job.taken += 1
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

@@ -427,6 +427,10 @@ class Scheduler:
         now = time.perf_counter()
         for seq in [s for s in self._running if s.request.cancel.is_set()]:
             self._finish(seq, "cancelled", now)
+        limit = self.cfg.max_unread_deltas
+        for seq in [s for s in self._running if s.job.unread > limit]:
+            log.warning("engine.slow_reader", request_id=seq.request.request_id, unread=limit)
+            self._finish(seq, "slow_reader", now)
         if not self._running:
             return
         plan = self._fit(self._plan())
@@ -496,7 +500,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, finish: str, now: float) -> None:
         if seq in self._running:
             self._running.remove(seq)
-        if seq.decoder is not None and finish != "cancelled":
+        if seq.decoder is not None and finish not in ("cancelled", "slow_reader"):
             tail = seq.decoder.finish()
             if tail:
                 self._emit(seq, tail, now)

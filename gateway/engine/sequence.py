@@ -66,12 +66,20 @@ class Job:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue[Any]
     enqueued: float
+    posted: int = 0  # items sent towards the caller (the engine thread counts)
+    taken: int = 0  # items the caller took (the caller's loop counts)
 
     def post(self, item: Any) -> None:
+        self.posted += 1
         try:
             self.loop.call_soon_threadsafe(self.out.put_nowait, item)
         except RuntimeError:  # the caller's loop is gone: nobody is listening
             self.request.cancel.set()
+
+    @property
+    def unread(self) -> int:
+        """Items posted that the caller has not taken yet (read racily: a hint, not a count)."""
+        return self.posted - self.taken
 
 
 @dataclass(slots=True)
@@ -83,6 +91,9 @@ class SchedulerConfig:
     kv_budget_bytes: int = 256 << 20
     block_size: int = 16
     prefix_caching: bool = True
+    # a caller this many deltas behind is not reading (a stalled client): generation stops for
+    # it with finish reason "slow_reader" instead of running on for nobody
+    max_unread_deltas: int = 256
 
 
 @dataclass(slots=True, eq=False)
