@@ -371,7 +371,7 @@ def _safetensors_index(path: Path) -> dict[str, Path]:
     where: dict[str, Path] = {}
     for file in files:
         with safe_open(file, framework="pt", device="cpu") as handle:
-            for key in handle:
+            for key in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 where.setdefault(key, file)
     return where
 

@@ -114,7 +114,7 @@ def test_only_the_encoder_side_is_loaded(family, ckpt) -> None:
     from safetensors import safe_open
 
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
-        sizes = {k: f.get_slice(k).get_shape() for k in f}
+        sizes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
     vision = sum(
         int(np.prod(s))
         for k, s in sizes.items()
