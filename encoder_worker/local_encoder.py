@@ -6,12 +6,18 @@ batching task takes the first waiting request, gathers whatever else arrives wit
 single worker thread. Each caller gets its own result or its own `ImageError`; if the batch
 call itself fails unexpectedly, the images are retried one by one so only the culprit fails.
 While a batch runs, new requests queue up and form the next batch.
+
+The queue is fair between owners (`encode(..., owner=)`, an opaque string; the gateway passes
+the API key's owner id): waiting images are taken round-robin by owner (`FairQueue`), not in
+arrival order, so one owner's 64 images do not make another owner's one image wait for all of
+them; it waits at most for the batch running and one image of each other owner.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
@@ -21,11 +27,71 @@ from encoder_worker.config import EncoderConfig
 from encoder_worker.pipeline import EncoderPipeline, encoder_fingerprint
 from encoder_worker.types import EncodedImage, ImageError
 
-__all__ = ("LocalEncoder",)
+__all__ = ("FairQueue", "LocalEncoder")
 
 log = structlog.get_logger("encoder_worker.local_encoder")
 
 _Job = tuple[bytes, "asyncio.Future[EncodedImage]"]
+
+
+class FairQueue:
+    """Jobs waiting for the encoder, taken round-robin by owner.
+
+    Each owner with jobs waiting has a lane (FIFO within it); `get` takes the head of the lane
+    at the front of the rotation and sends that lane to the back. A new owner joins at the back;
+    an owner whose lane empties leaves the rotation. So among the owners waiting, each gets one
+    job per round, whoever queued first or most. Jobs of owner None share one lane. One event
+    loop, any number of producers, one consumer.
+    """
+
+    __slots__ = ("_lanes", "_nonempty", "_size")
+
+    def __init__(self) -> None:
+        self._lanes: OrderedDict[str | None, deque[_Job]] = OrderedDict()
+        self._size = 0
+        self._nonempty = asyncio.Event()
+
+    def qsize(self) -> int:
+        return self._size
+
+    def empty(self) -> bool:
+        return self._size == 0
+
+    def put_nowait(self, owner: str | None, job: _Job) -> None:
+        lane = self._lanes.get(owner)
+        if lane is None:
+            lane = self._lanes[owner] = deque()  # joins the rotation at the back
+        lane.append(job)
+        self._size += 1
+        self._nonempty.set()
+
+    def get_nowait(self) -> _Job:
+        """The next job in turn; IndexError when none waits."""
+        if not self._lanes:
+            raise IndexError("no job waiting")
+        owner, lane = next(iter(self._lanes.items()))
+        job = lane.popleft()
+        if lane:
+            self._lanes.move_to_end(owner)
+        else:
+            del self._lanes[owner]
+        self._size -= 1
+        if self._size == 0:
+            self._nonempty.clear()
+        return job
+
+    async def get(self) -> _Job:
+        while self._size == 0:
+            await self._nonempty.wait()
+        return self.get_nowait()
+
+    def drain(self) -> list[_Job]:
+        """Every waiting job, taken out."""
+        jobs = [job for lane in self._lanes.values() for job in lane]
+        self._lanes.clear()
+        self._size = 0
+        self._nonempty.clear()
+        return jobs
 
 
 class LocalEncoder:
@@ -53,7 +119,7 @@ class LocalEncoder:
         self.fingerprint = encoder_fingerprint(config, hidden_size, target_rms)
         self.pipeline: EncoderPipeline | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._queue: asyncio.Queue[_Job] | None = None
+        self._queue: FairQueue | None = None
         self._task: asyncio.Task[None] | None = None
         self.batches = 0  # batches run so far (observability and tests)
 
@@ -69,7 +135,7 @@ class LocalEncoder:
             initializer=(lambda: torch.set_num_threads(threads)) if threads else None,
         )
         self.pipeline = await loop.run_in_executor(self._executor, self._build)
-        self._queue = asyncio.Queue()
+        self._queue = FairQueue()
         self._task = asyncio.create_task(self._batch_loop(), name="visiongate-encoder-batcher")
 
     def _build(self) -> EncoderPipeline:
@@ -77,8 +143,11 @@ class LocalEncoder:
         pipeline.warmup()
         return pipeline
 
-    async def encode(self, data: bytes, *, traceparent: str | None = None) -> EncodedImage:
-        """Encode one image (micro-batched with concurrent calls). Raises ImageError."""
+    async def encode(
+        self, data: bytes, *, traceparent: str | None = None, owner: str | None = None
+    ) -> EncodedImage:
+        """Encode one image (micro-batched with concurrent calls, in turns by `owner`).
+        Raises ImageError."""
         if self._queue is None or self._task is None or self._task.done():
             raise RuntimeError("LocalEncoder is not started (await start() first)")
         if len(data) > self.config.max_image_bytes:
@@ -87,7 +156,7 @@ class LocalEncoder:
                 f"image is {len(data)} bytes; the limit is {self.config.max_image_bytes}",
             )
         fut: asyncio.Future[EncodedImage] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((bytes(data), fut))
+        self._queue.put_nowait(owner, (bytes(data), fut))
         return await fut
 
     async def _collect(self) -> list[_Job]:
@@ -165,8 +234,7 @@ class LocalEncoder:
                 await self._task
             self._task = None
         if self._queue is not None:
-            while not self._queue.empty():
-                _, fut = self._queue.get_nowait()
+            for _, fut in self._queue.drain():
                 if not fut.done():
                     fut.set_exception(RuntimeError("encoder closed"))
             self._queue = None

@@ -11,6 +11,15 @@ Keys (namespace `vg`; the gateway's caches may be given another, the job queue m
     vg:vision:{fingerprint}:{digest}
                                 the visual tokens (the gateway's vision cache): `redis_value` of
                                 a `pack_encoded` entry
+    vg:owner:{owner}:{digest}   the gateway's ownership index: the API key `owner` (its id, never
+                                the key) sent these bytes; b"sent", or b"used" once that key has
+                                been given the image's tokens; the vision cache's TTL, refreshed
+                                on use
+
+When the gateway does not share encodes across API keys, its image store and vision cache key an
+image by `scoped_digest(owner, digest)` instead of its digest (`vg:image:{scoped}`,
+`vg:vision:{fingerprint}:{scoped}`), so each key's entries are its own; workers never see those
+keys (jobs carry the real digest).
 
 A vision-cache value is framed twice. `redis_value` wraps any payload as msgpack
 `[crc32, payload]`, so a damaged value reads as a miss instead of reaching a decoder. The
@@ -27,6 +36,7 @@ This module holds formats only: no Redis client, no I/O.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import zlib
 
@@ -40,10 +50,12 @@ __all__ = (
     "JOBS_STREAM",
     "NAMESPACE",
     "image_key",
+    "owner_key",
     "pack_encoded",
     "read_redis_value",
     "redis_value",
     "result_key",
+    "scoped_digest",
     "unpack_encoded",
     "vision_key",
 )
@@ -67,6 +79,18 @@ def image_key(digest: str, namespace: str = NAMESPACE) -> str:
 def vision_key(fingerprint: str, digest: str, namespace: str = NAMESPACE) -> str:
     """The vision cache's key for the tokens of this image under this encoder."""
     return f"{namespace}:vision:{fingerprint}:{digest}"
+
+
+def owner_key(owner: str, digest: str, namespace: str = NAMESPACE) -> str:
+    """The ownership index's key: the API key whose id is `owner` sent the image `digest`."""
+    return f"{namespace}:owner:{owner}:{digest}"
+
+
+def scoped_digest(owner: str, digest: str) -> str:
+    """The name an image's bytes and tokens are stored under when encodes are not shared
+    across API keys: sha256 over the owner id and the digest (64 lowercase hex characters,
+    like a digest, so every store takes it unchanged)."""
+    return hashlib.sha256(f"visiongate-owner\0{owner}\0{digest}".encode()).hexdigest()
 
 
 # -- the Redis value of a vision-cache entry --------------------------------------------------

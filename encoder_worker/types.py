@@ -90,11 +90,17 @@ class Encoder(Protocol):
     async def start(self) -> None:
         """Build or load the vision tower and warm it up."""
 
-    async def encode(self, data: bytes, *, traceparent: str | None = None) -> EncodedImage:
+    async def encode(
+        self, data: bytes, *, traceparent: str | None = None, owner: str | None = None
+    ) -> EncodedImage:
         """Encode one image off the event loop (micro-batched with concurrent calls).
 
         `traceparent` (W3C) is the caller's span: an encoder that runs elsewhere records its
-        stage spans under it; an in-process one may ignore it (the caller records them)."""
+        stage spans under it; an in-process one may ignore it (the caller records them).
+        `owner` is an opaque name of whom the image is encoded for (the gateway passes its
+        API key's owner id): an encoder that shares its batches takes waiting images in turns
+        by owner, so one owner's many images do not hold up another's few; None is one more
+        owner. It never changes the tokens."""
 
     async def queue_depth(self) -> int:
         """Images waiting to be encoded."""

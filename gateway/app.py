@@ -221,7 +221,14 @@ async def _load_models(state: GatewayState, encoder: Encoder | None) -> None:
         await engine.start()
         encoder = encoder or build_encoder(settings, engine)
         await encoder.start()
-        vision = VisionResolver(encoder, state.vision_cache, state.images, metrics=state.metrics)
+        vision = VisionResolver(
+            encoder,
+            state.vision_cache,
+            state.images,
+            metrics=state.metrics,
+            share_across_keys=settings.share_encodes_across_keys,
+            max_pending_per_key=settings.max_pending_encodes_per_key,
+        )
         service = ChatService(
             engine=engine,
             vision=vision,

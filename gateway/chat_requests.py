@@ -3,11 +3,12 @@
 The WebSocket layer (`realtime_connection`) and the HTTP layer (`http/chat`, `http/messages`)
 decode their own wire shapes, then hand the values here: sampling ranges, output-token limits,
 stop strings, the lengths of instructions and text, item and image counts, image parts (data
-URLs, allow-listed remote URLs, `visiongate:sha256:` references) and the image bytes
-themselves. What comes back are gateway types (`StoredPart`, `ResponseOptions`); what goes
-wrong is a `GatewayError` whose code is the same on both transports, with `param` naming the
-field in the caller's own terms (`response.temperature` on the WebSocket, `temperature` over
-HTTP), which the caller passes in.
+URLs, allow-listed remote URLs, `visiongate:sha256:` references, which name only images the
+caller's own API key sent), the image bytes themselves, and how many encodes a key or a
+connection may have pending. What comes back are gateway types (`StoredPart`,
+`ResponseOptions`); what goes wrong is a `GatewayError` whose code is the same on both
+transports, with `param` naming the field in the caller's own terms (`response.temperature` on
+the WebSocket, `temperature` over HTTP), which the caller passes in.
 
 Not here: the shape of a frame or body (unknown fields, wrong types; each transport's decoder
 refuses those), sessions and their storage, and readiness (`GatewayState.require()` raises the
@@ -34,7 +35,7 @@ from gateway.sessions.session import StoredItem, StoredPart
 
 if TYPE_CHECKING:
     from gateway.settings import Settings
-    from gateway.vision_resolver import VisionResolver
+    from gateway.vision_resolver import EncodePermit, EncodeQuota, VisionResolver
 
 __all__ = (
     "EXTRA_PARTS",
@@ -43,6 +44,7 @@ __all__ = (
     "ParsedContent",
     "RequestLimits",
     "add_inline_images",
+    "admit_encodes",
     "check_conversation_size",
     "check_image_bytes",
     "check_image_count",
@@ -368,14 +370,33 @@ def _image(
     return digest
 
 
-async def resolve_references(refs: Mapping[str, str], vision: VisionResolver) -> None:
-    """Refuse a reference to an image the gateway does not hold (`refs`: digest -> param)."""
+async def resolve_references(
+    refs: Mapping[str, str], vision: VisionResolver, *, owner: str
+) -> None:
+    """Refuse a reference to an image `owner` did not send or the gateway no longer holds
+    (`refs`: digest -> param); the two read the same."""
     for digest, param in refs.items():
-        if not await vision.known(digest):
+        if not await vision.known(owner, digest):
             raise GatewayError("image_not_found", f"no image with digest {digest}", param=param)
 
 
-async def add_inline_images(inline: Mapping[str, bytes], vision: VisionResolver) -> None:
-    """Store the bytes of the images a request sent, so they can be encoded and referenced."""
+async def admit_encodes(
+    digests: Iterable[str],
+    vision: VisionResolver,
+    *,
+    owner: str,
+    also: Sequence[EncodeQuota] = (),
+) -> EncodePermit:
+    """Reserve encode slots for a request's images (those `owner` has not had encoded yet), or
+    refuse it with `rate_limited` (HTTP 429, Retry-After) past the owner's cap or a cap of
+    `also` (a connection's). Call it before anything of the request is stored."""
+    return await vision.admit(owner, digests, also=also)
+
+
+async def add_inline_images(
+    inline: Mapping[str, bytes], vision: VisionResolver, *, owner: str
+) -> None:
+    """Store the bytes of the images a request sent, so `owner` can have them encoded and
+    reference them later."""
     for digest, data in inline.items():
-        await vision.add(digest, data)
+        await vision.add(owner, digest, data)

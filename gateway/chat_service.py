@@ -451,7 +451,8 @@ class ChatService:
         trace: ResponseTrace,
         cancel: threading.Event,
     ) -> tuple[dict[str, Resolved], bool]:
-        """Resolved tokens by digest, and whether any of them had to be waited for."""
+        """Resolved tokens by digest, and whether any of them had to be waited for. The images
+        are the session owner's: the resolver refuses any other key's (`image_not_found`)."""
         digests = session.image_digests
         if not digests:
             return {}, False
@@ -468,7 +469,9 @@ class ChatService:
                     waited |= not task.done()
                     resolved = await asyncio.shield(task)
                 else:
-                    resolved = await self.vision.resolve(digest, traceparent=traceparent)
+                    resolved = await self.vision.resolve(
+                        session.owner, digest, traceparent=traceparent
+                    )
                     waited |= resolved.source in ("encoded", "joined")
             except BaseException as exc:
                 trace.image_failed(span, exc)

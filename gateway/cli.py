@@ -72,6 +72,23 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="reuse KV blocks by content across requests of one API key (default on)",
     )
+    g.add_argument(
+        "--share-encodes-across-keys",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="encode an image two API keys both sent once (default on; images stay private "
+        "to each key either way)",
+    )
+    g.add_argument(
+        "--max-pending-encodes-per-connection",
+        type=int,
+        help="image encodes one WebSocket may have running before `rate_limited` (default 8)",
+    )
+    g.add_argument(
+        "--max-pending-encodes-per-key",
+        type=int,
+        help="image encodes one API key may have running before `rate_limited` (default 16)",
+    )
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -98,6 +115,9 @@ def _overrides(args: argparse.Namespace) -> dict:
         "engine_max_queue_per_key",
         "prefill_chunk_tokens",
         "prefix_caching",
+        "share_encodes_across_keys",
+        "max_pending_encodes_per_connection",
+        "max_pending_encodes_per_key",
     )
     return {k: getattr(args, k, None) for k in keys}
 

@@ -6,7 +6,9 @@ made-once decoder; anything wrong with a frame becomes an `error` event echoing 
 `event_id`, and the connection stays open. The codec refuses frames of the wrong shape
 (`invalid_event`); the values in them are checked by the request layer
 (`gateway.chat_requests`), with the same codes as over HTTP. Images start encoding the moment
-their item arrives.
+their item arrives, at most `max_pending_encodes_per_connection` at a time per connection (and
+`max_pending_encodes_per_key` per API key): an item past either is refused with `rate_limited`
+and nothing of it is kept.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from gateway.auth import QUERY_KEY_REFUSED, public_subprotocol
 from gateway.chat_events import Finished, ResponseOptions, Started, TextChunk
 from gateway.chat_requests import (
     ContentPart,
+    ParsedContent,
     RequestLimits,
     add_inline_images,
+    admit_encodes,
     check_conversation_size,
     check_image_count,
     check_instructions,
@@ -46,10 +50,11 @@ from gateway.protocol import realtime_events as rt
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import Session, StoredItem, new_id
 from gateway.state import not_ready
+from gateway.vision_resolver import EncodeQuota
 
 if TYPE_CHECKING:
     from gateway.state import GatewayState
-    from gateway.vision_resolver import Resolved
+    from gateway.vision_resolver import EncodePermit, Resolved
 
 __all__ = ("RealtimeConnection", "realtime_route", "session_state", "wire_item")
 
@@ -153,6 +158,10 @@ class RealtimeConnection:
         self.response_task: asyncio.Task[None] | None = None
         self.response_options: ResponseOptions | None = None
         self.pending: dict[str, asyncio.Task[Resolved]] = {}  # digest -> pre-encode
+        # pre-encodes this connection started and that have not finished
+        self.encode_quota = EncodeQuota(
+            state.settings.max_pending_encodes_per_connection, "this connection"
+        )
         # item watchers -> the encodes they wait for
         self.watchers: dict[asyncio.Task[None], list[asyncio.Task[Resolved]]] = {}
         self._send_lock = asyncio.Lock()
@@ -317,12 +326,31 @@ class RealtimeConnection:
         fetched = await fetch_remote(parts, limits, param="item.content")
         parsed = parse_content(item.role, parts, limits, fetched, param="item.content")
         vision = self.state.require().vision
-        await resolve_references(parsed.refs, vision)
-        await add_inline_images(parsed.inline, vision)
+        await resolve_references(parsed.refs, vision, owner=self.owner)
         # (content index, digest) of each image, for its pre-encode and its report
         new_images = [
             (i, p.digest) for i, p in enumerate(parsed.parts) if p.kind == "image" and p.digest
         ]
+        # slots for the encodes this item starts, taken before anything of it is stored
+        starts = {digest for _, digest in new_images if digest not in self.pending}
+        permit = await admit_encodes(starts, vision, owner=self.owner, also=(self.encode_quota,))
+        try:
+            await self._add_item(event, item_id, parsed, new_images, permit)
+        finally:
+            permit.close()  # the slots no pre-encode took (the item was refused)
+
+    async def _add_item(
+        self,
+        event: rt.ConversationItemCreate,
+        item_id: str,
+        parsed: ParsedContent,
+        new_images: list[tuple[int, str]],
+        permit: EncodePermit,
+    ) -> None:
+        assert self.session is not None
+        item, limits = event.item, self.limits
+        vision = self.state.require().vision
+        await add_inline_images(parsed.inline, vision, owner=self.owner)
         stored = StoredItem(id=item_id, role=item.role, parts=parsed.parts)
         new_digests = parsed.digests
 
@@ -350,7 +378,8 @@ class RealtimeConnection:
         for index, digest in new_images:
             task = self.pending.get(digest)
             if task is None:
-                task = self.pending[digest] = self.state.require().vision.start(digest)
+                task = self.pending[digest] = vision.start(self.owner, digest)
+                permit.attach(digest, task)
             tasks.append((index, digest, task))
         watcher = asyncio.create_task(self._watch_encodes(stored, previous, tasks, event.event_id))
         self.watchers[watcher] = [task for _, _, task in tasks]
@@ -552,7 +581,7 @@ class RealtimeConnection:
         if ev.status == "cancelled":
             details = rt.StatusDetails(type="cancelled", reason="client_cancelled")
         elif ev.status == "incomplete":
-            details = rt.StatusDetails(type="incomplete", reason="max_output_tokens")
+            details = rt.StatusDetails(type="incomplete", reason=ev.reason or "max_output_tokens")
         elif ev.status == "failed" and ev.error is not None:
             details = rt.StatusDetails(
                 type="failed",

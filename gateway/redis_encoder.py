@@ -120,9 +120,12 @@ class RedisEncoder:
         except Exception:
             return 0
 
-    async def encode(self, data: bytes, *, traceparent: str | None = None) -> EncodedImage:
+    async def encode(
+        self, data: bytes, *, traceparent: str | None = None, owner: str | None = None
+    ) -> EncodedImage:
         """Queue the image for a worker and wait for its tokens; raises ImageError or
-        GatewayError."""
+        GatewayError. `owner` is not sent: the job stream is one FIFO that every worker reads
+        (a replica bounds each key's pending encodes before they reach it)."""
         from redis.exceptions import RedisError
 
         from gateway.caching import sha256_hex

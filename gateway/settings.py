@@ -76,6 +76,15 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # URL prefixes (e.g. https://images.example.com/) whose images the gateway may fetch; empty:
     # remote image URLs are refused and images come as data URLs or uploads
     image_url_allowlist: list[str] = []
+    # images are private to the API key that sent them either way; true: an image two keys both
+    # sent is encoded once (the second key's first use is reported and timed as its own encode);
+    # false: each key's images are stored, cached and encoded apart (more encodes and memory)
+    share_encodes_across_keys: bool = True
+    # image encodes started and not finished, per WebSocket connection and per API key (across
+    # connections and HTTP); past either, the item, request or upload is refused with
+    # rate_limited (HTTP 429 with Retry-After) and nothing of it is kept; 0: no cap
+    max_pending_encodes_per_connection: int = 8
+    max_pending_encodes_per_key: int = 16
     # sessions and caches
     session_ttl_s: int = 3600
     redis_url: str | None = None  # absent: everything in process
@@ -150,6 +159,16 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "must be >= max_text_chars",
         )
         need(self.max_images_per_session >= 1, "max_images_per_session", "must be >= 1")
+        need(
+            self.max_pending_encodes_per_connection >= 0,
+            "max_pending_encodes_per_connection",
+            "must be >= 0 (0: no cap)",
+        )
+        need(
+            self.max_pending_encodes_per_key >= 0,
+            "max_pending_encodes_per_key",
+            "must be >= 0 (0: no cap)",
+        )
         need(self.session_ttl_s >= 1, "session_ttl_s", "must be >= 1 second")
         need(self.vision_cache_bytes >= 0, "vision_cache_bytes", "must be >= 0")
         need(self.kv_budget_bytes >= 0, "kv_budget_bytes", "must be >= 0")

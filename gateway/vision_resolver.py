@@ -1,40 +1,73 @@
-"""Image digest -> visual tokens, encoding each image once.
+"""Image digest -> visual tokens, encoding each image once, private to the API key that sent it.
 
 `VisionResolver` is the gateway's one path to visual tokens: read-through the vision cache
-(memory, then Redis when configured), else one encode per digest however many callers ask at
+(memory, then Redis when configured), else one encode per image however many callers ask at
 once (single-flight), written through to the cache. It also keeps the original bytes in the
 image store, so an image can be referenced later by digest and re-encoded when the encoder
 changes. It does not decide what a response needs; the chat service asks it.
+
+Every call names the owner: the caller's owner id (`gateway.auth`; "anonymous" without API
+keys). Privacy rests on three rules:
+
+- An owner may use a digest only if it sent those bytes itself (the image store's ownership
+  index, `gateway.caching.ownership`). Any other digest is `image_not_found`, answered on the
+  same path as an unknown one: the index is asked before any cache is touched.
+- The encode cache underneath stays shared by content (`share_across_keys`, the default): an
+  image two keys both sent is encoded once. A key's first use of tokens that another key's
+  encode produced is reported as its own encode (`source` "encoded", a miss, with the original
+  encode's stage timings) and delivered no sooner than those stages took after the call began,
+  so neither the fields nor the timing tell it from a real encode; later uses are its hits.
+- With `share_across_keys=False` nothing is shared: the image store and the vision cache name
+  an image `scoped_digest(owner, digest)`, and every key encodes its own images.
+
+Encodes are bounded: `admit` reserves slots for the images an owner is about to have encoded,
+per owner (`max_pending_per_key`) and per any further holder the caller passes (a WebSocket
+connection's `EncodeQuota`), and refuses past a cap with `rate_limited` before anything is
+stored. The counts are this process's (per replica). The owner also travels to the encoder, so
+an encoder that shares its batches does so fairly between keys.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import structlog
 
-from encoder_worker.storage import pack_encoded, unpack_encoded
+from encoder_worker.storage import pack_encoded, scoped_digest, unpack_encoded
 from encoder_worker.types import ENCODE_STAGES, EncodedImage, Encoder, ImageError
+from gateway.caching.image_store import is_sha256_hex
+from gateway.caching.ownership import MemoryOwnerIndex, OwnerIndex
 from gateway.protocol.errors import GatewayError
 from gateway.telemetry import NoopTelemetry
 
-__all__ = ("Resolved", "VisionResolver")
+__all__ = ("EncodePermit", "EncodeQuota", "Resolved", "VisionResolver", "encode_ms")
 
 log = structlog.get_logger("visiongate.vision")
 
 Source = Literal["memory", "redis", "encoded", "joined"]
 
+# seconds a refused client is asked to wait: encodes take tens to hundreds of milliseconds
+RETRY_AFTER_S = 1.0
+
+
+def encode_ms(image: EncodedImage) -> float:
+    """What the encode of `image` took, stage by stage (waiting for a batch excluded)."""
+    return sum(float(v) for k, v in image.timings_ms.items() if k in ENCODE_STAGES)
+
 
 @dataclass(slots=True)
 class Resolved:
     image: EncodedImage
-    source: Source  # where the tokens came from for this call
+    source: Source  # where the tokens came from for this call, as the owner is told
     wait_ms: float  # wall time this call waited
     encode_started_ns: int | None = None  # epoch ns the encode began (None: from the cache)
     put_ms: float = 0.0  # writing the tokens to the cache
+    # the tokens came from another key's encode (reported and timed as this key's own)
+    borrowed: bool = False
 
 
 @dataclass(slots=True)
@@ -42,84 +75,237 @@ class _Encoded:
     image: EncodedImage
     started_ns: int | None
     put_ms: float
+    owner: str  # whose call ran the encode
+
+
+class EncodeQuota:
+    """Encodes admitted and not yet finished for one holder (an API key, a connection), under
+    `cap` (0: no cap). `holder` names it in the refusal ("this connection")."""
+
+    __slots__ = ("cap", "holder", "pending")
+
+    def __init__(self, cap: int, holder: str) -> None:
+        if cap < 0:
+            raise ValueError(f"cap must be >= 0, got {cap}")
+        self.cap = cap
+        self.holder = holder
+        self.pending = 0
+
+    def refuses(self, n: int) -> bool:
+        return self.cap > 0 and n > 0 and self.pending + n > self.cap
+
+
+class EncodePermit:
+    """Slots `admit` reserved, one per image. `attach(digest, task)` hands an image's slot to
+    the task that resolves it (freed when the task ends); `close()` frees the slots never
+    attached. Closing twice, or attaching an image that has no slot, does nothing."""
+
+    __slots__ = ("_digests", "_on_release", "_quotas")
+
+    def __init__(
+        self, quotas: Sequence[EncodeQuota], digests: set[str], on_release: Callable[[], None]
+    ) -> None:
+        self._quotas = tuple(quotas)
+        self._digests = digests
+        self._on_release = on_release
+
+    @property
+    def slots(self) -> int:
+        """Slots still held and not attached."""
+        return len(self._digests)
+
+    def attach(self, digest: str, task: asyncio.Future[object]) -> None:
+        if digest not in self._digests:
+            return
+        self._digests.discard(digest)
+        task.add_done_callback(lambda _: self._release(1))
+
+    def close(self) -> None:
+        n, self._digests = len(self._digests), set()
+        self._release(n)
+
+    def _release(self, n: int) -> None:
+        if n <= 0:
+            return
+        for quota in self._quotas:
+            quota.pending -= n
+        self._on_release()
+
+
+def _not_found(digest: str) -> GatewayError:
+    # one message for an unknown digest and for another key's: the two must read the same
+    return GatewayError(
+        "image_not_found", f"no stored image with digest {digest}", param="image_url"
+    )
 
 
 class VisionResolver:
-    __slots__ = ("_flight", "_metrics", "cache", "encoder", "encodes", "images")
+    __slots__ = (
+        "_flight",
+        "_metrics",
+        "_quotas",
+        "cache",
+        "encoder",
+        "encodes",
+        "images",
+        "max_pending_per_key",
+        "owners",
+        "share_across_keys",
+    )
 
-    def __init__(self, encoder: Encoder, cache, images, metrics=None) -> None:
+    def __init__(
+        self,
+        encoder: Encoder,
+        cache,
+        images,
+        metrics=None,
+        *,
+        owners: OwnerIndex | None = None,
+        share_across_keys: bool = True,
+        max_pending_per_key: int = 0,
+    ) -> None:
+        """`cache`: a `gateway.caching.VisionCache`; `images`: an `ImageStore`, whose ownership
+        index is used unless `owners` is given. `max_pending_per_key`: 0 is no cap."""
         from gateway.caching import SingleFlight
 
         self.encoder = encoder
-        self.cache = cache  # gateway.caching.VisionCache
-        self.images = images  # gateway.caching.ImageStore
+        self.cache = cache
+        self.images = images
+        self.owners: OwnerIndex = owners or getattr(images, "owners", None) or MemoryOwnerIndex()
+        self.share_across_keys = share_across_keys
+        self.max_pending_per_key = max_pending_per_key
         # an encode runs to the end even if its callers go away: its tokens serve the next turn
         self._flight = SingleFlight(cancel_abandoned=False)
         self._metrics = metrics or NoopTelemetry().metrics
+        self._quotas: dict[str, EncodeQuota] = {}  # owners with encodes admitted
         self.encodes = 0  # images actually run through the encoder by this resolver
 
     @property
     def fingerprint(self) -> str:
         return self.encoder.fingerprint
 
-    async def add(self, digest: str, data: bytes) -> None:
-        """Keep the original bytes so the image can be referenced and re-encoded later."""
-        await self.images.put(digest, data)
+    def _scope(self, owner: str) -> str | None:
+        return None if self.share_across_keys else owner
 
-    async def known(self, digest: str) -> bool:
-        """True if the bytes or the visual tokens of this digest are stored."""
-        if await self.images.contains(digest):
+    def _name(self, owner: str, digest: str) -> str:
+        """What the caches call this owner's image: its digest, or a per-owner name."""
+        return digest if self.share_across_keys else scoped_digest(owner, digest)
+
+    # ------------------------------------------------------------ ownership
+
+    async def add(self, owner: str, digest: str, data: bytes) -> None:
+        """Keep the original bytes so `owner` can reference and re-encode the image later."""
+        await self.images.put(digest, data, scope=self._scope(owner))
+        await self.owners.add(owner, digest)
+
+    async def known(self, owner: str, digest: str) -> bool:
+        """True if `owner` sent this image and its bytes or its visual tokens are stored."""
+        if not is_sha256_hex(digest) or await self.owners.state(owner, digest) is None:
+            return False
+        name = self._name(owner, digest)
+        if await self.images.contains(digest, scope=self._scope(owner)):
             return True
-        return await self.cache.get(self.fingerprint, digest) is not None
+        return await self.cache.get(self.fingerprint, name) is not None
 
-    async def cached(self, digest: str) -> EncodedImage | None:
-        hit = await self.cache.get(self.fingerprint, digest)
-        if hit is None:
+    async def cached(self, owner: str, digest: str) -> EncodedImage | None:
+        """The tokens, if `owner` has been given them before and they are still cached (a key
+        that has not is told nothing about another key's encode)."""
+        if not is_sha256_hex(digest) or await self.owners.state(owner, digest) != "used":
             return None
-        try:
-            return unpack_encoded(hit.payload)
-        except ValueError as exc:
-            log.error("vision_cache_entry_corrupt", digest=digest[:12], error=str(exc))
-            return None
+        hit = await self.cache.get(self.fingerprint, self._name(owner, digest))
+        return None if hit is None else self._unpack(hit.payload, digest)
 
-    async def resolve(self, digest: str, *, traceparent: str | None = None) -> Resolved:
-        """The visual tokens of `digest`, encoding it at most once across concurrent callers.
+    # ------------------------------------------------------------ admission
 
-        Raises GatewayError(image_not_found) when neither tokens nor bytes are stored, and
-        GatewayError with the encoder's code when the image cannot be encoded.
+    async def admit(
+        self, owner: str, digests: Iterable[str], *, also: Sequence[EncodeQuota] = ()
+    ) -> EncodePermit:
+        """Reserve a slot for each image of `digests` whose tokens `owner` has not been given
+        yet (the ones that will be encoded, or timed as if). GatewayError(rate_limited) when a
+        quota (each of `also`, then the owner's) would go past its cap; nothing is reserved."""
+        fresh = {d for d in set(digests) if await self.owners.state(owner, d) != "used"}
+        # no await from here on: the check and the reservation are one step
+        quota = self._quotas.get(owner) or EncodeQuota(self.max_pending_per_key, "this API key")
+        quotas = (*also, quota)
+        for q in quotas:
+            if q.refuses(len(fresh)):
+                raise GatewayError(
+                    "rate_limited",
+                    f"{q.holder} has {q.pending} image encodes pending and may have at most "
+                    f"{q.cap}; {len(fresh)} more were asked for; retry when some finish",
+                    retry_after_s=RETRY_AFTER_S,
+                )
+        for q in quotas:
+            q.pending += len(fresh)
+        if fresh:
+            self._quotas[owner] = quota
+        return EncodePermit(quotas, fresh, lambda: self._forget_idle(owner))
+
+    def pending(self, owner: str) -> int:
+        """Encodes admitted for `owner` and not finished."""
+        quota = self._quotas.get(owner)
+        return quota.pending if quota is not None else 0
+
+    def _forget_idle(self, owner: str) -> None:
+        quota = self._quotas.get(owner)
+        if quota is not None and quota.pending <= 0:
+            del self._quotas[owner]
+
+    # ------------------------------------------------------------ tokens
+
+    async def resolve(self, owner: str, digest: str, *, traceparent: str | None = None) -> Resolved:
+        """The visual tokens of `owner`'s image `digest`, encoding it at most once across
+        concurrent callers.
+
+        Raises GatewayError(image_not_found) when `owner` never sent it or neither tokens nor
+        bytes are stored, and GatewayError with the encoder's code when it cannot be encoded.
         """
         t0 = time.perf_counter()
-        fingerprint = self.fingerprint
-        hit = await self.cache.get(fingerprint, digest)
-        if hit is not None:
-            try:
-                image = unpack_encoded(hit.payload)
-            except ValueError as exc:
-                log.error("vision_cache_entry_corrupt", digest=digest[:12], error=str(exc))
-            else:
-                self._lookup(hit.tier, "hit")
-                return Resolved(image, hit.tier, (time.perf_counter() - t0) * 1e3)
+        held = await self.owners.state(owner, digest) if is_sha256_hex(digest) else None
+        if held is None:
+            raise _not_found(digest)
+        name = self._name(owner, digest)
+        hit = await self.cache.get(self.fingerprint, name)
+        image = None if hit is None else self._unpack(hit.payload, digest)
+        if hit is not None and image is not None:
+            self._lookup(hit.tier, "hit")
+            if held == "used":
+                return Resolved(image, hit.tier, _ms(t0))
+            # tokens another key's encode made (or this key's, forgotten since): this key is
+            # told what an encode of its own would have told it, no sooner
+            await _as_long_as(image, t0)
+            await self.owners.mark_used(owner, digest)
+            return Resolved(image, "encoded", _ms(t0), borrowed=True)
         self._lookup("none", "miss")
-        joined = self._flight.in_flight(digest)
-        done = await self._flight.do(digest, lambda: self._encode(digest, traceparent))
+        joined = self._flight.in_flight(name)
+        done = await self._flight.do(name, lambda: self._encode(owner, digest, name, traceparent))
+        borrowed = done.owner != owner and held != "used"
+        if borrowed:
+            await _as_long_as(done.image, t0)
+            await self.owners.mark_used(owner, digest)
         return Resolved(
             done.image,
             "joined" if joined else "encoded",
-            (time.perf_counter() - t0) * 1e3,
-            done.started_ns,
-            done.put_ms,
+            _ms(t0),
+            None if borrowed else done.started_ns,
+            0.0 if borrowed else done.put_ms,
+            borrowed=borrowed,
         )
 
-    async def _encode(self, digest: str, traceparent: str | None) -> _Encoded:
-        data = await self.images.get(digest)
+    def start(self, owner: str, digest: str) -> asyncio.Task[Resolved]:
+        """Pre-encode: begin resolving now, so a later response finds the tokens ready."""
+        return asyncio.create_task(self.resolve(owner, digest), name=f"pre-encode {digest[:12]}")
+
+    async def _encode(
+        self, owner: str, digest: str, name: str, traceparent: str | None
+    ) -> _Encoded:
+        data = await self.images.get(digest, scope=self._scope(owner))
         if data is None:
-            raise GatewayError(
-                "image_not_found", f"no stored image with digest {digest}", param="image_url"
-            )
+            raise _not_found(digest)
         self.encodes += 1
         started_ns, t0 = time.time_ns(), time.perf_counter()
         try:
-            image = await self.encoder.encode(data, traceparent=traceparent)
+            image = await self.encoder.encode(data, traceparent=traceparent, owner=owner)
         except ImageError as exc:
             raise GatewayError(
                 exc.code
@@ -139,15 +325,35 @@ class VisionResolver:
             tokens_kept=image.tokens_kept,
             tokens_total=image.tokens_total,
         )
-        if getattr(self.encoder, "remote", False):  # the worker stored it and traced its stages
-            return _Encoded(image, None, 0.0)
-        t_put = time.perf_counter()
-        await self.cache.put(self.fingerprint, digest, pack_encoded(image))
-        return _Encoded(image, started_ns, (time.perf_counter() - t_put) * 1e3)
+        # a remote worker stored the tokens under the digest and traced its stages; a per-owner
+        # name is this gateway's to write
+        if getattr(self.encoder, "remote", False) and name == digest:
+            done = _Encoded(image, None, 0.0, owner)
+        else:
+            t_put = time.perf_counter()
+            await self.cache.put(self.fingerprint, name, pack_encoded(image))
+            done = _Encoded(image, started_ns, (time.perf_counter() - t_put) * 1e3, owner)
+        # the tokens are the encoding owner's own, even if every caller has gone away
+        await self.owners.mark_used(owner, digest)
+        return done
+
+    def _unpack(self, payload: bytes, digest: str) -> EncodedImage | None:
+        try:
+            return unpack_encoded(payload)
+        except ValueError as exc:
+            log.error("vision_cache_entry_corrupt", digest=digest[:12], error=str(exc))
+            return None
 
     def _lookup(self, tier: str, result: str) -> None:
         self._metrics.record_cache_lookup(cache="vision", tier=tier, result=result)
 
-    def start(self, digest: str) -> asyncio.Task[Resolved]:
-        """Pre-encode: begin resolving now, so a later response finds the tokens ready."""
-        return asyncio.create_task(self.resolve(digest), name=f"pre-encode {digest[:12]}")
+
+async def _as_long_as(image: EncodedImage, t0: float) -> None:
+    """Wait until the original encode's stage time has passed since `t0`."""
+    remaining = encode_ms(image) / 1e3 - (time.perf_counter() - t0)
+    if remaining > 0:
+        await asyncio.sleep(remaining)
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3

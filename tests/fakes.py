@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import torch
@@ -189,7 +190,9 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
 
 class FakeEncoder:
     """Checks the image header for real, then returns `tokens` deterministic rows per image.
-    `delay_s` spaces encodes; with `gate` (a threading.Event) each encode waits until it is set."""
+    `delay_s` spaces encodes (and is reported as the image's `vision` stage time, as a real
+    encode reports its stages); with `gate` (a threading.Event) each encode waits until it is
+    set. `owners` records the `owner` of each encode, in the order they finished."""
 
     remote = False
 
@@ -212,17 +215,22 @@ class FakeEncoder:
         identity = f"fake-encoder:{hidden_size}:{tokens}".encode()
         self.fingerprint = hashlib.sha256(identity).hexdigest()
         self.encoded: list[str] = []  # digests, in encode order
+        self.owners: list[str | None] = []  # the owner of each of them
         self._waiting = 0
 
     async def start(self) -> None:
         return None
 
-    async def encode(self, data: bytes, *, traceparent: str | None = None) -> EncodedImage:
+    async def encode(
+        self, data: bytes, *, traceparent: str | None = None, owner: str | None = None
+    ) -> EncodedImage:
         digest = hashlib.sha256(data).hexdigest()
         self._waiting += 1
         try:
+            t0 = time.perf_counter()
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
+            vision_ms = (time.perf_counter() - t0) * 1e3
             while self.gate is not None and not self.gate.is_set():
                 await asyncio.sleep(0.01)  # set from any thread (see FakeEngine.start)
             check_image(data, self.max_image_bytes, self.max_pixels)  # ImageError: real codes
@@ -233,6 +241,7 @@ class FakeEncoder:
         finally:
             self._waiting -= 1
         self.encoded.append(digest)
+        self.owners.append(owner)
         return EncodedImage(
             digest=digest,
             fingerprint=self.fingerprint,
@@ -240,7 +249,7 @@ class FakeEncoder:
             tokens_total=self.tokens,
             hidden_size=self.hidden_size,
             payload=payload,
-            timings_ms={"decode": 0.0, "tower": 0.0},
+            timings_ms={"decode": 0.0, "vision": round(vision_ms, 3)},
         )
 
     async def queue_depth(self) -> int:

@@ -1,5 +1,6 @@
-"""Content-addressed caches: visual tokens (`VisionCache`), original images (`ImageStore`),
-and single-flight for work that fills them.
+"""Content-addressed caches: visual tokens (`VisionCache`), original images (`ImageStore`, with
+the `OwnerIndex` of which API keys sent which images), and single-flight for work that fills
+them.
 
 Each has an in-process implementation (the embedded default) and a Redis-backed one for
 scale-out; Redis is imported only when a Redis-backed one is made.
@@ -14,6 +15,7 @@ from gateway.caching.image_store import (
     is_sha256_hex,
     sha256_hex,
 )
+from gateway.caching.ownership import MemoryOwnerIndex, OwnerIndex, Ownership, RedisOwnerIndex
 from gateway.caching.singleflight import SingleFlight
 from gateway.caching.vision_cache import (
     CacheHit,
@@ -27,8 +29,12 @@ __all__ = (
     "CacheHit",
     "ImageStore",
     "MemoryImageStore",
+    "MemoryOwnerIndex",
     "MemoryVisionCache",
+    "OwnerIndex",
+    "Ownership",
     "RedisImageStore",
+    "RedisOwnerIndex",
     "SingleFlight",
     "TieredVisionCache",
     "VisionCache",

@@ -3,7 +3,9 @@
 Content-addressed: the key is the encoder's fingerprint (weights, preprocessing, pruning and
 quantization config) plus the sha256 hex digest of the image bytes, so a changed encoder config
 misses instead of serving stale tokens. Values are opaque bytes (the encoder's packed payload);
-the cache never interprets them.
+the cache never interprets them. It does not know who may read an entry: the vision resolver
+checks ownership before it asks, and names an entry `scoped_digest(owner, digest)` instead of
+the digest when encodes are not shared across API keys.
 
 Two implementations: `MemoryVisionCache`, an in-process LRU under a byte budget, and
 `TieredVisionCache`, that LRU in front of Redis with a TTL (read-through with promotion,

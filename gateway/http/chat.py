@@ -24,6 +24,7 @@ from gateway.chat_events import Finished, ResponseOptions, TextChunk
 from gateway.chat_requests import (
     RequestLimits,
     add_inline_images,
+    admit_encodes,
     check_image_count,
     check_item_count,
     fetch_remote,
@@ -39,6 +40,7 @@ from gateway.sessions.session import Session
 if TYPE_CHECKING:
     from gateway.chat_events import ServiceEvent
     from gateway.state import GatewayState
+    from gateway.vision_resolver import EncodePermit
 
 __all__ = ("ChatCompletionServing", "EventStream")
 
@@ -66,6 +68,7 @@ class _Prepared:
     completion_id: str
     created: int
     model: str
+    permit: EncodePermit  # the request's encode slots, held until its images are resolved
 
 
 class ChatCompletionServing:
@@ -81,20 +84,23 @@ class ChatCompletionServing:
             prepared = await self._prepare(request, owner, session_id or request.session_id)
         except GatewayError as exc:
             return p.error_response(exc)
-        events = self.state.require().service.respond(
-            prepared.session, prepared.options, received_at=received
-        )
         first: list[ServiceEvent] = []
         try:
-            # run until the first text or the end, so a failure still gets its HTTP status
-            while not first or not isinstance(first[-1], (TextChunk, Finished)):
-                first.append(await events.__anext__())
-        except StopAsyncIteration:
-            pass
-        except BaseException:
-            prepared.options.cancel.set()
-            await _close(events)
-            raise
+            events = self.state.require().service.respond(
+                prepared.session, prepared.options, received_at=received
+            )
+            try:
+                # run until the first text or the end, so a failure still gets its HTTP status
+                while not first or not isinstance(first[-1], (TextChunk, Finished)):
+                    first.append(await events.__anext__())
+            except StopAsyncIteration:
+                pass
+            except BaseException:
+                prepared.options.cancel.set()
+                await _close(events)
+                raise
+        finally:
+            prepared.permit.close()  # the images are resolved (or failed) before any text
         end = first[-1] if first else None
         if end is None or (isinstance(end, Finished) and end.status == "failed"):
             await _close(events)
@@ -116,7 +122,7 @@ class ChatCompletionServing:
     async def _prepare(
         self, request: p.ChatCompletionRequest, owner: str, session_id: str | None
     ) -> _Prepared:
-        state, settings, limits = self.state, self.state.settings, self.limits
+        state, limits = self.state, self.limits
         vision = state.require().vision
         model = state.engine.model_id
         if request.model != model:
@@ -129,9 +135,30 @@ class ChatCompletionServing:
         check_item_count(len(request.messages), limits, "messages")
         fetched = await fetch_remote(all_parts(request.messages), limits, param="messages")
         conv = parse_messages(request.messages, limits, fetched)
-        await resolve_references(conv.refs, vision)
+        await resolve_references(conv.refs, vision, owner=owner)
         await state.rate_limiter.acquire(owner)
-        await add_inline_images(conv.inline, vision)
+        # slots for the encodes this request needs, taken before anything of it is stored
+        permit = await admit_encodes([*conv.inline, *conv.refs], vision, owner=owner)
+        try:
+            return await self._prepare_session(
+                request, owner, session_id, options, conv, model, permit
+            )
+        except BaseException:
+            permit.close()
+            raise
+
+    async def _prepare_session(
+        self,
+        request: p.ChatCompletionRequest,
+        owner: str,
+        session_id: str | None,
+        options: ResponseOptions,
+        conv: Conversation,
+        model: str,
+        permit: EncodePermit,
+    ) -> _Prepared:
+        state, settings, limits = self.state, self.state.settings, self.limits
+        await add_inline_images(conv.inline, state.require().vision, owner=owner)
 
         stored = session_id is not None
         if session_id is None:
@@ -173,6 +200,7 @@ class ChatCompletionServing:
             completion_id=f"chatcmpl-{secrets.token_hex(12)}",
             created=int(time.time()),
             model=model,
+            permit=permit,
         )
 
     async def _session(self, session_id: str, owner: str) -> Session:

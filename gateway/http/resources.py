@@ -1,9 +1,9 @@
 """Serving the small resources of the HTTP API: models, uploaded images, sessions.
 
 Like the chat serving layer, these return values (`ErrorResponse` for a refusal) and leave
-HTTP to the routes. Images are content-addressed and shared by every caller (the digest is the
-name); sessions belong to one API key, and a foreign session is indistinguishable from an
-unknown one.
+HTTP to the routes. Images are content-addressed (the digest is the name) but private to the
+API key that sent them, and sessions belong to one API key: another key's image or session is
+indistinguishable from an unknown one.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from encoder_worker.types import ENCODE_STAGES
 from gateway.chat_requests import RequestLimits, check_image_bytes
 from gateway.chat_service import kv_key_for
 from gateway.http import protocol as p
 from gateway.image_input import REF_PREFIX, digest_of
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import StoredItem
+from gateway.vision_resolver import encode_ms
 
 if TYPE_CHECKING:
     from gateway.state import GatewayState
@@ -94,39 +94,59 @@ class ModelServing:
 
 
 class ImageServing:
-    """`POST /v1/images` stores the bytes and starts encoding; the status is polled by digest."""
+    """`POST /v1/images` stores the bytes and starts encoding; the status is polled by digest.
+
+    Both are per owner: an image is visible only to the API key that uploaded (or otherwise
+    sent) it, another key's digest reads as unknown (404), and a key's status says "ready" only
+    once that key has been given the tokens (its first upload of bytes another key sent is
+    reported, and takes as long, as an encode of its own). An upload is refused with
+    `rate_limited` (429) when the key has `max_pending_encodes_per_key` encodes pending; then
+    nothing of it is kept."""
 
     MAX_TRACKED = 1024  # encodes remembered for status (the cache itself remembers the rest)
 
     def __init__(self, state: GatewayState) -> None:
         self.state = state
         self.limits = RequestLimits.of(state.settings)
-        self._encodes: OrderedDict[str, asyncio.Task[Resolved]] = OrderedDict()
+        # (owner, digest) -> the encode that upload started
+        self._encodes: OrderedDict[tuple[str, str], asyncio.Task[Resolved]] = OrderedDict()
 
-    async def upload(self, data: bytes) -> p.ImageStatus | p.ErrorResponse:
+    async def upload(self, data: bytes, *, owner: str) -> p.ImageStatus | p.ErrorResponse:
         try:
             vision = self.state.require().vision
             fmt, width, height = check_image_bytes(data, self.limits, "file")
         except GatewayError as exc:
             return p.error_response(exc)
         digest = digest_of(data)
-        await vision.add(digest, data)
-        status = await self.status(digest)
-        if not (isinstance(status, p.ImageStatus) and status.status in ("encoding", "ready")):
-            self._track(digest, vision.start(digest))
+        status = await self.status(digest, owner=owner)
+        if isinstance(status, p.ImageStatus) and status.status in ("encoding", "ready"):
+            await vision.add(owner, digest, data)  # the bytes' lifetime starts again
+        else:
+            try:
+                # the slot is taken before the bytes are kept: a refused upload leaves nothing
+                permit = await vision.admit(owner, [digest])
+            except GatewayError as exc:
+                return p.error_response(exc)
+            try:
+                await vision.add(owner, digest, data)
+                task = vision.start(owner, digest)
+                permit.attach(digest, task)
+                self._track(owner, digest, task)
+            finally:
+                permit.close()
             status = p.ImageStatus(id=digest, ref=REF_PREFIX + digest, status="encoding")
         status.bytes, status.format, status.width, status.height = len(data), fmt, width, height
         log.info("image_uploaded", digest=digest[:12], bytes=len(data), status=status.status)
         return status
 
-    async def status(self, digest: str) -> p.ImageStatus | p.ErrorResponse:
+    async def status(self, digest: str, *, owner: str) -> p.ImageStatus | p.ErrorResponse:
         digest = digest.lower().removeprefix(REF_PREFIX)
         try:
             vision = self.state.require().vision
         except GatewayError as exc:
             return p.error_response(exc)
         ref = REF_PREFIX + digest
-        task = self._encodes.get(digest)
+        task = self._encodes.get((owner, digest))
         if task is not None and not task.done():
             return p.ImageStatus(id=digest, ref=ref, status="encoding")
         if task is not None and not task.cancelled() and task.exception() is not None:
@@ -137,35 +157,35 @@ class ImageServing:
             return p.ImageStatus(
                 id=digest, ref=ref, status="failed", error=p.error_response(error).error
             )
-        image = await vision.cached(digest)
+        image = await vision.cached(owner, digest)
         if image is not None:
-            encode_ms = sum(v for k, v in image.timings_ms.items() if k in ENCODE_STAGES)
             return p.ImageStatus(
                 id=digest,
                 ref=ref,
                 status="ready",
                 tokens_kept=image.tokens_kept,
                 tokens_total=image.tokens_total,
-                encode_ms=round(encode_ms, 3),
+                encode_ms=round(encode_ms(image), 3),
             )
-        if await vision.known(digest):
+        if await vision.known(owner, digest):
             return p.ImageStatus(id=digest, ref=ref, status="stored")
         return p.error_response(
             GatewayError("image_not_found", f"no image with digest {digest}", param="digest")
         )
 
-    def _track(self, digest: str, task: asyncio.Task[Resolved]) -> None:
+    def _track(self, owner: str, digest: str, task: asyncio.Task[Resolved]) -> None:
         # a failed pre-encode is reported by status(); retrieve it so asyncio does not warn
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        self._encodes[digest] = task
-        self._encodes.move_to_end(digest)
+        key = (owner, digest)
+        self._encodes[key] = task
+        self._encodes.move_to_end(key)
         if len(self._encodes) > self.MAX_TRACKED:
             # finished entries go first, oldest first; still-running ones only past twice the
             # cap (their encodes go on regardless; only their "encoding" status is forgotten)
-            for key in [k for k, t in self._encodes.items() if t.done()]:
+            for old in [k for k, t in self._encodes.items() if t.done()]:
                 if len(self._encodes) <= self.MAX_TRACKED:
                     break
-                del self._encodes[key]
+                del self._encodes[old]
             while len(self._encodes) > 2 * self.MAX_TRACKED:
                 self._encodes.popitem(last=False)
 

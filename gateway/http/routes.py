@@ -124,7 +124,7 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
         '`image_url.url = "visiongate:sha256:<digest>"`.',
     )
     async def upload_image(request: Request) -> Response[p.ImageStatus]:
-        owner(request)
+        caller = owner(request)
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
             form = await request.form()
             upload = form.get("file")
@@ -135,12 +135,11 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
             body = await upload.read()
         else:
             body = await request.body()
-        return reply(await images.upload(body))
+        return reply(await images.upload(body, owner=caller))
 
     @get("/images/{digest:str}", responses=ERRORS, summary="Status of an uploaded image")
     async def image_status(request: Request, digest: str) -> Response[p.ImageStatus]:
-        owner(request)
-        return reply(await images.status(digest))
+        return reply(await images.status(digest, owner=owner(request)))
 
     @get("/sessions/{session_id:str}", responses=ERRORS, summary="A session's conversation")
     async def get_session(request: Request, session_id: str) -> Response[p.SessionView]:

@@ -360,8 +360,13 @@ async def test_references_resolve_only_to_known_images() -> None:
         param="c",
     )
     with pytest.raises(GatewayError) as caught:
-        await resolve_references(parsed.refs, vision)
+        await resolve_references(parsed.refs, vision, owner="key_a")
     assert (caught.value.code, caught.value.param) == ("image_not_found", "c[1].image_url")
-    await add_inline_images(parsed.inline, vision)
-    await resolve_references(parsed.refs, vision)  # now held: no error
-    assert await vision.known(digest_of(data))
+    await add_inline_images(parsed.inline, vision, owner="key_a")
+    await resolve_references(parsed.refs, vision, owner="key_a")  # now held: no error
+    assert await vision.known("key_a", digest_of(data))
+    # held, but for the key that sent it only: another key's reference reads as unknown
+    with pytest.raises(GatewayError) as caught:
+        await resolve_references(parsed.refs, vision, owner="key_b")
+    assert (caught.value.code, caught.value.param) == ("image_not_found", "c[1].image_url")
+    assert not await vision.known("key_b", digest_of(data))

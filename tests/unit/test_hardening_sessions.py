@@ -190,7 +190,7 @@ async def _engine_idle(engine: FakeEngine) -> bool:
 class FailingEncoder(FakeEncoder):
     """Takes a while, then finds every image undecodable (a truncated file past its header)."""
 
-    async def encode(self, data: bytes, *, traceparent: str | None = None):
+    async def encode(self, data: bytes, *, traceparent: str | None = None, owner=None):
         await asyncio.sleep(0.3)
         raise ImageError("invalid_image", "image data is truncated")
 

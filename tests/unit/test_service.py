@@ -104,7 +104,7 @@ async def test_image_is_encoded_once_then_served_from_the_cache() -> None:
     parts = build()
     photo = photo_bytes("astronaut", size=64)
     digest = hashlib.sha256(photo).hexdigest()
-    await parts.vision.add(digest, photo)
+    await parts.vision.add(OWNER, digest, photo)
     session = await new_session(parts, StoredPart("image", digest=digest), text("what is it"))
 
     first = (await collect(parts, session))[-1]
@@ -129,9 +129,9 @@ async def test_a_pending_pre_encode_is_joined_not_repeated() -> None:
     parts = build(encoder=FakeEncoder(delay_s=0.05))
     photo = photo_bytes("chelsea", size=48)
     digest = hashlib.sha256(photo).hexdigest()
-    await parts.vision.add(digest, photo)
+    await parts.vision.add(OWNER, digest, photo)
     session = await new_session(parts, StoredPart("image", digest=digest), text("and this"))
-    pending = {digest: parts.vision.start(digest)}
+    pending = {digest: parts.vision.start(OWNER, digest)}
 
     done = (await collect(parts, session, pending=pending))[-1]
     assert isinstance(done, Finished) and done.status == "completed"
@@ -232,7 +232,7 @@ async def test_undecodable_image_fails_with_the_encoder_code() -> None:
     parts = build()
     junk = b"\x89PNG\r\n\x1a\n" + b"\x00" * 64  # a PNG signature and nothing behind it
     digest = hashlib.sha256(junk).hexdigest()
-    await parts.vision.add(digest, junk)
+    await parts.vision.add(OWNER, digest, junk)
     session = await new_session(parts, StoredPart("image", digest=digest))
     done = (await collect(parts, session))[-1]
     assert isinstance(done, Finished) and done.status == "failed"
@@ -309,7 +309,7 @@ async def test_cancel_while_waiting_for_an_image_ends_before_the_encode() -> Non
     parts = build(encoder=FakeEncoder(gate=gate))
     photo = photo_bytes("coffee", size=40)
     digest = hashlib.sha256(photo).hexdigest()
-    await parts.vision.add(digest, photo)
+    await parts.vision.add(OWNER, digest, photo)
     session = await new_session(parts, StoredPart("image", digest=digest))
     options = ResponseOptions()
     stream = parts.service.respond(session, options)
@@ -325,4 +325,4 @@ async def test_cancel_while_waiting_for_an_image_ends_before_the_encode() -> Non
     # the encode was not thrown away: it goes on and fills the cache for the next turn
     gate.set()
     await eventually(lambda: parts.encoder.encoded == [digest])
-    assert await parts.vision.cached(digest) is not None
+    assert await parts.vision.cached(OWNER, digest) is not None
