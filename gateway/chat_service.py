@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 
@@ -99,17 +99,7 @@ class ChatService:
             log.exception("response_failed", response_id=options.response_id)
             if not finished:
                 error = GatewayError("internal_error", f"the response failed: {type(exc).__name__}")
-                await self._drop_placeholder(session, options)
-                yield finish(
-                    Finished(
-                        options.response_id,
-                        options.item_id,
-                        "failed",
-                        "",
-                        error=error,
-                        timings={"total_ms": _ms(t0)},
-                    )
-                )
+                yield finish(await self._unanswered(session, options, t0, "failed", error=error))
         finally:
             if not finished:  # the consumer went away before the end
                 trace.root.set_attribute("visiongate.abandoned", True)
@@ -161,17 +151,7 @@ class ChatService:
         try:
             images, waited = await self._resolve_images(session, pending, trace, options.cancel)
         except GatewayError as exc:
-            await self._drop_placeholder(session, options)
-            yield finish(
-                Finished(
-                    options.response_id,
-                    options.item_id,
-                    "failed",
-                    "",
-                    error=exc,
-                    timings={"total_ms": _ms(t0)},
-                )
-            )
+            yield finish(await self._unanswered(session, options, t0, "failed", error=exc))
             return
         hits = sum(1 for r in images.values() if r.source in ("memory", "redis"))
         misses = len(images) - hits
@@ -180,16 +160,8 @@ class ChatService:
         encode_wait_ms = _ms(t_enc) if waited else 0.0
 
         if options.cancel.is_set():  # cancelled while waiting for images
-            await self._drop_placeholder(session, options)
             yield finish(
-                Finished(
-                    options.response_id,
-                    options.item_id,
-                    "cancelled",
-                    "",
-                    reason="client_cancelled",
-                    timings={"total_ms": _ms(t0)},
-                )
+                await self._unanswered(session, options, t0, "cancelled", reason="client_cancelled")
             )
             return
 
@@ -208,19 +180,10 @@ class ChatService:
         try:
             messages, dropped = await self._fit(messages, sampling.max_output_tokens, truncation)
         except GatewayError as exc:
-            await self._drop_placeholder(session, options)
-            yield finish(
-                Finished(
-                    options.response_id,
-                    options.item_id,
-                    "failed",
-                    "",
-                    error=exc,
-                    vision_hits=hits,
-                    vision_misses=misses,
-                    timings={"total_ms": _ms(t0)},
-                )
+            failed = await self._unanswered(
+                session, options, t0, "failed", error=exc, vision_hits=hits, vision_misses=misses
             )
+            yield finish(failed)
             return
         # KV is kept per (owner, session): a session id reused by another key never meets it;
         # an answer kept out of the conversation leaves nothing worth keeping
@@ -281,21 +244,19 @@ class ChatService:
         }
         if error is not None or result is None:
             error = error or GatewayError("engine_error", "the engine ended without a result")
-            await self._drop_placeholder(session, options)
-            yield finish(
-                Finished(
-                    options.response_id,
-                    options.item_id,
-                    "failed",
-                    text,
-                    error=error,
-                    vision_hits=hits,
-                    vision_misses=misses,
-                    image_tokens_total=image_tokens_total,
-                    timings=timings,
-                ),
-                first_ns,
+            failed = await self._unanswered(
+                session,
+                options,
+                t0,
+                "failed",
+                text=text,
+                error=error,
+                vision_hits=hits,
+                vision_misses=misses,
+                image_tokens_total=image_tokens_total,
+                timings=timings,
             )
+            yield finish(failed, first_ns)
             return
         trace.llm(generate_ns, result)
         status: Status = {
@@ -403,6 +364,21 @@ class ChatService:
         kept = messages[:head] + messages[start:]
         log.info("context_truncated", dropped=start - head, kept_tokens=total, context=context)
         return kept, start - head
+
+    async def _unanswered(
+        self,
+        session: Session,
+        options: ResponseOptions,
+        t0: float,
+        status: Status,
+        *,
+        text: str = "",
+        **fields: Any,
+    ) -> Finished:
+        """The end of a response that leaves no answer in the conversation: its place goes."""
+        await self._drop_placeholder(session, options)
+        fields.setdefault("timings", {"total_ms": _ms(t0)})
+        return Finished(options.response_id, options.item_id, status, text, **fields)
 
     async def _finish_placeholder(
         self,

@@ -109,3 +109,28 @@ class RedisTier:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+class MemoryFrontedRedis:
+    """A memory tier in front of a Redis tier: what a Redis-backed cache or store holds in
+    common (the memory tier it promotes into, the Redis tier, the entry TTL, the namespace)."""
+
+    __slots__ = ("_redis", "_ttl_ms", "memory", "namespace", "ttl_s")
+
+    def __init__(
+        self,
+        memory: Any,
+        redis_url: str,
+        ttl_s: float,
+        namespace: str,
+        *,
+        tier: str,
+        retry_after_s: float = 5.0,
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.memory = memory
+        self.ttl_s = ttl_s
+        self.namespace = namespace
+        self._ttl_ms = max(1, int(ttl_s * 1000))
+        self._redis = RedisTier(redis_url, tier=tier, retry_after_s=retry_after_s)

@@ -25,7 +25,7 @@ import structlog
 
 from encoder_worker.storage import NAMESPACE, image_key, scoped_digest
 from gateway.caching._lru import ByteLRU
-from gateway.caching._redis_client import UNAVAILABLE, RedisTier
+from gateway.caching._redis_client import UNAVAILABLE, MemoryFrontedRedis
 from gateway.caching.ownership import MemoryOwnerIndex, OwnerIndex, RedisOwnerIndex
 
 __all__ = ("ImageStore", "MemoryImageStore", "RedisImageStore", "is_sha256_hex", "sha256_hex")
@@ -117,7 +117,7 @@ class MemoryImageStore:
         self._lru.put(name, data)
 
 
-class RedisImageStore:
+class RedisImageStore(MemoryFrontedRedis):
     """`memory` in front of Redis: key `{namespace}:image:{digest}` holding the raw bytes, TTL
     `ttl_s` (the key layout is `encoder_worker.storage`'s; encoder workers read these keys).
 
@@ -127,7 +127,8 @@ class RedisImageStore:
     the memory one in front of Redis, on the same connection and TTL.
     """
 
-    __slots__ = ("_redis", "_ttl_ms", "memory", "namespace", "owners", "ttl_s")
+    __slots__ = ("owners",)
+    memory: MemoryImageStore
 
     def __init__(
         self,
@@ -138,13 +139,9 @@ class RedisImageStore:
         *,
         retry_after_s: float = 5.0,
     ) -> None:
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        self.memory = memory
-        self.ttl_s = ttl_s
-        self.namespace = namespace
-        self._ttl_ms = max(1, int(ttl_s * 1000))
-        self._redis = RedisTier(redis_url, tier="images", retry_after_s=retry_after_s)
+        super().__init__(
+            memory, redis_url, ttl_s, namespace, tier="images", retry_after_s=retry_after_s
+        )
         self.owners = RedisOwnerIndex(memory.owners, self._redis, ttl_s, namespace)
 
     @property

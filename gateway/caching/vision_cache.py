@@ -21,7 +21,7 @@ import structlog
 
 from encoder_worker.storage import NAMESPACE, read_redis_value, redis_value, vision_key
 from gateway.caching._lru import ByteLRU
-from gateway.caching._redis_client import UNAVAILABLE, RedisTier
+from gateway.caching._redis_client import UNAVAILABLE, MemoryFrontedRedis
 from gateway.caching.image_store import is_sha256_hex
 
 __all__ = ("CacheHit", "MemoryVisionCache", "TieredVisionCache", "VisionCache", "VisionCacheStats")
@@ -111,7 +111,7 @@ class MemoryVisionCache:
         self._lru.clear()
 
 
-class TieredVisionCache:
+class TieredVisionCache(MemoryFrontedRedis):
     """`memory` in front of Redis: key `{namespace}:vision:{fingerprint}:{digest}`, TTL `ttl_s`
     (`encoder_worker.storage` holds the key layout and the value's framing, which encoder
     workers write too).
@@ -122,7 +122,8 @@ class TieredVisionCache:
     Redis >= 6.2 (GETEX).
     """
 
-    __slots__ = ("_hits", "_misses", "_redis", "_ttl_ms", "memory", "namespace", "ttl_s")
+    __slots__ = ("_hits", "_misses")
+    memory: MemoryVisionCache
 
     def __init__(
         self,
@@ -133,13 +134,9 @@ class TieredVisionCache:
         *,
         retry_after_s: float = 5.0,
     ) -> None:
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        self.memory = memory
-        self.ttl_s = ttl_s
-        self.namespace = namespace
-        self._ttl_ms = max(1, int(ttl_s * 1000))
-        self._redis = RedisTier(redis_url, tier="vision", retry_after_s=retry_after_s)
+        super().__init__(
+            memory, redis_url, ttl_s, namespace, tier="vision", retry_after_s=retry_after_s
+        )
         self._hits = 0
         self._misses = 0
 
