@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from litestar import Litestar, Response, get
 from litestar.datastructures import State
+from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 
 from gateway import __version__ as VERSION
@@ -27,12 +28,13 @@ from gateway.caching import make_image_store, make_vision_cache
 from gateway.chat_service import ChatService
 from gateway.engine.interface import Engine
 from gateway.http import http_route_handlers
+from gateway.http.routes import routing_error_handler
 from gateway.ratelimit import make_rate_limiter
 from gateway.realtime_connection import realtime_route
 from gateway.sessions import make_session_store
 from gateway.settings import Settings
 from gateway.state import GatewayState, Serving
-from gateway.telemetry import litestar_plugin, setup_telemetry
+from gateway.telemetry import litestar_plugin, register_secrets, setup_telemetry
 from gateway.vision_resolver import VisionResolver
 
 if TYPE_CHECKING:
@@ -139,6 +141,7 @@ def create_app(
     """The gateway for `settings`. `engine` / `encoder` replace the real ones when given."""
     engine = engine or build_engine(settings)
     telemetry = setup_telemetry(VERSION, log_level=settings.log_level)
+    register_secrets(settings.api_keys)  # the keys themselves never reach a log line
     state = GatewayState(
         settings=settings,
         engine=engine,
@@ -206,6 +209,7 @@ def create_app(
             *http_route_handlers(state),
         ],
         lifespan=[lifespan],
+        exception_handlers={HTTPException: routing_error_handler(state)},
         plugins=[litestar_plugin(telemetry)],
         openapi_config=openapi,
         state=State({"gateway": state}),

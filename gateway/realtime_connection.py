@@ -112,10 +112,13 @@ def session_state(
     if with_items:
         ext["items"] = [_summary_item(i) for i in session.items[-EVENT_ITEMS:]]
         ext["items_omitted"] = max(len(session.items) - EVENT_ITEMS, 0)
+    instructions = session.instructions
+    if len(instructions) > EVENT_TEXT_CHARS:
+        instructions = instructions[:EVENT_TEXT_CHARS] + f"... ({len(instructions)} chars)"
     return rt.SessionState(
         id=session.id,
         model=model,
-        instructions=session.instructions,
+        instructions=instructions,
         max_output_tokens=session.max_output_tokens,
         visiongate=ext,
     )
@@ -298,6 +301,11 @@ class RealtimeConnection:
 
         def apply(session: Session) -> None:
             if cfg.instructions is not None:
+                check_conversation_size(
+                    conversation_chars(cfg.instructions, session.items),
+                    limits,
+                    "session.instructions",
+                )
                 session.instructions = cfg.instructions
             if max_tokens is not None:
                 session.max_output_tokens = max_tokens

@@ -30,7 +30,7 @@ from gateway.protocol.errors import GatewayError
 if TYPE_CHECKING:
     from gateway.state import GatewayState
 
-__all__ = ("STATIC_DIR", "http_route_handlers")
+__all__ = ("STATIC_DIR", "http_route_handlers", "routing_error_handler")
 
 log = structlog.get_logger("visiongate.http")
 
@@ -181,6 +181,17 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
         path="/static", directories=[STATIC_DIR], include_in_schema=False
     )
     return [api, playground, static]
+
+
+def routing_error_handler(state: GatewayState) -> Any:
+    """The app's handler for what routing refuses before any router runs (a path that does not
+    exist, a method a path does not take): the same OpenAI error object, the same status."""
+
+    def on_routing_error(request: Request, exc: HTTPException) -> Response[p.ErrorResponse]:
+        status = exc.status_code if exc.status_code < 500 else None
+        return error_reply(p.error_response(as_gateway_error(exc)), state, status=status)
+
+    return on_routing_error
 
 
 def as_gateway_error(exc: Exception) -> GatewayError:

@@ -9,7 +9,7 @@ events are Structs encoded with `omit_defaults`, so absent optional fields are l
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Struct
@@ -41,11 +41,21 @@ class ContentPart(Struct, omit_defaults=True):
     detail: Literal["auto", "low", "high"] | None = None
 
 
+# what a client may name or attach: ids it picks (events, items, responses) and response
+# metadata, bounded as OpenAI bounds them, so nothing of any size is stored or echoed
+MAX_ID_CHARS = 128
+ClientId = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+Metadata = Annotated[
+    dict[Annotated[str, msgspec.Meta(max_length=64)], Annotated[str, msgspec.Meta(max_length=512)]],
+    msgspec.Meta(max_length=16),
+]
+
+
 class Item(Struct, omit_defaults=True):
     role: Literal["user", "system", "assistant"]
     content: list[ContentPart]
     type: Literal["message"] = "message"
-    id: str | None = None
+    id: ClientId | None = None
     object: Literal["realtime.item"] | None = None
     status: Literal["completed", "incomplete", "in_progress"] | None = None
 
@@ -76,7 +86,7 @@ class ResponseParams(Struct, omit_defaults=True):
     max_output_tokens: int | Literal["inf"] | None = None
     output_modalities: list[Literal["text", "audio"]] | None = None
     conversation: str | None = None  # "auto" (default) or "none"
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -84,23 +94,23 @@ class ResponseParams(Struct, omit_defaults=True):
 
 class SessionUpdate(Struct, tag="session.update", tag_field="type"):
     session: SessionConfig
-    event_id: str | None = None
+    event_id: ClientId | None = None
 
 
 class ConversationItemCreate(Struct, tag="conversation.item.create", tag_field="type"):
     item: Item
-    event_id: str | None = None
-    previous_item_id: str | None = None
+    event_id: ClientId | None = None
+    previous_item_id: ClientId | None = None
 
 
 class ResponseCreate(Struct, tag="response.create", tag_field="type"):
-    event_id: str | None = None
+    event_id: ClientId | None = None
     response: ResponseParams | None = None
 
 
 class ResponseCancel(Struct, tag="response.cancel", tag_field="type"):
-    event_id: str | None = None
-    response_id: str | None = None
+    event_id: ClientId | None = None
+    response_id: ClientId | None = None
 
 
 ClientEvent = SessionUpdate | ConversationItemCreate | ResponseCreate | ResponseCancel
@@ -333,16 +343,18 @@ _PATH = re.compile(r" - at `\$\.?(.*)`$")
 class WireCodec:
     """Decodes client frames and encodes server events, in JSON or msgpack. Made once per format."""
 
-    __slots__ = ("_decode", "_decode_envelope", "_encode", "binary")
+    __slots__ = ("_decode", "_decode_any", "_decode_envelope", "_encode", "binary")
 
     def __init__(self, *, binary: bool = False) -> None:
         self.binary = binary
         if binary:
             self._decode = msgspec.msgpack.Decoder(ClientEvent).decode
+            self._decode_any = msgspec.msgpack.Decoder().decode
             self._decode_envelope = msgspec.msgpack.Decoder(_Envelope).decode
             self._encode = msgspec.msgpack.Encoder().encode
         else:
             self._decode = msgspec.json.Decoder(ClientEvent).decode
+            self._decode_any = msgspec.json.Decoder().decode
             self._decode_envelope = msgspec.json.Decoder(_Envelope).decode
             self._encode = msgspec.json.Encoder().encode
 
@@ -357,11 +369,20 @@ class WireCodec:
         The raised error's `event_id` attribute carries the client's event_id when one could be
         read, so the error event can echo it.
         """
+        if self.binary and isinstance(frame, str):
+            raise _no_event_id(
+                GatewayError("invalid_json", "this connection speaks msgpack: send binary frames")
+            )
         try:
             return self._decode(frame)
         except msgspec.ValidationError as exc:
+            # a frame that is not valid at all (or nested too deeply) is invalid_json, whatever
+            # the typed decoder stumbled on first
+            self._check_syntax(frame)
             envelope = self._envelope(frame)
-            event_id = envelope.event_id if isinstance(envelope.event_id, str) else None
+            event_id = envelope.event_id
+            if not isinstance(event_id, str) or len(event_id) > MAX_ID_CHARS:
+                event_id = None  # never echo an id of any size
             kind = envelope.type
             if not isinstance(kind, str) or kind not in CLIENT_EVENT_TYPES:
                 err = GatewayError(
@@ -383,17 +404,29 @@ class WireCodec:
             err.event_id = event_id  # type: ignore[attr-defined]
             raise err from None
         except msgspec.DecodeError as exc:
-            fmt = "msgpack" if self.binary else "JSON"
-            err = GatewayError("invalid_json", f"frame is not valid {fmt}: {exc}")
-            err.event_id = None  # type: ignore[attr-defined]
-            raise err from None
+            raise _no_event_id(self._invalid(exc)) from None
         except RecursionError:  # arrays or maps nested deeper than any event has
-            err = GatewayError("invalid_json", "frame is nested too deeply")
-            err.event_id = None  # type: ignore[attr-defined]
-            raise err from None
+            raise _no_event_id(GatewayError("invalid_json", "frame is nested too deeply")) from None
+
+    def _invalid(self, exc: Exception) -> GatewayError:
+        fmt = "msgpack" if self.binary else "JSON"
+        return GatewayError("invalid_json", f"frame is not valid {fmt}: {exc}")
+
+    def _check_syntax(self, frame: bytes | str) -> None:
+        try:
+            self._decode_any(frame)
+        except msgspec.DecodeError as exc:
+            raise _no_event_id(self._invalid(exc)) from None
+        except RecursionError:
+            raise _no_event_id(GatewayError("invalid_json", "frame is nested too deeply")) from None
 
     def _envelope(self, frame: bytes | str) -> _Envelope:
         try:
             return self._decode_envelope(frame)
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
             return _Envelope()
+
+
+def _no_event_id(err: GatewayError) -> GatewayError:
+    err.event_id = None  # type: ignore[attr-defined]
+    return err

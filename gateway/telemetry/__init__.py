@@ -11,7 +11,12 @@ response's trace.
 from __future__ import annotations
 
 from gateway.telemetry._litestar import EXCLUDED_PATHS, litestar_plugin
-from gateway.telemetry._logging import add_trace_ids, configure_logging, log_response
+from gateway.telemetry._logging import (
+    add_trace_ids,
+    configure_logging,
+    log_response,
+    register_secrets,
+)
 from gateway.telemetry._metrics import (
     METRICS,
     PROMETHEUS_NAMES,
@@ -50,6 +55,7 @@ __all__ = (
     "log_response",
     "metric_views",
     "record_stage_spans",
+    "register_secrets",
     "response_span_name",
     "setup_telemetry",
     "traceparent",

@@ -15,14 +15,21 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
 import structlog
 import structlog.tracebacks
 from opentelemetry import trace
 
-__all__ = ("MAX_LOG_STRING", "add_trace_ids", "configure_logging", "log_response", "scrub_secrets")
+__all__ = (
+    "MAX_LOG_STRING",
+    "add_trace_ids",
+    "configure_logging",
+    "log_response",
+    "register_secrets",
+    "scrub_secrets",
+)
 
 _ACCESS_LOGGER = "visiongate.access"
 
@@ -67,10 +74,26 @@ def add_trace_ids(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
     return event
 
 
+# the configured API keys themselves: redacted wherever a client puts one (a session id, a model
+# name, a path), not only where the patterns above expect a key
+_known_keys: tuple[str, ...] = ()
+
+
+def register_secrets(keys: Iterable[str]) -> None:
+    """Redact these exact strings (the configured API keys) from every line from now on."""
+    global _known_keys
+    _known_keys = tuple(
+        sorted({k for k in (*_known_keys, *keys) if len(k) >= 4}, key=len, reverse=True)
+    )
+
+
 def _scrub_text(text: str, limit: int = MAX_LOG_STRING) -> str:
     # cut first (the patterns never run over megabytes), then redact: a key cut short is still
     # matched by its prefix, and one cut before its prefix is not in the text any more
     size = len(text)
+    for key in _known_keys:  # before the cut, so no part of a key is left at the edge
+        if key in text:
+            text = text.replace(key, REDACTED)
     head = text[:limit]
     for pattern, replacement in _SECRET_PATTERNS:
         head = pattern.sub(replacement, head)
