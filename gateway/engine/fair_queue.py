@@ -8,10 +8,11 @@ model:
 - `FairQueue`: waiting requests by owner. Admission takes owners in turn (round-robin over the
   owners with waiting requests), each owner's own requests in arrival order. A preempted request
   goes back to the front of its owner's line without changing that owner's turn.
-- `share_budget`: a step's prefill tokens split max-min fairly between owners that are
-  prefilling (an owner asking for less than an equal share gets all it asks; the rest is split
-  again between the others), so a long prompt does not take every chunk while a short prompt of
-  another owner waits.
+- `share_budget_least_served` (what the scheduler uses) with `RecentService`: a step's prefill
+  tokens go first to the owners served least lately (prefill tokens with a 10 s half-life),
+  after a small floor for every owner, so a key's short prompt is prefilled at once beside keys
+  that keep the engine busy with long ones. `share_budget` is the plain max-min split (an owner
+  asking for less than an equal share gets all it asks; the rest is split again).
 - `newest_of_largest`: whom to preempt. The newest sequence of the owner holding the most batch
   slots; by admission order, the oldest running sequence is never chosen while another runs, so
   every request keeps making progress and none is preempted forever.
@@ -22,6 +23,7 @@ never logged or exported: gauges only count owners.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Generic, TypeVar
@@ -151,6 +153,64 @@ def share_budget(demands: list[int], budget: int, start: int = 0) -> list[int]:
             grants[i] += g
             left -= g
         active = [i for i in active if grants[i] < demands[i]]
+    return grants
+
+
+class RecentService:
+    """What each owner was served lately: amounts that fade with a half-life, so an owner idle
+    for `half_life_s` counts half as heavy. Entries below one unit are dropped."""
+
+    __slots__ = ("_at", "_clock", "_served", "half_life_s")
+
+    def __init__(self, half_life_s: float, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.half_life_s = half_life_s
+        self._clock = clock
+        self._at = clock()
+        self._served: dict[Hashable, float] = {}
+
+    def now(self) -> dict[Hashable, float]:
+        """The faded amounts as of now (the live dict: read it, don't keep it)."""
+        t = self._clock()
+        decay = 0.5 ** ((t - self._at) / self.half_life_s)
+        self._at = t
+        for owner in list(self._served):
+            self._served[owner] *= decay
+            if self._served[owner] < 1.0:
+                del self._served[owner]
+        return self._served
+
+    def add(self, owner: Hashable, amount: float) -> None:
+        if amount > 0:
+            self._served[owner] = self._served.get(owner, 0.0) + amount
+
+
+def share_budget_least_served(
+    demands: list[int], served: list[float], budget: int, floor_parts: int = 4
+) -> list[int]:
+    """Split `budget` tokens giving the owners served least lately the most.
+
+    Every owner with demand first gets a floor of `budget // (floor_parts * owners)` tokens
+    (capped at its demand), so none stalls; what is left goes to owners in order of `served`
+    (their recent prefill tokens), least first, each up to its demand. A key that sends one
+    short prompt is prefilled at once beside keys that keep the engine busy with long ones;
+    as it is served its count grows and the order turns, so heavy keys still progress.
+    Never exceeds a demand; sums to min(budget, total demand).
+    """
+    grants = [0] * len(demands)
+    active = [i for i, d in enumerate(demands) if d > 0]
+    if not active or budget <= 0:
+        return grants
+    floor = budget // (floor_parts * len(active))
+    left = budget
+    for i in active:
+        grants[i] = min(floor, demands[i])
+        left -= grants[i]
+    for i in sorted(active, key=lambda i: (served[i], i)):
+        if left <= 0:
+            break
+        g = min(demands[i] - grants[i], left)
+        grants[i] += g
+        left -= g
     return grants
 
 

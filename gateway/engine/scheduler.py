@@ -54,7 +54,12 @@ import structlog
 import torch
 
 from gateway.engine.batch import SeqKV, Slice, run_step
-from gateway.engine.fair_queue import FairQueue, newest_of_largest, share_budget
+from gateway.engine.fair_queue import (
+    FairQueue,
+    RecentService,
+    newest_of_largest,
+    share_budget_least_served,
+)
 from gateway.engine.generation import sample_next
 from gateway.engine.interface import EngineError, EngineStats, TextDelta
 from gateway.engine.kvblocks import block_hashes, chain_seed, position_keys
@@ -79,6 +84,9 @@ if TYPE_CHECKING:
 __all__ = ("Scheduler",)
 
 log = structlog.get_logger(__name__)
+
+# how fast an owner's record of prefill service fades: a key idle this long counts half as heavy
+SERVED_HALF_LIFE_S = 10.0
 
 _owner = attrgetter("owner")
 _order = attrgetter("order")
@@ -129,6 +137,7 @@ class Scheduler:
         self._stop = False
         self._order = 0
         self._steps = 0
+        self._served = RecentService(SERVED_HALF_LIFE_S)  # prefill tokens by owner, fading
         self._preemptions = 0
         self._last_batch = 0
         self._last_tokens = 0
@@ -379,7 +388,12 @@ class Scheduler:
         for s in sorted((s for s in self._running if s.known - s.fed > 1), key=_order):
             lines.setdefault(s.owner, []).append(s)
         demands = [sum(s.known - s.fed for s in line) for line in lines.values()]
-        grants = share_budget(demands, budget, self._steps)
+        served = self._served.now()
+        grants = share_budget_least_served(
+            demands, [served.get(owner, 0.0) for owner in lines], budget
+        )
+        for owner, grant in zip(lines, grants, strict=True):
+            self._served.add(owner, grant)
         for line, grant in zip(lines.values(), grants, strict=True):
             for s in line:
                 if grant <= 0:

@@ -426,3 +426,29 @@ async def test_a_burst_into_an_idle_batch_is_not_held_to_the_share(engine, colle
         await asyncio.gather(running, *more)
     finally:
         await twin.aclose()
+
+
+def test_least_served_owner_is_prefilled_first_after_a_floor_for_all() -> None:
+    from gateway.engine.fair_queue import share_budget_least_served
+
+    # a heavy owner (served 5000 lately) and a new one: the new one gets all it asks for
+    assert share_budget_least_served([2000, 300], [5000.0, 0.0], 256) == [32, 224]
+    # demands below the budget are all met, whoever was served
+    assert share_budget_least_served([100, 50], [9.0, 1.0], 256) == [100, 50]
+    # everyone keeps a floor: budget // (4 * owners) each
+    assert share_budget_least_served([1000, 1000, 1000], [0.0, 10.0, 20.0], 240) == [200, 20, 20]
+    assert share_budget_least_served([0, 0], [0.0, 0.0], 256) == [0, 0]
+
+
+def test_recent_service_fades_by_half_life() -> None:
+    from gateway.engine.fair_queue import RecentService
+
+    now = [0.0]
+    served = RecentService(10.0, clock=lambda: now[0])
+    served.add("a", 1000)
+    served.add("b", 1.5)
+    now[0] = 10.0
+    faded = served.now()
+    assert faded["a"] == pytest.approx(500) and "b" not in faded  # below one unit: dropped
+    now[0] = 30.0
+    assert served.now()["a"] == pytest.approx(125)
