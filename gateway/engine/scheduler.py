@@ -304,7 +304,18 @@ class Scheduler:
             staying = [s for s in self._running if s is not victim]
             room = budget - sum(s.kv.nbytes for s in staying if s.kv is not None)
             if staying and room < need:
-                return  # wait for running sequences to finish
+                # no KV room for the next in turn: an owner with nothing running may still
+                # claim memory from the owner holding the most; otherwise wait for one to end
+                claim = self._memory_claim()
+                if claim is None:
+                    return
+                seq, victims = claim
+                for v in victims:
+                    self._preempt(v, "fair_share")
+                need = self.pos_bytes * (seq.known + GROW)
+                staying = list(self._running)
+                room = budget - sum(s.kv.nbytes for s in staying if s.kv is not None)
+                victim = None
             if victim is not None:
                 self._preempt(victim, "fair_share")
             if staying and self.cache.nbytes > room - need:
@@ -328,6 +339,34 @@ class Scheduler:
             if head.owner not in busy:
                 return head, victim
         return None, None
+
+    def _memory_claim(self) -> tuple[Sequence, list[Sequence]] | None:
+        """With too little KV memory for the next in turn: the first waiting request, in turn
+        order, of an owner with nothing running, and the sequences to preempt so that it fits
+        (the newest of whichever owner holds the most, never an owner's last one). None: it
+        waits for memory like everyone else."""
+        busy = {s.owner for s in self._running}
+        with self._cond:
+            head = next((h for h in self._waiting.heads() if h.owner not in busy), None)
+        if head is None:
+            return None
+        if head.prompt is None:
+            try:
+                prepare_sequence(head, self.w, self.max_positions, self.cfg.block_size)
+            except Exception:
+                return None  # refused when its turn comes, by the usual path
+        need = self.pos_bytes * (head.known + GROW)
+        staying = list(self._running)
+        room = self.cfg.kv_budget_bytes - sum(s.kv.nbytes for s in staying if s.kv is not None)
+        victims: list[Sequence] = []
+        while room < need:
+            victim = newest_of_largest(staying, _owner, _order)
+            if victim is None or sum(s.owner == victim.owner for s in staying) < 2:
+                return None
+            staying.remove(victim)
+            victims.append(victim)
+            room += victim.kv.nbytes if victim.kv is not None else 0
+        return head, victims
 
     def _dequeue(self, seq: Sequence, *, served: bool = True) -> None:
         """Take `seq` out of the queue; served (admitted or refused), its owner's turn passes."""

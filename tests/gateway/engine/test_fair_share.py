@@ -452,3 +452,40 @@ def test_recent_service_fades_by_half_life() -> None:
     assert faded["a"] == pytest.approx(500) and "b" not in faded  # below one unit: dropped
     now[0] = 30.0
     assert served.now()["a"] == pytest.approx(125)
+
+
+@pytest.mark.slow
+async def test_a_key_with_nothing_running_claims_kv_memory_from_the_largest(
+    engine, collect
+) -> None:
+    long_text = "word " * 400 + "How many words is that?"
+    # room for two of the long prompts' KV at a time, whatever the batch size
+    twin = engine.replica(
+        max_batch=8,
+        max_queue=32,
+        max_queue_per_key=16,
+        kv_budget_bytes=48 * 1024 * 1024,
+        prefix_caching=False,
+    )
+    await twin.start()
+    sched = twin._scheduler
+    try:
+        solo_long = (await collect(twin, ask(long_text, 24, "solo-long")))[1]
+        # the guest's prompt is too long for the room the two running hogs leave
+        medium = "word " * 200 + "Say hi."
+        solo_hi = (await collect(twin, ask(medium, 4, "solo-hi")))[1]
+        events = record(sched)
+        hogs = [ask(long_text, 24, "hog", f"hog-{i}") for i in range(4)]
+        hog_tasks = [asyncio.create_task(collect(twin, r)) for r in hogs]
+        await until(lambda: twin.stats().running == 2 and twin.stats().waiting == 2)
+        _, guest = await collect(twin, ask(medium, 4, "guest", "guest"))
+        results = [r for _, r in await asyncio.gather(*hog_tasks)]
+    finally:
+        await twin.aclose()
+    submitted = events.index(("submit", "guest"))
+    admitted = events.index(("admit", "guest"))
+    steps_waited = sum(kind == "step" for kind, _ in events[submitted:admitted])
+    assert steps_waited <= 1, "the guest waited for KV memory held by another key"
+    assert sum(r.preemptions for r in results) >= 1  # a hog made room, and came back
+    assert guest.text == solo_hi.text
+    assert all(r.text == solo_long.text for r in results)
