@@ -23,7 +23,7 @@ from typing import Any
 
 import structlog
 
-__all__ = ("GatewayProcess", "settings_fields")
+__all__ = ("GatewayProcess", "redacted", "settings_fields")
 
 log = structlog.get_logger("bench.load")
 
@@ -54,12 +54,27 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def redacted(settings: dict[str, Any] | str) -> dict[str, Any] | str:
+    """`settings` with its API keys replaced by how many there are (for logs and reports)."""
+    if isinstance(settings, dict) and "api_keys" in settings:
+        return {**settings, "api_keys": f"<{len(settings['api_keys'])} keys>"}
+    return settings
+
+
 class GatewayProcess:
     """One gateway in a child process, listening on 127.0.0.1 only."""
 
-    def __init__(self, name: str, overrides: dict[str, Any], log_path: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        overrides: dict[str, Any],
+        log_path: Path,
+        *,
+        command: tuple[str, ...] = ("gateway", "serve"),
+    ) -> None:
         fields = settings_fields()
         self.name = name
+        self.command = command  # `python -m <command>` in the child
         self.requested = dict(overrides)
         self.applied = {k: v for k, v in overrides.items() if k in fields}
         self.skipped = sorted(k for k in overrides if k not in fields)
@@ -97,7 +112,7 @@ class GatewayProcess:
         try:
             # its own session: a Ctrl-C here reaches the benchmark, which stops it in order
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gateway", "serve"],
+                [sys.executable, "-m", *self.command],
                 env=self.env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -111,7 +126,7 @@ class GatewayProcess:
             config=self.name,
             port=self.port,
             pid=self.proc.pid,
-            settings=self.applied,
+            settings=redacted(self.applied),
             skipped=self.skipped or None,
         )
         return self

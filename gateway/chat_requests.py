@@ -53,6 +53,7 @@ __all__ = (
     "check_max_tokens",
     "check_output_modalities",
     "check_sampling",
+    "check_session_id",
     "check_stop",
     "check_text",
     "conversation_chars",
@@ -103,6 +104,23 @@ def _invalid(message: str, param: str | None) -> GatewayError:
 
 
 # ---------------------------------------------------------------- scalar values
+
+
+MAX_SESSION_ID_CHARS = 128
+
+
+def check_session_id(session_id: str, param: str = "session_id") -> str:
+    """A client-chosen session id: 1..128 visible ASCII characters (it travels back in the
+    `X-Session-Id` header and in URLs, so nothing else is taken)."""
+    if not 1 <= len(session_id) <= MAX_SESSION_ID_CHARS or not all(
+        "!" <= c <= "~" for c in session_id
+    ):
+        raise _invalid(
+            f"session_id must be 1..{MAX_SESSION_ID_CHARS} visible ASCII characters "
+            "(letters, digits and punctuation, no spaces)",
+            param,
+        )
+    return session_id
 
 
 def check_sampling(

@@ -279,7 +279,8 @@ class RealtimeConnection:
             elif isinstance(event, rt.SessionUpdate):
                 await self._session_update(event)
         except GatewayError as exc:
-            await self._send_error(exc, getattr(exc, "event_id", None) or event_id)
+            decoded_id = getattr(exc, "event_id", None)
+            await self._send_error(exc, decoded_id if decoded_id is not None else event_id)
         except Exception as exc:  # a bug must not take the connection down with it
             log.exception("realtime_event_failed")
             await self._send_error(
@@ -658,7 +659,7 @@ class RealtimeConnection:
                 else:
                     await self.socket.send_text(data.decode())
             except Exception:  # the peer went away; the receive loop will see the disconnect
-                log.debug("send_failed", event=type(event).__name__)
+                log.debug("send_failed", event_type=type(event).__name__)
 
     async def _send_error(self, exc: GatewayError, event_id: str | None) -> None:
         self.state.metrics.record_error(code=exc.code, api="realtime")

@@ -27,6 +27,7 @@ from gateway.chat_requests import (
     admit_encodes,
     check_image_count,
     check_item_count,
+    check_session_id,
     fetch_remote,
     refuse_unsupported,
     resolve_references,
@@ -170,10 +171,7 @@ class ChatCompletionServing:
             options.store = False  # a throwaway session: the vision cache still applies by content
             reconcile(session, conv, settings.default_instructions)
         else:
-            if not session_id or len(session_id) > 128:
-                raise GatewayError(
-                    "invalid_request", "session_id must be 1..128 characters", param="session_id"
-                )
+            check_session_id(session_id)
             load_start = time.time_ns()
             await self._session(session_id, owner)  # load, or create under this id
 
