@@ -87,6 +87,8 @@ log = structlog.get_logger(__name__)
 
 # how fast an owner's record of prefill service fades: a key idle this long counts half as heavy
 SERVED_HALF_LIFE_S = 10.0
+# a key counts as heavy once its recent prefill passes this many full steps' budget
+HEAVY_PREFILL_STEPS = 4
 
 _owner = attrgetter("owner")
 _order = attrgetter("order")
@@ -428,9 +430,17 @@ class Scheduler:
             lines.setdefault(s.owner, []).append(s)
         demands = [sum(s.known - s.fed for s in line) for line in lines.values()]
         served = self._served.now()
-        grants = share_budget_least_served(
-            demands, [served.get(owner, 0.0) for owner in lines], budget
-        )
+        recent = [served.get(owner, 0.0) for owner in lines]
+        grants = share_budget_least_served(demands, recent, budget)
+        # while a light key (little prefill lately) has a sequence in the batch, the heavy keys'
+        # prefill together takes a small slice of each step: their long prompts then cannot
+        # stretch every step, which is the light key's time to first token and between tokens
+        heavy = HEAVY_PREFILL_STEPS * self.cfg.prefill_chunk_tokens
+        if any(served.get(s.owner, 0.0) < heavy for s in self._running):
+            heavy_lines = [i for i, r in enumerate(recent) if r >= heavy]
+            cap = max(self.cfg.prefill_chunk_tokens // 8 // max(len(heavy_lines), 1), 1)
+            for i in heavy_lines:
+                grants[i] = min(grants[i], cap)
         for owner, grant in zip(lines, grants, strict=True):
             self._served.add(owner, grant)
         for line, grant in zip(lines.values(), grants, strict=True):
