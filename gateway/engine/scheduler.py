@@ -435,10 +435,18 @@ class Scheduler:
         # while a light key (little prefill lately) has a sequence in the batch, the heavy keys'
         # prefill together takes a small slice of each step: their long prompts then cannot
         # stretch every step, which is the light key's time to first token and between tokens
+        # (an eighth; half while one was served lately but has nothing in the batch, so that
+        # the step under way when its next request comes is short too)
         heavy = HEAVY_PREFILL_STEPS * self.cfg.prefill_chunk_tokens
-        if any(served.get(s.owner, 0.0) < heavy for s in self._running):
-            heavy_lines = [i for i, r in enumerate(recent) if r >= heavy]
-            cap = max(self.cfg.prefill_chunk_tokens // 8 // max(len(heavy_lines), 1), 1)
+        heavy_lines = [i for i, r in enumerate(recent) if r >= heavy]
+        if heavy_lines:
+            if any(served.get(s.owner, 0.0) < heavy for s in self._running):
+                share = self.cfg.prefill_chunk_tokens // 8
+            elif any(r < heavy for r in served.values()):
+                share = self.cfg.prefill_chunk_tokens // 2
+            else:
+                share = budget
+            cap = max(share // len(heavy_lines), 1)
             for i in heavy_lines:
                 grants[i] = min(grants[i], cap)
         for owner, grant in zip(lines, grants, strict=True):
