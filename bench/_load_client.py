@@ -203,8 +203,10 @@ def _done(
     )
 
 
-async def _connect(url: str) -> Any:
-    ws = await websockets.connect(url, max_size=None, open_timeout=30, close_timeout=2)
+async def _connect(url: str, headers: dict[str, str] | None = None) -> Any:
+    ws = await websockets.connect(
+        url, additional_headers=headers, max_size=None, open_timeout=30, close_timeout=2
+    )
     first = json.loads(await ws.recv())
     if first.get("type") != "session.created":
         await ws.close()
@@ -224,8 +226,10 @@ async def play_session(
     typing_s: float,
     max_tokens: int,
     turn_timeout_s: float,
+    headers: dict[str, str] | None = None,
 ) -> None:
-    """Play one session; append a `TurnRecord` per attempted turn to `records`.
+    """Play one session; append a `TurnRecord` per attempted turn to `records`. `headers` go
+    with the WebSocket upgrade (e.g. `Authorization: Bearer <key>`).
 
     No turn starts after `stop_at` (loop time). A failed turn ends the session. Cancellation
     records the turn in flight as `abandoned` and closes the connection.
@@ -247,7 +251,7 @@ async def play_session(
 
     try:
         if mode == "stateful":
-            ws = await _connect(url)
+            ws = await _connect(url, headers)
             photo = _item("user", [{"type": "input_image", "image_url": plan.image_url}])
             watch.add(photo["event_id"])
             await ws.send(json.dumps(photo))  # encoding starts now, while the user types
@@ -262,7 +266,7 @@ async def play_session(
                 if turn == 0:
                     parts.insert(0, {"type": "input_image", "image_url": plan.image_url})
                 history.append(_item("user", parts))
-                ws = await _connect(url)
+                ws = await _connect(url, headers)
                 text = await _exchange(
                     ws,
                     history,

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import websockets
 
-from bench._load_client import SessionPlan, _exchange, _item, _TurnFailed
+from bench._load_client import SessionPlan, play_session
 from bench._load_stats import TurnRecord
 
 __all__ = (
@@ -85,69 +85,12 @@ async def connect_realtime(target: Target, key: str, **options: Any) -> Any:
 
 
 async def ws_session(
-    target: Target,
-    key: str,
-    plan: SessionPlan,
-    records: list[TurnRecord],
-    *,
-    origin: float,
-    stop_at: float | None,
-    typing_s: float,
-    max_tokens: int,
-    turn_timeout_s: float,
+    target: Target, key: str, plan: SessionPlan, records: list[TurnRecord], **play: Any
 ) -> None:
-    """The load benchmark's stateful Realtime session (bench._load_client.play_session) with the
-    key in a header: the photo at once, the question after `typing_s`, follow-ups on the same
-    session. One `TurnRecord` per attempted turn; a failed turn ends the session."""
-    loop = asyncio.get_running_loop()
-    watch: set[str] = set()
-    rec: TurnRecord | None = None
-    ws = None
-    try:
-        ws = await connect_realtime(target, key)
-        first = json.loads(await ws.recv())
-        if first.get("type") != "session.created":
-            code = str((first.get("error") or {}).get("code") or "protocol_error")
-            raise _TurnFailed("busy" if code == "busy" else "error", code)
-        photo = _item("user", [{"type": "input_image", "image_url": plan.image_url}])
-        watch.add(photo["event_id"])
-        await ws.send(json.dumps(photo))  # encoding starts now, while the user types
-        await asyncio.sleep(typing_s)
-        for turn, question in enumerate(plan.questions):
-            if stop_at is not None and loop.time() >= stop_at:
-                return
-            t_submit = loop.time()
-            rec = TurnRecord(session=plan.index, turn=turn, sent_s=t_submit - origin)
-            await _exchange(
-                ws,
-                [_item("user", [{"type": "input_text", "text": question}])],
-                rec,
-                t_submit=t_submit,
-                max_tokens=max_tokens,
-                timeout_s=turn_timeout_s,
-                watch=watch,
-            )
-            rec.done_s = loop.time() - origin
-            records.append(rec)
-            rec = None
-    except (_TurnFailed, TimeoutError, OSError, websockets.WebSocketException) as exc:
-        if rec is None:  # failed before its first question: that turn failed
-            rec = TurnRecord(session=plan.index, turn=0, sent_s=loop.time() - origin)
-        if isinstance(exc, _TurnFailed):
-            rec.status, rec.error_code = exc.status, exc.code  # type: ignore[assignment]
-        elif isinstance(exc, TimeoutError):
-            rec.status, rec.error_code = "abandoned", "turn_timeout"
-        else:
-            rec.status, rec.error_code = "error", f"connection:{type(exc).__name__}"
-        records.append(rec)
-    except asyncio.CancelledError:
-        if rec is not None:
-            rec.status = "abandoned"
-            records.append(rec)
-        raise
-    finally:
-        if ws is not None:
-            await ws.close()
+    """The load benchmark's stateful Realtime session (`bench._load_client.play_session`) with
+    the key in the Authorization header: the photo at once, the question after the typing
+    time, follow-ups on the same session; a failed turn ends the session."""
+    await play_session(target.ws_url, plan, "stateful", records, headers=bearer(key), **play)
 
 
 async def http_session(
