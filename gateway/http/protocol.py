@@ -236,9 +236,11 @@ class SessionView(Struct):
     temperature: float
     top_p: float
     seed: int | None
-    items: list[SessionItemView]
+    items: list[SessionItemView]  # a page of the conversation (see `after` / `limit`)
     images: list[str]
     object: Literal["visiongate.session"] = "visiongate.session"
+    item_count: int = 0  # items in the whole conversation
+    has_more: bool = False  # items follow this page: ask again with after=<last item's id>
 
 
 class SessionDeleted(Struct):

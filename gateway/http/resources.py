@@ -190,7 +190,24 @@ class ImageServing:
                 self._encodes.popitem(last=False)
 
 
-def session_view(session) -> p.SessionView:
+MAX_PAGE_ITEMS = 1000
+
+
+def session_view(
+    session, *, after: str | None = None, limit: int = MAX_PAGE_ITEMS
+) -> p.SessionView:
+    """The session with a page of its items: those after the item `after` (from the first when
+    None), at most `limit`. GatewayError(invalid_request) for an unknown `after`."""
+    items = session.items
+    start = 0
+    if after is not None:
+        ids = [i.id for i in items]
+        if after not in ids:
+            raise GatewayError(
+                "invalid_request", "after names no item of this session", param="after"
+            )
+        start = ids.index(after) + 1
+    page = items[start : start + limit]
     return p.SessionView(
         id=session.id,
         created_at=session.created_at,
@@ -200,8 +217,10 @@ def session_view(session) -> p.SessionView:
         temperature=session.temperature,
         top_p=session.top_p,
         seed=session.seed,
-        items=[_item_view(i) for i in session.items],
+        items=[_item_view(i) for i in page],
         images=session.image_digests,
+        item_count=len(items),
+        has_more=start + len(page) < len(items),
     )
 
 
@@ -221,12 +240,18 @@ class SessionServing:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
 
-    async def get(self, session_id: str, owner: str) -> p.SessionView | p.ErrorResponse:
+    async def get(
+        self, session_id: str, owner: str, *, after: str | None = None, limit: int = MAX_PAGE_ITEMS
+    ) -> p.SessionView | p.ErrorResponse:
+        if not 1 <= limit <= MAX_PAGE_ITEMS:
+            return p.error_response(
+                GatewayError("invalid_request", f"limit must be 1..{MAX_PAGE_ITEMS}", param="limit")
+            )
         try:
             session = await self.state.sessions.load(session_id, owner)
+            return session_view(session, after=after, limit=limit)
         except GatewayError as exc:
             return p.error_response(exc)
-        return session_view(session)
 
     async def delete(self, session_id: str, owner: str) -> p.SessionDeleted | p.ErrorResponse:
         if not await self.state.sessions.delete(session_id, owner):

@@ -141,9 +141,17 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
     async def image_status(request: Request, digest: str) -> Response[p.ImageStatus]:
         return reply(await images.status(digest, owner=owner(request)))
 
-    @get("/sessions/{session_id:str}", responses=ERRORS, summary="A session's conversation")
-    async def get_session(request: Request, session_id: str) -> Response[p.SessionView]:
-        return reply(await sessions.get(session_id, owner(request)))
+    @get(
+        "/sessions/{session_id:str}",
+        responses=ERRORS,
+        summary="A session's conversation, a page at a time",
+        description="`limit` items (default and most 1000) after the item `after` (from the "
+        "first when absent); `has_more` says whether more follow.",
+    )
+    async def get_session(
+        request: Request, session_id: str, after: str | None = None, limit: int = 1000
+    ) -> Response[p.SessionView]:
+        return reply(await sessions.get(session_id, owner(request), after=after, limit=limit))
 
     @delete(
         "/sessions/{session_id:str}", status_code=200, responses=ERRORS, summary="Delete a session"

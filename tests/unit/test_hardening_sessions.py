@@ -257,3 +257,24 @@ async def test_http_truncation_is_chosen_by_the_client(make_gateway) -> None:
     assert ok.status_code == 200, ok.text
     assert ok.json()["visiongate"]["truncated_items"] > 0
     assert ok.json()["choices"][0]["message"]["content"] == "and now? [0 images]"
+
+
+async def test_the_sessions_api_pages_the_history(fake_gateway) -> None:
+    async with websockets.connect(fake_gateway.ws_url) as ws:
+        session_id = (await until(ws, "session.created"))["session"]["id"]
+        for n in range(7):
+            await add_text(ws, f"message {n}")
+    url = f"{fake_gateway.http_url}/v1/sessions/{session_id}"
+    seen: list[str] = []
+    after = None
+    while True:
+        page = httpx.get(url, params={"limit": 3, **({"after": after} if after else {})}).json()
+        assert page["item_count"] == 7 and len(page["items"]) <= 3
+        seen += [i["content"][0]["text"] for i in page["items"]]
+        if not page["has_more"]:
+            break
+        after = page["items"][-1]["id"]
+    assert seen == [f"message {n}" for n in range(7)]
+    for params, param in (({"after": "item_nope"}, "after"), ({"limit": 0}, "limit")):
+        r = httpx.get(url, params=params)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
