@@ -126,6 +126,7 @@ def build_encoder(settings: Settings, engine: Engine) -> Encoder:
             target_rms=target_rms,
             image_ttl_s=settings.vision_cache_ttl_s,
             vision_ttl_s=settings.vision_cache_ttl_s,
+            max_in_flight=settings.encoder_max_in_flight,
         )
     return LocalEncoder(
         config,

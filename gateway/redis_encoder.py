@@ -26,6 +26,7 @@ from encoder_worker.jobs import IMAGE_ERROR_CODES, EncodeDone, EncodeJob, decode
 from encoder_worker.pipeline import encoder_fingerprint
 from encoder_worker.storage import JOBS_STREAM, image_key, result_key, unpack_encoded
 from encoder_worker.types import EncodedImage, ImageError
+from gateway.fair_gate import FairGate
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -63,6 +64,7 @@ class RedisEncoder:
         image_ttl_s: float = 86400.0,
         vision_ttl_s: float = 86400.0,
         max_stream_len: int = 100_000,
+        max_in_flight: int = 16,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -74,6 +76,8 @@ class RedisEncoder:
         self._vlm = config.family is not None  # its entries must carry a layout
         self.timeout_s = timeout_s
         self.max_stream_len = max_stream_len
+        # this replica's jobs in the stream at once; more wait here, let in round-robin by key
+        self._gate = FairGate(max_in_flight)
         self._image_ttl_ms = max(1, int(image_ttl_s * 1000))
         self._vision_ttl_s = vision_ttl_s
         self._client: Redis | None = None
@@ -124,8 +128,9 @@ class RedisEncoder:
         self, data: bytes, *, traceparent: str | None = None, owner: str | None = None
     ) -> EncodedImage:
         """Queue the image for a worker and wait for its tokens; raises ImageError or
-        GatewayError. `owner` is not sent: the job stream is one FIFO that every worker reads
-        (a replica bounds each key's pending encodes before they reach it)."""
+        GatewayError. `owner` (the API key's owner id) is not sent: the job stream is one FIFO
+        that every worker reads, so fairness is decided here, where jobs enter it (at most
+        `max_in_flight` of this replica's at a time, the next taken in turn by owner)."""
         from redis.exceptions import RedisError
 
         from gateway.caching import sha256_hex
@@ -150,18 +155,22 @@ class RedisEncoder:
         )
         client = self._client
         try:
-            key = image_key(digest)
-            # usually the gateway's image store has just written the bytes: refresh, don't resend
-            if not await client.pexpire(key, self._image_ttl_ms):
-                await client.set(key, bytes(data), px=self._image_ttl_ms)
-            # a full queue answers busy; trimming the stream would silently drop waiting jobs
-            if await client.xlen(JOBS_STREAM) >= self.max_stream_len:
-                raise GatewayError(
-                    "busy", f"the encoder queue holds {self.max_stream_len} jobs; retry shortly"
-                )
-            await client.xadd(JOBS_STREAM, {"job": encode_job(job)})
-            self.jobs += 1
-            reply = await client.blpop([result_key(job.job_id)], timeout=self.timeout_s)
+            # the stream is first in, first out for every worker: this replica's jobs enter it
+            # a few at a time, in turn by key
+            async with self._gate.hold(owner):
+                key = image_key(digest)
+                # usually the gateway's image store has just written the bytes: refresh it
+                if not await client.pexpire(key, self._image_ttl_ms):
+                    await client.set(key, bytes(data), px=self._image_ttl_ms)
+                # a full queue answers busy; trimming the stream would drop waiting jobs
+                if await client.xlen(JOBS_STREAM) >= self.max_stream_len:
+                    raise GatewayError(
+                        "busy",
+                        f"the encoder queue holds {self.max_stream_len} jobs; retry shortly",
+                    )
+                await client.xadd(JOBS_STREAM, {"job": encode_job(job)})
+                self.jobs += 1
+                reply = await client.blpop([result_key(job.job_id)], timeout=self.timeout_s)
         except (RedisError, OSError) as exc:
             raise GatewayError("busy", f"the encoder queue is unavailable: {exc}") from None
         if reply is None:

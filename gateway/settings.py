@@ -85,6 +85,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # rate_limited (HTTP 429 with Retry-After) and nothing of it is kept; 0: no cap
     max_pending_encodes_per_connection: int = 8
     max_pending_encodes_per_key: int = 16
+    # with encoder=redis: this replica's jobs in the shared job stream at once; more wait in the
+    # gateway and enter in turn by API key (the stream itself is first in, first out)
+    encoder_max_in_flight: int = 16
     # sessions and caches
     session_ttl_s: int = 3600
     redis_url: str | None = None  # absent: everything in process
@@ -169,6 +172,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "max_pending_encodes_per_key",
             "must be >= 0 (0: no cap)",
         )
+        need(self.encoder_max_in_flight >= 1, "encoder_max_in_flight", "must be >= 1")
         need(self.session_ttl_s >= 1, "session_ttl_s", "must be >= 1 second")
         need(self.vision_cache_bytes >= 0, "vision_cache_bytes", "must be >= 0")
         need(self.kv_budget_bytes >= 0, "kv_budget_bytes", "must be >= 0")
