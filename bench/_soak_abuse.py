@@ -35,12 +35,12 @@ import websockets
 
 from bench._soak_users import Target, bearer, connect_realtime, error_code
 
-__all__ = ("ABUSE_KINDS", "AbusePayloads", "Abuser")
+__all__ = ("ABUSE_KINDS", "AbusePayloads", "Abuser", "png_claiming")
 
 ABUSE_KINDS = ("long_prompts", "oversize", "bad_images", "slow_readers")
 
 
-def _png_claiming(width: int, height: int) -> bytes:
+def png_claiming(width: int, height: int) -> bytes:
     """A small PNG whose header claims `width` x `height` pixels (a decompression bomb)."""
 
     def chunk(kind: bytes, data: bytes) -> bytes:
@@ -149,7 +149,7 @@ class AbusePayloads:
         self.bad_images = {
             "truncated_jpeg": photo_jpeg[: len(photo_jpeg) // 3],
             "bitflipped_jpeg": bytes(flipped),
-            "bomb_png": _png_claiming(60_000, 60_000),
+            "bomb_png": png_claiming(60_000, 60_000),
             "not_an_image": b"GIF89a" + self.rng.randbytes(256),
             "wrong_mime": small.getvalue(),  # a PNG sent as text/plain
         }

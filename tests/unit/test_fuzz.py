@@ -31,7 +31,6 @@ import math
 import os
 import random
 import struct
-import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,6 +39,7 @@ import msgspec
 import pytest
 import websockets
 
+from bench._soak_abuse import png_claiming
 from gateway.app import create_app
 from gateway.http import protocol as hp
 from gateway.protocol import realtime_events as rt
@@ -150,26 +150,6 @@ def _image(fmt: str, size: tuple[int, int] = (16, 12), mode: str = "RGB") -> byt
     return buf.getvalue()
 
 
-def _png_claiming(width: int, height: int) -> bytes:
-    """A PNG whose header claims `width` x `height` (a decompression bomb's header)."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(data))
-            + kind
-            + data
-            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-        )
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", ihdr)
-        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-        + chunk(b"IEND", b"")
-    )
-
-
 def _images() -> dict[str, bytes]:
     good = {fmt: _image(fmt) for fmt in ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")}
     jpeg, png = good["JPEG"], good["PNG"]
@@ -185,8 +165,8 @@ def _images() -> dict[str, bytes]:
         "header_only_png": png[:33],
         "flipped_jpeg": bytes(flipped),
         "png_magic_then_noise": b"\x89PNG\r\n\x1a\n" + rng.randbytes(200),
-        "bomb_png": _png_claiming(100_000, 100_000),
-        "zero_width_png": _png_claiming(0, 10),
+        "bomb_png": png_claiming(100_000, 100_000),
+        "zero_width_png": png_claiming(0, 10),
         "random_bytes": rng.randbytes(300),
         "svg": b"<svg xmlns='http://www.w3.org/2000/svg'/>",
         "pdf": b"%PDF-1.4\n%\xe2\xe3\xcf\xd3\n",
