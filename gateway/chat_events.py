@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import new_id
 
-__all__ = ("Finished", "ResponseOptions", "ServiceEvent", "Started", "Status", "TextChunk")
+if TYPE_CHECKING:
+    from gateway.engine.interface import TokenLogprob
+
+__all__ = (
+    "ChoiceEnd",
+    "Finished",
+    "ResponseOptions",
+    "ServiceEvent",
+    "Started",
+    "Status",
+    "TextChunk",
+)
 
 Status = Literal["completed", "cancelled", "incomplete", "failed"]
 
@@ -35,6 +46,13 @@ class ResponseOptions:
     api: str = "realtime"
     session_load_ns: tuple[int, int] | None = None  # when the caller loaded the session (epoch ns)
     cancel: threading.Event = field(default_factory=threading.Event)  # set to stop the answer
+    logprobs: int | None = None  # None: none; k: each token's logprob and k alternatives
+    n: int = 1  # answers sampled from the one prompt; only the first is stored in the session
+    grammar: str | None = None  # constrained decoding (see `gateway.structured`)
+    # appended to the instructions for this response: the tools the model may call and how
+    tools_prompt: str | None = None
+    # the answer may hold tool calls: it is stored as text and tool-call parts
+    tools: bool = False
 
 
 @dataclass(slots=True)
@@ -46,6 +64,20 @@ class Started:
 @dataclass(slots=True)
 class TextChunk:
     text: str
+    index: int = 0  # which answer (ResponseOptions.n)
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens in `text`, when asked for
+
+
+@dataclass(slots=True)
+class ChoiceEnd:
+    """How one of several answers (ResponseOptions.n > 1) ended."""
+
+    index: int
+    text: str
+    status: Status
+    reason: str | None = None
+    output_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()  # tokens not sent with a TextChunk
 
 
 @dataclass(slots=True)
@@ -69,6 +101,10 @@ class Finished:
     truncated_items: int = 0  # oldest conversation items left out to fit the context
     # the answer went out but its record in the session could not be written
     store_error: GatewayError | None = None
+    # with n > 1: every answer in index order (the first is also `text`/`status` above, and
+    # `output_tokens` counts them all); empty with n == 1
+    choices: list[ChoiceEnd] = field(default_factory=list)
+    logprobs: tuple[TokenLogprob, ...] = ()  # the first answer's tokens not sent with a chunk
 
     @property
     def vision(self) -> str:

@@ -36,6 +36,7 @@ from gateway.engine.interface import (
     GenerationResult,
     ImageInput,
     TextDelta,
+    TokenLogprob,
 )
 from gateway.engine.sequence import check_request
 
@@ -117,15 +118,39 @@ class FakeEngine:
                 f"the prompt has {input_tokens} tokens; the context holds {self.context_tokens}",
                 code="context_length_exceeded",
             )
-        last = next((m for m in reversed(request.messages) if m.role == "user"), None)
-        words = [p for p in (last.content if last else []) if isinstance(p, str)]
-        n_images = sum(isinstance(p, ImageInput) for p in (last.content if last else []))
+        if request.raw_prompt is not None:
+            words, n_images = request.raw_prompt.split(), 0
+        else:
+            last = next((m for m in reversed(request.messages) if m.role == "user"), None)
+            words = [p for p in (last.content if last else []) if isinstance(p, str)]
+            n_images = sum(isinstance(p, ImageInput) for p in (last.content if last else []))
         tokens = [*" ".join(words).split(), f"[{n_images} images]"]
+        # choices after the first echo the same words, tagged with their index
+        for index in range(request.sampling.n):
+            choice = tokens if index == 0 else [*tokens, f"#{index}"]
+            async for delta in self._choice(request, choice, index, input_tokens, image_tokens):
+                yield delta
+
+    async def _choice(
+        self,
+        request: GenerationRequest,
+        tokens: list[str],
+        index: int,
+        input_tokens: int,
+        image_tokens: int,
+    ) -> AsyncIterator[Delta]:
         sampling = request.sampling
         # `text` is the answer so far, `sent` how much of it went out: like the real detokenizer,
         # a tail that could begin a stop string is held back, so no stop string ever leaks and
         # the deltas always add up to the result's text
         text, sent, emitted, finish = "", 0, 0, "stop"
+        pending: list[TokenLogprob] = []  # logprobs of words not sent yet
+
+        def delta(piece: str) -> TextDelta:
+            sent_logprobs = tuple(pending)
+            pending.clear()
+            return TextDelta(piece, index=index, logprobs=sent_logprobs)
+
         self.running += 1
         try:
             for word in tokens:
@@ -135,18 +160,21 @@ class FakeEngine:
                 if emitted >= sampling.max_output_tokens:
                     finish = "length"
                     break
-                text = f"{text} {word}" if text else word
+                piece = f" {word}" if text else word
+                text += piece
                 emitted += 1
+                if sampling.logprobs is not None:
+                    pending.append(_fake_logprob(piece, sampling.logprobs))
                 stop_at = min((text.find(s) for s in sampling.stop if s in text), default=-1)
                 if stop_at >= 0:
                     text = text[:stop_at]
                     if len(text) > sent:
-                        yield TextDelta(text[sent:])
+                        yield delta(text[sent:])
                     sent = len(text)
                     break
                 end = len(text) - _held_back(text, sampling.stop)
                 if end > sent:
-                    yield TextDelta(text[sent:end])
+                    yield delta(text[sent:end])
                     sent = end
                 if self.fail_after is not None and emitted >= self.fail_after:
                     raise EngineError("the fake engine failed as asked", code="engine_error")
@@ -154,7 +182,7 @@ class FakeEngine:
             if finish == "cancelled":
                 text = text[:sent]  # what went out is the answer
             elif len(text) > sent:
-                yield TextDelta(text[sent:])
+                yield delta(text[sent:])
         finally:
             self.running -= 1
         yield GenerationResult(
@@ -163,6 +191,8 @@ class FakeEngine:
             input_tokens=input_tokens,
             image_tokens=image_tokens,
             output_tokens=emitted,
+            index=index,
+            logprobs=tuple(pending),
         )
 
     def forget(self, kv_key: str) -> None:
@@ -173,6 +203,15 @@ class FakeEngine:
 
     async def aclose(self) -> None:
         self._ready = False
+
+
+def _fake_logprob(piece: str, top: int) -> TokenLogprob:
+    """A made-up but well-formed log-probability: the word is the most likely of `top`."""
+    raw = piece.encode()
+    alternatives = [(piece, -0.25, raw)] + [
+        (f"{piece}~{k}", -1.0 - k, f"{piece}~{k}".encode()) for k in range(1, top)
+    ]
+    return TokenLogprob(piece, -0.25, raw, tuple(alternatives[:top]))
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:

@@ -31,7 +31,11 @@ __all__ = (
     "Message",
     "SamplingParams",
     "TextDelta",
+    "TokenLogprob",
 )
+
+MAX_TOP_LOGPROBS = 20  # alternatives reported per token at most (as OpenAI's API)
+MAX_CHOICES = 8  # completions per request at most (`SamplingParams.n`)
 
 Role = Literal["system", "user", "assistant"]
 # "slow_reader": the caller stopped taking deltas (more than the engine's unread limit were
@@ -67,6 +71,17 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # None: no log-probabilities; k >= 0: each token's log-probability under the model
+    # (log-softmax of the raw logits, before temperature, top-p or a grammar) and its k most
+    # likely alternatives (k <= MAX_TOP_LOGPROBS)
+    logprobs: int | None = None
+    # completions sampled from one prompt (1..MAX_CHOICES); the prompt is prefilled once and its
+    # KV shared. Choice i > 0 with a seed samples with seed + i.
+    n: int = 1
+    # a constrained-decoding grammar (llguidance's Lark syntax, JSON schemas embedded with
+    # %json): only tokens it allows are sampled, and the answer ends when it is complete.
+    # None: unconstrained.
+    grammar: str | None = None
 
 
 @dataclass(slots=True)
@@ -81,11 +96,27 @@ class GenerationRequest:
     # Namespace of automatic prefix caching (the API key's id): KV blocks are shared only
     # between requests with the same salt. None: the anonymous namespace.
     cache_salt: str | None = None
+    # A plain-text prompt (legacy completions): tokenized as is, without the chat template;
+    # `messages` are then ignored and may be empty.
+    raw_prompt: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """One generated token with its log-probability and the most likely alternatives."""
+
+    token: str  # the token's text on its own (may be part of a multi-byte character)
+    logprob: float
+    bytes: bytes  # the token's UTF-8 bytes
+    top: tuple[tuple[str, float, bytes], ...] = ()  # (token, logprob, bytes), most likely first
 
 
 @dataclass(slots=True, frozen=True)
 class TextDelta:
     text: str
+    index: int = 0  # which choice (SamplingParams.n) the text belongs to
+    # the tokens emitted since the previous delta of this choice, when logprobs were asked for
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(slots=True)
@@ -104,6 +135,10 @@ class GenerationResult:
     itl_ms: tuple[float, ...] = ()  # gaps between consecutive text deltas (inter-token latency)
     prefill_chunks: int = 0  # scheduler steps the prompt's prefill was split over
     preemptions: int = 0  # times this request was preempted (its KV freed, later recomputed)
+    index: int = 0  # which choice this result ends (one result per choice)
+    # tokens whose log-probabilities were not sent with a delta (held back, then dropped by a
+    # stop string or the end); only when logprobs were asked for
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(slots=True, frozen=True)
@@ -158,7 +193,8 @@ class Engine(Protocol):
         """Load and warm up; `ready` is true afterwards."""
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
-        """Stream `TextDelta`s, then exactly one `GenerationResult`.
+        """Stream `TextDelta`s, then exactly one `GenerationResult` per choice
+        (`sampling.n`; `index` tells choices apart); the stream ends after the last result.
 
         Raises `EngineBusy` (on first iteration) when its queue is full. Closing the iterator
         early, or setting `request.cancel`, stops generation within one decode step.

@@ -20,7 +20,14 @@ import structlog
 import torch
 
 from gateway.engine.generation import StreamDecoder
-from gateway.engine.interface import EngineError, GenerationRequest, GenerationResult, ImageInput
+from gateway.engine.interface import (
+    MAX_CHOICES,
+    MAX_TOP_LOGPROBS,
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    ImageInput,
+)
 from gateway.engine.kvblocks import KVEntry, block_hashes, chain_seed
 from gateway.engine.prompt import ImageSpan, Prompt, embed_positions, render
 
@@ -137,7 +144,7 @@ class Sequence:
 
 def check_request(req: GenerationRequest, hidden: int) -> None:
     """Refuse, with a stable code, what would run wrongly or cost every other stream."""
-    if not req.messages:
+    if not req.messages and req.raw_prompt is None:
         raise EngineError("messages must not be empty", code="invalid_request")
     for message in req.messages:
         for part in message.content:
@@ -165,6 +172,12 @@ def check_request(req: GenerationRequest, hidden: int) -> None:
         raise EngineError("top_p must be in (0, 1]", code="invalid_request")
     if sp.seed is not None and not -(2**63) <= sp.seed < 2**64:  # what a torch.Generator takes
         raise EngineError("seed must be a 64-bit integer", code="invalid_request")
+    if not 1 <= sp.n <= MAX_CHOICES:
+        raise EngineError(f"n must be in 1..{MAX_CHOICES}", code="invalid_request")
+    if sp.logprobs is not None and not 0 <= sp.logprobs <= MAX_TOP_LOGPROBS:
+        raise EngineError(
+            f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", code="invalid_request"
+        )
     if len(sp.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in sp.stop):
         raise EngineError(
             f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters",

@@ -28,14 +28,17 @@ def new_id(prefix: str) -> str:
 
 
 class StoredPart(msgspec.Struct, array_like=True, omit_defaults=True):
-    kind: Literal["text", "image"]
-    text: str | None = None
+    kind: Literal["text", "image", "tool_call"]
+    text: str | None = None  # a text; a tool call's arguments (JSON text)
     digest: str | None = None  # sha256 hex of the image bytes
+    name: str | None = None  # a tool call's function name
+    call_id: str | None = None  # a tool call's id; on a "tool" item's text, the call it answers
 
 
 class StoredItem(msgspec.Struct, omit_defaults=True):
     id: str
-    role: Literal["user", "system", "assistant"]
+    # "tool": a tool's result (one text part carrying the call_id it answers)
+    role: Literal["user", "system", "assistant", "tool"]
     parts: list[StoredPart]
     status: Literal["completed", "incomplete", "in_progress"] = "completed"
     response_id: str | None = None
