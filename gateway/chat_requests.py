@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from gateway.chat_events import ResponseOptions
+from gateway.engine.interface import MAX_CHOICES, MAX_TOP_LOGPROBS
 from gateway.engine.sequence import MAX_STOP_CHARS, MAX_STOPS
 from gateway.image_input import (
     ImageRef,
@@ -169,6 +170,31 @@ def check_stop(stop: str | Sequence[str] | None, param: str = "stop") -> tuple[s
                 f"stop strings hold at most {MAX_STOP_CHARS} characters, got {len(text)}", where
             )
     return stops
+
+
+def check_logprobs(
+    logprobs: bool | None, top_logprobs: int | None, *, param: str = "top_logprobs"
+) -> int | None:
+    """The engine's `logprobs` value: None (none asked), or how many alternatives per token.
+    `top_logprobs` needs `logprobs` (Chat Completions); pass logprobs=True where the API has
+    only `top_logprobs` (the Responses API)."""
+    if top_logprobs is not None:
+        if isinstance(top_logprobs, bool) or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise _invalid(f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}", param)
+        if not logprobs:
+            raise _invalid("top_logprobs needs logprobs set to true", param)
+    if not logprobs:
+        return None
+    return top_logprobs or 0
+
+
+def check_choices(n: int | None, param: str = "n") -> int:
+    """How many answers to sample from the prompt (1..MAX_CHOICES)."""
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise _invalid(f"n must be an integer in 1..{MAX_CHOICES}", param)
+    return n
 
 
 def check_instructions(text: str | None, limits: RequestLimits, param: str) -> str | None:

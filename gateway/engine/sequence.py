@@ -175,9 +175,7 @@ def check_request(req: GenerationRequest, hidden: int) -> None:
     if not 1 <= sp.n <= MAX_CHOICES:
         raise EngineError(f"n must be in 1..{MAX_CHOICES}", code="invalid_request")
     if sp.logprobs is not None and not 0 <= sp.logprobs <= MAX_TOP_LOGPROBS:
-        raise EngineError(
-            f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", code="invalid_request"
-        )
+        raise EngineError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", code="invalid_request")
     if len(sp.stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in sp.stop):
         raise EngineError(
             f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters",

@@ -17,7 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("gateway", "encoder_worker", "kernels", "dashboards", "bench")
 # the wire protocol layer may lean on these leaf modules of the gateway, and nothing else
-PROTOCOL_LEAVES = ("gateway.chat_events", "gateway.sessions.session")
+# the engine boundary's types are a leaf too: the service events carry its token log-probabilities
+PROTOCOL_LEAVES = ("gateway.chat_events", "gateway.sessions.session", "gateway.engine.interface")
 
 Graph = dict[str, dict[str, int]]  # module -> imported project module -> first line
 
