@@ -1,17 +1,19 @@
 """Per-token generation helpers, independent of how the forward pass is batched.
 
 `sample_next` is greedy or temperature + top-p over one sequence's logits; `StreamDecoder` turns
-generated ids into text deltas that never hold broken UTF-8 and never leak a stop string.
-None of these know about threads or requests.
+generated ids into text deltas that never hold broken UTF-8 and never leak a stop string;
+`LogprobTrail` holds each token's log-probabilities back until the text of that token has gone
+out in a delta. None of these know about threads or requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ("StreamDecoder", "sample_next")
+__all__ = ("LogprobTrail", "StreamDecoder", "sample_next")
 
 
 def sample_next(
@@ -92,3 +94,37 @@ class StreamDecoder:
         delta = upto[len(self.text) :]
         self.text = upto
         return delta
+
+
+class LogprobTrail:
+    """Per-token log-probabilities waiting for their text to be sent.
+
+    A token goes out with the delta that completes its text: `add` records where its bytes end
+    in the answer, `sent` counts the answer's bytes emitted so far, and `take` returns the
+    tokens that lie wholly inside them. What is left when the answer ends (held back, then cut
+    by a stop string, or never flushed) is `rest`.
+    """
+
+    __slots__ = ("_end", "_pending", "sent")
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[int, Any]] = []  # (byte offset where the token ends, entry)
+        self._end = 0
+        self.sent = 0
+
+    def add(self, entry: Any, nbytes: int) -> None:
+        self._end += nbytes
+        self._pending.append((self._end, entry))
+
+    def take(self) -> tuple[Any, ...]:
+        n = 0
+        while n < len(self._pending) and self._pending[n][0] <= self.sent:
+            n += 1
+        taken = tuple(entry for _, entry in self._pending[:n])
+        del self._pending[:n]
+        return taken
+
+    def rest(self) -> tuple[Any, ...]:
+        rest = tuple(entry for _, entry in self._pending)
+        self._pending.clear()
+        return rest

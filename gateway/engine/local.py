@@ -6,7 +6,9 @@ steps, prompts are prefilled in chunks under a per-step token budget beside the 
 and KV is reused by content (automatic prefix caching, per API-key namespace) and pinned per
 session, with spill to Redis for other replicas. Text deltas cross to the caller's event loop
 through `loop.call_soon_threadsafe`; closing the iterator early cancels the request, which
-leaves the batch at the next step.
+leaves the batch at the next step. A request for n choices streams their deltas interleaved
+(each tagged with its index) and ends after the n-th result; an error in any choice ends the
+stream and stops the others.
 
 Why not transformers' own continuous batching (`transformers.generation.continuous_batching`:
 a manager thread, a paged cache, prefix block sharing)? It schedules token ids only: a request
@@ -31,6 +33,7 @@ import structlog
 
 from encoder_worker.checkpoint import checkpoint_id
 from gateway.engine.batch import cache_param, install_attention
+from gateway.engine.grammar import TokenVocab
 from gateway.engine.interface import (
     Delta,
     EngineBusy,
@@ -112,6 +115,7 @@ class LocalEngine:
         self.embedding_rms = 0.0  # RMS of the token-embedding rows; set on start
         self.kv_store: KVStore | None = None
         self._weights: LoadedModel | None = None
+        self._vocab: TokenVocab | None = None  # llguidance's view of the tokenizer, with weights
         self._count_tokenizer: Any = None
         self._scheduler: Scheduler | None = None
         self._ready = False
@@ -155,7 +159,7 @@ class LocalEngine:
         }
         args.update(overrides)
         twin = LocalEngine(**args)
-        twin._weights = self._weights
+        twin._weights, twin._vocab = self._weights, self._vocab
         return twin
 
     async def start(self) -> None:
@@ -188,6 +192,9 @@ class LocalEngine:
             )
             spill_seed = chain_seed(w.model_id, f"{w.weights}|{weights_id}", self._kv_block_size)
         self.kv_store = self._make_store(spill_seed)
+        eos_ids = self._stop_ids(w)
+        if self._vocab is None:  # its build (a second or so) runs while the engine warms up
+            self._vocab = TokenVocab(w.tokenizer, eos_ids)
         self._scheduler = Scheduler(
             w,
             SchedulerConfig(
@@ -199,13 +206,14 @@ class LocalEngine:
                 block_size=self._kv_block_size,
                 prefix_caching=self._prefix_caching,
             ),
-            eos_ids=self._stop_ids(w),
+            eos_ids=eos_ids,
             max_positions=max_positions,
             kv_store=self.kv_store,
             cache_arg=cache_param(w.decoder),
             torch_threads=self._torch_threads,
             name=f"engine-{w.model_id}",
             spill_seed=spill_seed,
+            vocab=self._vocab,
         )
         self._scheduler.start()
         warm = GenerationRequest(
@@ -323,20 +331,18 @@ class LocalEngine:
         refused = sched.submit(job)
         if refused is not None:
             raise EngineBusy(refused, retry_after_s=self._retry_after())
-        finished = False
+        left = request.sampling.n  # one result per choice ends the stream
         try:
-            while True:
+            while left:
                 item = await job.out.get()
                 job.taken += 1
                 if isinstance(item, BaseException):
-                    finished = True
                     raise item
-                yield item
                 if isinstance(item, GenerationResult):
-                    finished = True
-                    return
+                    left -= 1
+                yield item
         finally:
-            if not finished:
+            if left:  # closed early, or one choice failed: the others stop too
                 request.cancel.set()
 
     def _retry_after(self) -> float:

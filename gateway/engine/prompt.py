@@ -1,5 +1,8 @@
 """Chat messages -> the position sequence the LM sees: token ids with images spliced in.
 
+A raw prompt (legacy completions, `render_raw`) is its text tokenized as is: no chat template,
+no images, special tokens added as the tokenizer adds them to plain text (a BOS if it has one).
+
 Per position a `Prompt` records a token id, or -1 where an image row sits; `images` says which
 image rows cover which positions (the key of a row is its image's key, the span's first row and
 the offset in the span, so KV block hashes tell every row apart); `segments` hold the same
@@ -48,6 +51,7 @@ __all__ = (
     "embed_positions",
     "image_key",
     "render",
+    "render_raw",
 )
 
 IMAGE_OPEN = "<image>"
@@ -159,6 +163,12 @@ def render(
             prompt.images.append(ImageSpan(len(prompt.tokens), n, key))
             prompt.tokens.extend([-1] * n)
     return prompt
+
+
+def render_raw(tokenizer: Any, text: str) -> Prompt:
+    """A plain-text prompt as the tokenizer tokenizes it alone (no chat template)."""
+    ids = [int(i) for i in tokenizer(text)["input_ids"]]
+    return Prompt(segments=[ids] if ids else [], tokens=ids)
 
 
 def _cached_key(image: ImageInput, keys: dict[int, str]) -> str:

@@ -25,11 +25,19 @@ sampling one sequence fails that sequence alone; only a failed forward fails its
 Non-finite values that arise inside the forward (an overflow) fail the sequence at its next
 logits, and KV that holds them is never given to the prefix cache or the spill store.
 
-Every sequence keeps its own sampling state (temperature, top-p, seeded generator), stop
-strings, token limit and streaming detokenizer. A sequence is one list of positions: the
-prompt's, then its generated tokens; `fed` of them have KV in its buffer. A step feeds
-positions [fed, known) up to the budget and samples a token when it reaches the end, so
-prefill, decode and the recompute after a preemption are the same operation.
+Every sequence keeps its own sampling state (temperature, top-p, seeded generator), grammar
+matcher, stop strings, token limit, streaming detokenizer and pending log-probabilities. A
+sequence is one list of positions: the prompt's, then its generated tokens; `fed` of them have
+KV in its buffer. A step feeds positions [fed, known) up to the budget and samples a token when
+it reaches the end, so prefill, decode and the recompute after a preemption are the same
+operation. What a step's logits become (log-probabilities, grammar masks, sampling, deltas) is
+`gateway.engine.choices`; grammar masks are computed on a worker thread during the forward.
+
+A request for n choices is admitted when n batch slots are free (and KV room for n prompts),
+prefilled once, and forked into n sequences at its prompt's last position (`_fork`: the
+siblings get copies of the prompt's KV, or wait in the queue if the batch is full); from there
+each is a sequence like any other, in the batch, the KV budget, preemption and fair share. The
+slow-reader limit of a request is per choice, since its choices share one reader.
 
 KV memory: running sequences' buffers and the prefix cache's blocks share one byte budget.
 Admission needs room for the new prompt (cached blocks are evicted, least recently used first,
@@ -54,14 +62,15 @@ import structlog
 import torch
 
 from gateway.engine.batch import SeqKV, Slice, run_step
+from gateway.engine.choices import StepLogprobs, advance, copy_kv, emit, fork, post_results
 from gateway.engine.fair_queue import (
     FairQueue,
     RecentService,
     newest_of_largest,
     share_budget_least_served,
 )
-from gateway.engine.generation import sample_next
-from gateway.engine.interface import EngineError, EngineStats, TextDelta
+from gateway.engine.grammar import GrammarMasks, TokenVocab
+from gateway.engine.interface import EngineError, EngineStats
 from gateway.engine.kvblocks import block_hashes, chain_seed, position_keys
 from gateway.engine.prefix_cache import PrefixCache
 from gateway.engine.sequence import (
@@ -70,10 +79,8 @@ from gateway.engine.sequence import (
     SchedulerConfig,
     Sequence,
     load_spilled,
-    ms,
     prepare_sequence,
     sequence_inputs,
-    sequence_result,
     spill_entry,
 )
 
@@ -109,6 +116,7 @@ class Scheduler:
         torch_threads: int | None = None,
         name: str = "engine",
         spill_seed: bytes | None = None,
+        vocab: TokenVocab | None = None,
     ) -> None:
         self.w = weights
         self.cfg = config
@@ -132,6 +140,11 @@ class Scheduler:
             weights.model_id, weights.weights, config.block_size
         )
         self.cache = PrefixCache(config.block_size, enabled=config.prefix_caching)
+        # the tokens as llguidance sees them (shared by replicas; built in the background)
+        self.vocab = vocab or TokenVocab(weights.tokenizer, eos_ids)
+        self._masks = GrammarMasks(self.vocab)
+        self.prefill_positions = 0  # prompt positions computed (not reused), for tests and gauges
+        self._logprobs: StepLogprobs | None = None  # the step's, while its tokens are sampled
         self._waiting: FairQueue[Sequence] = FairQueue(_owner)
         self._running: list[Sequence] = []
         self._cond = threading.Condition()
@@ -191,6 +204,7 @@ class Scheduler:
             self._cond.notify()
         if self._thread.is_alive():
             self._thread.join()
+        self._masks.close()
 
     def forget(self, kv_key: str) -> None:
         self.call_between_steps(lambda: self.cache.forget(kv_key))
@@ -268,6 +282,14 @@ class Scheduler:
     def _running_bytes(self) -> int:
         return sum(s.kv.nbytes for s in self._running if s.kv is not None)
 
+    def _slots(self) -> int:
+        """Batch slots taken: a request still to fork into n choices holds n."""
+        return sum(s.width for s in self._running)
+
+    def _need(self, seq: Sequence) -> int:
+        """KV bytes `seq` needs to join the batch (each of its choices holds the prompt)."""
+        return self.pos_bytes * (seq.known + GROW) * seq.width
+
     def _admit(self) -> None:
         with self._cond:  # a cancelled request leaves the queue at once, not when it is its turn
             cancelled = [s for s in self._waiting if s.request.cancel.is_set()]
@@ -275,23 +297,26 @@ class Scheduler:
                 self._waiting.discard(seq)
         now = time.perf_counter()
         for seq in cancelled:
-            seq.job.post(sequence_result(seq, "cancelled", now))
+            post_results(seq, "cancelled", now)
         while True:
             with self._cond:
-                if len(self._running) < self.cfg.max_batch:
+                slots = self._slots()
+                if slots < self.cfg.max_batch:
                     seq, victim = self._waiting.peek(), None
                 else:
                     seq, victim = self._slot_claim()
             if seq is None:
                 return
+            if victim is None and self._running and slots + seq.width > self.cfg.max_batch:
+                return  # a request of n choices waits for n free slots
             req = seq.request
             if req.cancel.is_set():
                 self._dequeue(seq, served=False)
-                seq.job.post(sequence_result(seq, "cancelled", time.perf_counter()))
+                post_results(seq, "cancelled", time.perf_counter())
                 continue
             try:
                 if seq.prompt is None:
-                    prepare_sequence(seq, self.w, self.max_positions, self.cfg.block_size)
+                    self._prepare(seq)
             except EngineError as exc:
                 self._dequeue(seq)
                 seq.job.post(exc)
@@ -301,7 +326,7 @@ class Scheduler:
                 self._dequeue(seq)
                 seq.job.post(EngineError(f"generation failed: {exc}"))
                 continue
-            need = self.pos_bytes * (seq.known + GROW)
+            need = self._need(seq)
             budget = self.cfg.kv_budget_bytes
             staying = [s for s in self._running if s is not victim]
             room = budget - sum(s.kv.nbytes for s in staying if s.kv is not None)
@@ -314,7 +339,7 @@ class Scheduler:
                 seq, victims = claim
                 for v in victims:
                     self._preempt(v, "fair_share")
-                need = self.pos_bytes * (seq.known + GROW)
+                need = self._need(seq)
                 staying = list(self._running)
                 room = budget - sum(s.kv.nbytes for s in staying if s.kv is not None)
                 victim = None
@@ -354,10 +379,10 @@ class Scheduler:
             return None
         if head.prompt is None:
             try:
-                prepare_sequence(head, self.w, self.max_positions, self.cfg.block_size)
+                self._prepare(head)
             except Exception:
                 return None  # refused when its turn comes, by the usual path
-        need = self.pos_bytes * (head.known + GROW)
+        need = self._need(head)
         staying = list(self._running)
         room = self.cfg.kv_budget_bytes - sum(s.kv.nbytes for s in staying if s.kv is not None)
         victims: list[Sequence] = []
@@ -370,6 +395,9 @@ class Scheduler:
             room += victim.kv.nbytes if victim.kv is not None else 0
         return head, victims
 
+    def _prepare(self, seq: Sequence) -> None:
+        prepare_sequence(seq, self.w, self.max_positions, self.cfg.block_size, self.vocab)
+
     def _dequeue(self, seq: Sequence, *, served: bool = True) -> None:
         """Take `seq` out of the queue; served (admitted or refused), its owner's turn passes."""
         with self._cond:
@@ -381,7 +409,7 @@ class Scheduler:
     def _start(self, seq: Sequence) -> None:
         """Admit: reuse the longest cached prefix, allocate the buffer, join the batch."""
         assert seq.prompt is not None
-        first = seq.preemptions == 0
+        first = seq.order == 0  # preempted, or a choice parked at its fork: admitted before
         tokens = [*seq.prompt.tokens, *seq.generated]
         keys = position_keys(tokens, seq.prompt.images)
         hashes = block_hashes(tokens, seq.prompt.images, self.cfg.block_size, seq.seed)
@@ -498,8 +526,8 @@ class Scheduler:
         now = time.perf_counter()
         for seq in [s for s in self._running if s.request.cancel.is_set()]:
             self._finish(seq, "cancelled", now)
-        limit = self.cfg.max_unread_deltas
-        for seq in [s for s in self._running if s.job.unread > limit]:
+        limit = self.cfg.max_unread_deltas  # per choice: a request's n choices share one reader
+        for seq in [s for s in self._running if s.job.unread > limit * s.request.sampling.n]:
             log.warning("engine.slow_reader", request_id=seq.request.request_id, unread=limit)
             self._finish(seq, "slow_reader", now)
         if not self._running:
@@ -509,9 +537,16 @@ class Scheduler:
             return
         self._steps += 1
         slices = []
+        wanting: list[Sequence] = []  # the sequences whose logits this step gives, by row
         for s, start, n in plan:
             embeds, positions = sequence_inputs(self.w, s, start, n)
             slices.append(Slice(s.kv, start, n, embeds, positions, start + n == s.known))  # type: ignore[arg-type]
+            if start + n == s.known:
+                wanting.append(s)
+            self.prefill_positions += max(min(start + n, s.prompt.length) - start, 0)  # type: ignore[union-attr]
+        constrained = [row for row, s in enumerate(wanting) if s.matcher is not None]
+        if constrained:  # the masks are computed on a worker thread while the forward runs
+            self._masks.start([wanting[row].matcher for row in constrained])
         logits = run_step(
             self.w.decoder, self.w.lm_head, slices, mrope=self.w.mrope, cache_arg=self.cache_arg
         )
@@ -519,52 +554,72 @@ class Scheduler:
         now = time.perf_counter()
         # NaN (or +inf) logits mean the sequence's KV is NaN too: it fails and is never cached
         broken = (logits.isnan() | logits.isposinf()).any(dim=-1).tolist()  # [rows], one sync
+        asking = {s: row for row, s in enumerate(wanting) if s.trail is not None}
+        # of the raw logits: before the grammar's mask
+        self._logprobs = StepLogprobs(logits, asking, self.vocab) if asking else None
+        if constrained:
+            self._masks.apply(logits, constrained)
         row = 0
         for (s, start, n), sl in zip(plan, slices, strict=True):
             s.fed = start + n
             if start < s.prompt.length:  # type: ignore[union-attr]
                 s.prefill_chunks += 1
-            if sl.want_logits:
+            if not sl.want_logits:
+                continue
+            if broken[row]:
+                self._fail(s, EngineError("the model produced non-finite logits for this request"))
+            elif s.forked or s.request.sampling.n == 1:
+                self._advance(s, logits[row], now)
+            else:
                 try:
-                    if broken[row]:
-                        raise EngineError("the model produced non-finite logits for this request")
-                    self._advance(s, logits[row], now)
-                except Exception as exc:  # this sequence's failure, not the batch's
-                    log.exception("engine.sample_failed", request_id=s.request.request_id)
-                    self._fail(
-                        s,
-                        exc
-                        if isinstance(exc, EngineError)
-                        else EngineError(f"generation failed: {exc}"),
-                    )
-                row += 1
+                    siblings = self._fork(s)
+                except Exception as exc:  # the request's failure (its stream stops the rest)
+                    log.exception("engine.fork_failed", request_id=s.request.request_id)
+                    self._fail(s, EngineError(f"generation failed: {exc}"))
+                else:
+                    for c in (s, *siblings):
+                        self._advance(c, logits[row], now)
+            row += 1
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """The other choices of `seq`'s request, at the end of its prompt: each gets a copy of
+        the prompt's KV while the batch has free slots; the rest wait at the front of the
+        queue like preempted sequences (the prompt's blocks in the prefix cache for them).
+        Returns the siblings that joined the batch."""
+        assert seq.kv is not None
+        siblings = fork(seq, self.w)
+        free = self.cfg.max_batch - self._slots()
+        joined, parked = [], []
+        for sibling in siblings:
+            self._order += 1
+            sibling.order = self._order
+            if free <= 0:
+                parked.append(sibling)
+                continue
+            sibling.kv, sibling.fed = copy_kv(seq.kv, seq.fed, seq.known + GROW), seq.fed
+            self._running.append(sibling)
+            joined.append(sibling)
+            free -= 1
+        if self._logprobs is not None:
+            self._logprobs.share(seq, joined)
+        if parked:
+            self._publish(seq)
+            with self._cond:
+                for sibling in reversed(parked):
+                    self._waiting.push_front(sibling)
+        return joined
 
     def _advance(self, seq: Sequence, logits: torch.Tensor, now: float) -> None:
-        """Sample the next token of `seq` and stream what it adds."""
-        sp = seq.request.sampling
-        token = sample_next(logits, sp.temperature, sp.top_p, seq.generator)
-        seq.generated.append(token)
-        if seq.first_token is None:
-            seq.first_token = now
-        if token in self.eos_ids:
-            self._finish(seq, "stop", now)
+        """Sample the next token of `seq`, stream it, and finish `seq` if it ends there."""
+        try:
+            finish = advance(seq, logits, self._logprobs, self.eos_ids, self.vocab, now)
+        except Exception as exc:  # this sequence's failure, not the batch's
+            log.exception("engine.sample_failed", request_id=seq.request.request_id)
+            error = exc if isinstance(exc, EngineError) else None
+            self._fail(seq, error or EngineError(f"generation failed: {exc}"))
             return
-        assert seq.decoder is not None
-        delta = seq.decoder.push(token)
-        if delta:
-            self._emit(seq, delta, now)
-        if seq.decoder.stopped:
-            self._finish(seq, "stop", now)
-        elif len(seq.generated) >= seq.max_new:
-            self._finish(seq, "length", now)
-
-    def _emit(self, seq: Sequence, text: str, now: float) -> None:
-        seq.job.post(TextDelta(text))
-        if seq.first_delta is None:
-            seq.first_delta = now
-        else:
-            seq.itl.append(ms(now - (seq.last_delta or now)))
-        seq.last_delta = now
+        if finish is not None:
+            self._finish(seq, finish, now)
 
     # -- finishing -----------------------------------------------------------------------------
 
@@ -574,12 +629,12 @@ class Scheduler:
         if seq.decoder is not None and finish not in ("cancelled", "slow_reader"):
             tail = seq.decoder.finish()
             if tail:
-                self._emit(seq, tail, now)
-        result = sequence_result(seq, finish, now)
-        seq.job.post(result)
+                emit(seq, tail, now)
+        result = post_results(seq, finish, now)
         log.info(
             "engine.generated",
             request_id=seq.request.request_id,
+            index=seq.index,
             finish_reason=finish,
             input_tokens=result.input_tokens,
             cached_tokens=result.cached_tokens,
@@ -588,8 +643,8 @@ class Scheduler:
             decode_ms=result.decode_ms,
             preemptions=seq.preemptions,
         )
-        try:
-            self._publish(seq, keep_session=True)
+        try:  # the session's turn is its first choice
+            self._publish(seq, keep_session=seq.index == 0)
         except Exception:  # losing a cache entry costs speed only
             log.exception("kv.keep_failed", request_id=seq.request.request_id)
         seq.kv = None

@@ -1,11 +1,14 @@
 """One request as the scheduler sees it, and the per-request work that is not scheduling.
 
-`Sequence` is a request's state between steps: its rendered prompt, generated tokens, KV buffer
-(`fed` positions computed), sampler and streaming detokenizer, and timings. `check_request`
-refuses what would run wrongly or cost every other stream; `prepare_sequence` renders the prompt
-and sets up sampling when the request is first picked up; `sequence_inputs` builds a step's
-input embeddings and rotary positions for a run of a sequence's positions (prompt rows, image
-rows, generated tokens; 1-D or M-RoPE); `sequence_result` is the `GenerationResult` it ends with.
+`Sequence` is one choice of a request between steps: its rendered prompt, generated tokens, KV
+buffer (`fed` positions computed), sampler, grammar matcher, streaming detokenizer, pending
+log-probabilities and timings. A request asking for n > 1 choices is one sequence until its
+prompt is prefilled, then n (`gateway.engine.choices`). `check_request` refuses what would run
+wrongly or cost every other stream; `prepare_sequence` renders the prompt (chat template, or a
+raw prompt as is) and sets up sampling and the grammar when the request is first picked up;
+`sequence_inputs` builds a step's input embeddings and rotary positions for a run of a
+sequence's positions (prompt rows, image rows, generated tokens; 1-D or M-RoPE);
+`sequence_result` is the `GenerationResult` it ends with.
 `load_spilled` and `spill_entry` read and build a session's KV in the spill store's form.
 """
 
@@ -19,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
-from gateway.engine.generation import StreamDecoder
+from gateway.engine.generation import LogprobTrail, StreamDecoder
+from gateway.engine.grammar import MAX_GRAMMAR_CHARS, compile_grammar
 from gateway.engine.interface import (
     MAX_CHOICES,
     MAX_TOP_LOGPROBS,
@@ -29,10 +33,11 @@ from gateway.engine.interface import (
     ImageInput,
 )
 from gateway.engine.kvblocks import KVEntry, block_hashes, chain_seed
-from gateway.engine.prompt import ImageSpan, Prompt, embed_positions, render
+from gateway.engine.prompt import ImageSpan, Prompt, embed_positions, render, render_raw
 
 if TYPE_CHECKING:
     from gateway.engine.batch import SeqKV
+    from gateway.engine.grammar import TokenVocab
     from gateway.engine.kvstore import KVStore
     from gateway.engine.weights import LoadedModel
 
@@ -44,8 +49,10 @@ __all__ = (
     "SchedulerConfig",
     "Sequence",
     "check_request",
+    "choice_generator",
     "load_spilled",
     "ms",
+    "new_decoder",
     "prepare_sequence",
     "sequence_inputs",
     "sequence_result",
@@ -105,9 +112,11 @@ class SchedulerConfig:
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """One request in the scheduler: its prompt, generated tokens, KV buffer and timings."""
+    """One choice of a request in the scheduler: prompt, generated tokens, KV buffer, timings."""
 
     job: Job
+    index: int = 0  # which choice (SamplingParams.n) this sequence samples
+    forked: bool = False  # the request's n choices exist (always so when n == 1)
     order: int = 0
     prompt: Prompt | None = None
     image_keys: dict[int, str] = field(default_factory=dict)
@@ -119,6 +128,8 @@ class Sequence:
     cached: int = 0  # prompt positions reused at first admission
     decoder: StreamDecoder | None = None
     generator: torch.Generator | None = None
+    matcher: Any = None  # llguidance.LLMatcher of the request's grammar; None: unconstrained
+    trail: LogprobTrail | None = None  # None: no log-probabilities asked for
     admitted: float = 0.0
     first_token: float | None = None
     first_delta: float | None = None
@@ -140,6 +151,11 @@ class Sequence:
     def known(self) -> int:
         assert self.prompt is not None
         return self.prompt.length + len(self.generated)
+
+    @property
+    def width(self) -> int:
+        """Batch slots this sequence stands for: its request's n until it forks, else one."""
+        return 1 if self.forked else self.job.request.sampling.n
 
 
 def check_request(req: GenerationRequest, hidden: int) -> None:
@@ -181,16 +197,39 @@ def check_request(req: GenerationRequest, hidden: int) -> None:
             f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters",
             code="invalid_request",
         )
+    if sp.grammar is not None and not sp.grammar.strip():
+        raise EngineError("grammar must not be empty", code="invalid_request")
+    if sp.grammar is not None and len(sp.grammar) > MAX_GRAMMAR_CHARS:
+        raise EngineError(
+            f"grammar is longer than {MAX_GRAMMAR_CHARS} characters", code="invalid_request"
+        )
 
 
-def prepare_sequence(seq: Sequence, w: LoadedModel, max_positions: int, block_size: int) -> None:
-    """Render the prompt and set up sampling; raise EngineError on a bad request."""
+def choice_generator(seed: int | None, index: int) -> torch.Generator:
+    """The sampler of choice `index`: seeded with seed + index (wrapped to 64 bits), or from
+    fresh entropy when the request has no seed."""
+    generator = torch.Generator(device="cpu")
+    if seed is None:
+        generator.seed()
+    else:
+        seed += index
+        generator.manual_seed(seed - 2**64 if seed >= 2**64 else seed)
+    return generator
+
+
+def prepare_sequence(
+    seq: Sequence, w: LoadedModel, max_positions: int, block_size: int, vocab: TokenVocab
+) -> None:
+    """Render the prompt, set up sampling and the grammar; raise EngineError on a bad request."""
     req = seq.request
     check_request(req, w.hidden_size)
     try:
-        prompt = render(
-            w.tokenizer, req.messages, add_generation_prompt=True, image_keys=seq.image_keys
-        )
+        if req.raw_prompt is not None:
+            prompt = render_raw(w.tokenizer, req.raw_prompt)
+        else:
+            prompt = render(
+                w.tokenizer, req.messages, add_generation_prompt=True, image_keys=seq.image_keys
+            )
     except ValueError as exc:
         raise EngineError(str(exc), code="invalid_request") from None
     if prompt.length == 0:
@@ -201,20 +240,23 @@ def prepare_sequence(seq: Sequence, w: LoadedModel, max_positions: int, block_si
             code="context_length_exceeded",
         )
     sp = req.sampling
-    seq.prompt = prompt
+    if sp.grammar is not None:
+        seq.matcher = compile_grammar(vocab, sp.grammar)
+    seq.prompt = prompt  # last of what may fail: a set prompt means the request was accepted
     seq.max_new = min(sp.max_output_tokens, max_positions - prompt.length)
     salt = req.cache_salt or ""
     seq.seed = chain_seed(w.model_id, f"{w.weights}|{salt}", block_size)
     if sp.temperature > 0.0:
-        seq.generator = torch.Generator(device="cpu")
-        if sp.seed is not None:
-            seq.generator.manual_seed(sp.seed)
-        else:
-            seq.generator.seed()
+        seq.generator = choice_generator(sp.seed, seq.index)
+    seq.decoder = new_decoder(w, sp.stop)
+    seq.trail = LogprobTrail() if sp.logprobs is not None else None
+
+
+def new_decoder(w: LoadedModel, stops: tuple[str, ...]) -> StreamDecoder:
     tok = w.tokenizer
-    seq.decoder = StreamDecoder(
+    return StreamDecoder(
         lambda ids: tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False),
-        sp.stop,
+        stops,
     )
 
 
@@ -257,7 +299,7 @@ def sequence_result(seq: Sequence, finish: str, now: float) -> GenerationResult:
     prompt = seq.prompt
     queue_ms = ms((seq.admitted or now) - seq.job.enqueued)
     if prompt is None:
-        return GenerationResult("", finish, 0, 0, 0, queue_ms=queue_ms)  # type: ignore[arg-type]
+        return GenerationResult("", finish, 0, 0, 0, queue_ms=queue_ms, index=seq.index)  # type: ignore[arg-type]
     started = seq.admitted or now
     first = seq.first_token or now
     return GenerationResult(
@@ -277,6 +319,8 @@ def sequence_result(seq: Sequence, finish: str, now: float) -> GenerationResult:
         itl_ms=tuple(seq.itl),
         prefill_chunks=seq.prefill_chunks,
         preemptions=seq.preemptions,
+        index=seq.index,
+        logprobs=seq.trail.rest() if seq.trail is not None else (),
     )
 
 
