@@ -8,7 +8,9 @@ made-once decoder; anything wrong with a frame becomes an `error` event echoing 
 (`gateway.chat_requests`), with the same codes as over HTTP. Images start encoding the moment
 their item arrives, at most `max_pending_encodes_per_connection` at a time per connection (and
 `max_pending_encodes_per_key` per API key): an item past either is refused with `rate_limited`
-and nothing of it is kept.
+and nothing of it is kept. A model named in the URL (`?model=`, as the OpenAI SDKs send it) or in
+`session.update` must be the served one (the one `/v1/models` lists): another is refused with
+`model_not_found`, the connection closed (URL) or the session left unchanged (update).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from gateway.chat_requests import (
 )
 from gateway.image_input import REF_PREFIX
 from gateway.protocol import realtime_events as rt
-from gateway.protocol.errors import GatewayError
+from gateway.protocol.errors import GatewayError, clip
 from gateway.sessions.session import Session, StoredItem, new_id
 from gateway.state import not_ready
 from gateway.vision_resolver import EncodeQuota
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
     from gateway.state import GatewayState
     from gateway.vision_resolver import EncodePermit, Resolved
 
-__all__ = ("RealtimeConnection", "realtime_route", "session_state", "wire_item")
+__all__ = ("RealtimeConnection", "check_model", "realtime_route", "session_state", "wire_item")
 
 log = structlog.get_logger("visiongate.realtime")
 
@@ -124,6 +126,16 @@ def session_state(
     )
 
 
+def check_model(requested: str | None, served: str, param: str) -> None:
+    """Refuse a model other than the served one (None: the client named none)."""
+    if requested is not None and requested != served:
+        raise GatewayError(
+            "model_not_found",
+            f"the model {clip(requested)!r} does not exist; this gateway serves {served!r}",
+            param=param,
+        )
+
+
 def realtime_route(state: GatewayState) -> WebsocketRouteHandler:
     """`/v1/realtime`: authenticate the upgrade, then hand the socket to a `RealtimeConnection`."""
 
@@ -142,7 +154,9 @@ def realtime_route(state: GatewayState) -> WebsocketRouteHandler:
         except GatewayError as exc:
             await socket.close(code=1008, reason=exc.message)
             return
-        await RealtimeConnection(socket, state, owner).run(query.get("session_id"))
+        await RealtimeConnection(socket, state, owner).run(
+            query.get("session_id"), model=query.get("model")
+        )
 
     return realtime
 
@@ -172,7 +186,7 @@ class RealtimeConnection:
 
     # ------------------------------------------------------------ lifecycle
 
-    async def run(self, session_id: str | None) -> None:
+    async def run(self, session_id: str | None, *, model: str | None = None) -> None:
         # answer with a subprotocol that carries no key: never echo `openai-insecure-api-key.*`
         chosen = public_subprotocol(self.socket.scope.get("subprotocols") or [])
         self.codec = rt.WireCodec(binary=chosen == rt.MSGPACK_SUBPROTOCOL)
@@ -181,6 +195,13 @@ class RealtimeConnection:
         if not self.state.ready:  # in the negotiated codec, then "try again later"
             await self._send_error(not_ready(), None)
             await self.socket.close(code=1013, reason="not ready")
+            self._transition(ConnState.CLOSED)
+            return
+        try:
+            check_model(model, self.state.engine.model_id, "model")
+        except GatewayError as exc:  # a client built for another model: say so, then close
+            await self._send_error(exc, None)
+            await self.socket.close(code=1008, reason=exc.code)
             self._transition(ConnState.CLOSED)
             return
         metrics = self.state.metrics
@@ -290,6 +311,7 @@ class RealtimeConnection:
     async def _session_update(self, event: rt.SessionUpdate) -> None:
         assert self.session is not None
         cfg, limits = event.session, self.limits
+        check_model(cfg.model, self.state.engine.model_id, "session.model")
         check_sampling(cfg.temperature, cfg.top_p, cfg.seed, where="session.")
         check_output_modalities(cfg.output_modalities, "session.output_modalities")
         max_tokens = check_max_tokens(

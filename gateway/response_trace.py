@@ -8,6 +8,8 @@ known. With `NoopTelemetry` it records nothing.
 `llm.prefill` carries how the scheduler ran the prompt (`visiongate.prefill.chunks`,
 `visiongate.preemptions`); the root span carries the response's P95 inter-token latency, and
 each gap between its text deltas is one observation of the inter-token latency histogram.
+The root span also names the request it answers (`visiongate.request_id`, the response's
+`x-request-id`), read from the context the trace is made in.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from encoder_worker.types import ENCODE_STAGES
+from gateway.request_ids import current_request_id
 from gateway.telemetry import ATTR, SPAN, Telemetry, log_response, response_span_name, traceparent
 
 if TYPE_CHECKING:
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
 __all__ = ("ResponseTrace",)
 
 STAGES = ("queue", *ENCODE_STAGES)
+# the HTTP request (or WebSocket connection) the response answers: its `x-request-id`
+REQUEST_ID_ATTR = "visiongate.request_id"
 
 
 def _ns(ms: float) -> int:
@@ -85,6 +90,8 @@ class ResponseTrace:
         }
         if session_id:
             attributes[ATTR.SESSION_ID] = session_id
+        if request_id := current_request_id():
+            attributes[REQUEST_ID_ATTR] = request_id
         self.root = self.tracer.start_span(
             response_span_name(model),
             kind=SpanKind.SERVER,

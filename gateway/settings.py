@@ -96,7 +96,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     image_store_bytes: int = 256 * MiB
     kv_budget_bytes: int = 256 * MiB
     kv_ttl_s: int = 3600
-    default_instructions: str = "You are a helpful assistant. Answer concisely."
+    # the system message of new sessions; empty: none, so the model's chat template applies its
+    # own default system prompt (SmolLM2's names itself) to a conversation that has none
+    default_instructions: str = ""
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, why: str) -> None:

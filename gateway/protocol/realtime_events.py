@@ -65,7 +65,7 @@ class Item(Struct, omit_defaults=True):
 
 class SessionConfig(Struct, omit_defaults=True):
     type: Literal["realtime"] = "realtime"
-    model: str | None = None
+    model: str | None = None  # when given, the served model's id; another: model_not_found
     instructions: str | None = None
     max_output_tokens: int | Literal["inf"] | None = None
     output_modalities: list[Literal["text", "audio"]] | None = None

@@ -263,7 +263,7 @@ async def test_resume_with_session_id_continues_the_conversation(
         done, _ = await second.respond()
         # the model saw the whole conversation: question, answer, question
         request = engine_request(fake_gateway, done["response"]["id"])
-        assert [m.role for m in request.messages] == ["system", "user", "assistant", "user"]
+        assert [m.role for m in request.messages] == ["user", "assistant", "user"]
     finally:
         await second.close()
 
