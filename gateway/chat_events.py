@@ -48,7 +48,7 @@ class ResponseOptions:
     cancel: threading.Event = field(default_factory=threading.Event)  # set to stop the answer
     logprobs: int | None = None  # None: none; k: each token's logprob and k alternatives
     n: int = 1  # answers sampled from the one prompt; only the first is stored in the session
-    grammar: str | None = None  # constrained decoding (see `gateway.structured`)
+    grammar: str | None = None  # constrained decoding (see `gateway.output_grammar`)
     # appended to the instructions for this response: the tools the model may call and how
     tools_prompt: str | None = None
     # the answer may hold tool calls: it is stored as text and tool-call parts
@@ -105,6 +105,13 @@ class Finished:
     # `output_tokens` counts them all); empty with n == 1
     choices: list[ChoiceEnd] = field(default_factory=list)
     logprobs: tuple[TokenLogprob, ...] = ()  # the first answer's tokens not sent with a chunk
+
+    def answers(self) -> list[ChoiceEnd]:
+        """How every answer ended, in index order: `choices`, or the one answer's own end."""
+        if self.choices:
+            return self.choices
+        end = ChoiceEnd(0, self.text, self.status, self.reason, self.output_tokens, self.logprobs)
+        return [end]
 
     @property
     def vision(self) -> str:

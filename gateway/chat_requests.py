@@ -31,7 +31,7 @@ from gateway.image_input import (
     parse_image_url,
     sniff_image,
 )
-from gateway.protocol.errors import GatewayError
+from gateway.protocol.errors import GatewayError, clip
 from gateway.sessions.session import StoredItem, StoredPart
 
 if TYPE_CHECKING:
@@ -57,12 +57,15 @@ __all__ = (
     "check_session_id",
     "check_stop",
     "check_text",
+    "check_tool_result",
     "conversation_chars",
     "fetch_remote",
     "parse_content",
     "refuse_unsupported",
     "resolve_references",
     "response_options",
+    "tool_call_part",
+    "tool_result_part",
 )
 
 MAX_SEED = 2**63  # seeds are 0 <= seed < 2**63 (a torch.Generator takes them all)
@@ -241,9 +244,13 @@ def check_item_count(count: int, limits: RequestLimits, param: str | None) -> No
 
 
 def conversation_chars(instructions: str | None, items: Iterable[StoredItem]) -> int:
-    """Text characters of a conversation: its instructions and every text part."""
+    """Text characters of a conversation: its instructions, every text part and every tool
+    call's arguments."""
     return len(instructions or "") + sum(
-        len(part.text or "") for item in items for part in item.parts if part.kind == "text"
+        len(part.text or "")
+        for item in items
+        for part in item.parts
+        if part.kind in ("text", "tool_call")
     )
 
 
@@ -303,6 +310,58 @@ def response_options(
         store=store,
         api=api,
     )
+
+
+# ---------------------------------------------------------------- tool calls and results
+
+MAX_CALL_ID_CHARS = 128
+MAX_TOOL_NAME_CHARS = 64
+
+
+def _call_id(value: object, param: str) -> str:
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_CALL_ID_CHARS:
+        raise _invalid(f"a tool call id is 1..{MAX_CALL_ID_CHARS} characters", param)
+    return value
+
+
+def tool_call_part(
+    call_id: object,
+    name: object,
+    arguments: object,
+    limits: RequestLimits,
+    *,
+    params: tuple[str, str, str],
+) -> StoredPart:
+    """A tool call the model made, as a client sends it back in the history; `params` name
+    where its id, function name and arguments sit in the caller's terms."""
+    id_param, name_param, arguments_param = params
+    checked_id = _call_id(call_id, id_param)
+    if not isinstance(name, str) or not 1 <= len(name) <= MAX_TOOL_NAME_CHARS:
+        raise _invalid(f"a function name is 1..{MAX_TOOL_NAME_CHARS} characters", name_param)
+    if not isinstance(arguments, str):
+        raise _invalid("arguments are a string of JSON text", arguments_param)
+    check_text(arguments, limits, arguments_param)
+    return StoredPart("tool_call", text=arguments, name=name, call_id=checked_id)
+
+
+def tool_result_part(
+    call_id: object, text: str, limits: RequestLimits, *, params: tuple[str, str]
+) -> StoredPart:
+    """A tool's result, answering the call `call_id`; `params` name where the id and the
+    result sit in the caller's terms."""
+    id_param, text_param = params
+    checked = _call_id(call_id, id_param)
+    return StoredPart("text", text=check_text(text, limits, text_param), call_id=checked)
+
+
+def check_tool_result(call_id: str, calls: Iterable[str], param: str) -> None:
+    """A tool result answers a call the conversation made before it (`calls`: their ids)."""
+    if call_id not in set(calls):
+        raise _invalid(
+            f"no earlier tool call has the id {clip(call_id, 64)!r}: a tool result must follow "
+            "the assistant message whose call it answers",
+            param,
+        )
 
 
 # ---------------------------------------------------------------- content and images

@@ -5,6 +5,13 @@ images to visual tokens (waiting for pre-encodes already under way rather than s
 ones), asks the engine, and yields transport-neutral events: `Started`, `TextChunk`, then one
 `Finished` carrying usage, timings and cache results. The WebSocket and HTTP layers turn those
 into their own wire events; neither talks to the engine directly.
+
+Tools reach the model as text: the tools prompt after the instructions, a stored tool call as
+the text the model wrote for it (`render_answer`), a tool's result as a user turn in the tags
+the prompt announces. An answer given with tools is stored as its text and tool-call parts
+(`split_answer`), so a client replaying the history with `tool_calls` matches it. With several
+answers to one prompt (`n`) every answer streams (`TextChunk.index`) and ends in
+`Finished.choices`; only the first is stored.
 """
 
 from __future__ import annotations
@@ -20,7 +27,15 @@ from typing import Any, Literal
 
 import structlog
 
-from gateway.chat_events import Finished, ResponseOptions, ServiceEvent, Started, Status, TextChunk
+from gateway.chat_events import (
+    ChoiceEnd,
+    Finished,
+    ResponseOptions,
+    ServiceEvent,
+    Started,
+    Status,
+    TextChunk,
+)
 from gateway.engine.interface import (
     Engine,
     EngineBusy,
@@ -36,6 +51,7 @@ from gateway.protocol.errors import ERROR_CODES, GatewayError
 from gateway.response_trace import ResponseTrace
 from gateway.sessions.session import Session, SessionStore, StoredItem, StoredPart
 from gateway.telemetry import NoopTelemetry, Telemetry
+from gateway.tool_stream import ToolCall, render_answer, render_tool_result, split_answer
 from gateway.vision_resolver import Resolved, VisionResolver
 
 __all__ = ("ChatService", "kv_key_for")
@@ -175,6 +191,9 @@ class ChatService:
             top_p=session.top_p if options.top_p is None else options.top_p,
             seed=session.seed if options.seed is None else options.seed,
             stop=options.stop,
+            logprobs=options.logprobs,
+            n=options.n,
+            grammar=options.grammar,
         )
         truncation = options.truncation or session.truncation
         try:
@@ -199,8 +218,8 @@ class ChatService:
         )
 
         # 3. generate
-        text_parts: list[str] = []
-        result: GenerationResult | None = None
+        text_parts: list[str] = []  # the first answer's (the one stored)
+        results: dict[int, GenerationResult] = {}
         ttft_ms = 0.0
         first_ns: int | None = None
         error: GatewayError | None = None
@@ -209,14 +228,15 @@ class ChatService:
         try:
             async for delta in stream:
                 if isinstance(delta, TextDelta):
-                    if not text_parts:
+                    if first_ns is None:
                         ttft_ms, first_ns = _ms(t0), time.time_ns()
                         trace.first_token(ttft_ms)
-                    text_parts.append(delta.text)
-                    partial.append(delta.text)
-                    yield TextChunk(delta.text)
+                    if delta.index == 0:
+                        text_parts.append(delta.text)
+                        partial.append(delta.text)
+                    yield TextChunk(delta.text, index=delta.index, logprobs=delta.logprobs)
                 else:
-                    result = delta
+                    results[delta.index] = delta
         except EngineBusy as exc:  # the engine's queue is full
             error = GatewayError("busy", str(exc), retry_after_s=exc.retry_after_s)
         except EngineError as exc:
@@ -228,9 +248,10 @@ class ChatService:
             request.cancel.set()
             raise
         finally:
-            if result is None:
+            if len(results) < sampling.n:
                 request.cancel.set()
             await stream.aclose()
+        result = results.get(0) if len(results) == sampling.n else None
 
         text = "".join(text_parts)
         image_tokens_total = sum(r.image.tokens_total for r in images.values())
@@ -259,20 +280,25 @@ class ChatService:
             yield finish(failed, first_ns)
             return
         trace.llm(generate_ns, result)
-        status: Status = {
-            "stop": "completed",
-            "length": "incomplete",
-            "cancelled": "cancelled",
-            "slow_reader": "incomplete",
-        }[result.finish_reason]
-        reason = {
-            "length": "max_output_tokens",
-            "cancelled": "client_cancelled",
-            "slow_reader": "slow_reader",
-        }.get(result.finish_reason)
+        status, reason = _status(result)
         timings.update(
             queue_ms=result.queue_ms, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms
         )
+        choices: list[ChoiceEnd] = []
+        if sampling.n > 1:
+            for index in range(sampling.n):
+                each = results[index]
+                choice_status, choice_reason = _status(each)
+                choices.append(
+                    ChoiceEnd(
+                        index,
+                        each.text,
+                        choice_status,
+                        choice_reason,
+                        output_tokens=each.output_tokens,
+                        logprobs=each.logprobs,
+                    )
+                )
 
         # 4. the answer fills its place in the conversation (a cancelled one too, as incomplete)
         store_error = await self._finish_placeholder(
@@ -290,7 +316,7 @@ class ChatService:
                 image_tokens=result.image_tokens,
                 image_tokens_total=image_tokens_total,
                 text_tokens=result.input_tokens - result.image_tokens,
-                output_tokens=result.output_tokens,
+                output_tokens=sum(r.output_tokens for r in results.values()),
                 cached_tokens=result.cached_tokens,
                 cached_image_tokens=result.cached_image_tokens,
                 vision_hits=hits,
@@ -298,6 +324,8 @@ class ChatService:
                 timings=timings,
                 truncated_items=dropped,
                 store_error=store_error,
+                choices=choices,
+                logprobs=result.logprobs,
             ),
             first_ns,
         )
@@ -391,10 +419,12 @@ class ChatService:
         if not options.store:
             return None
 
+        parts = _answer_parts(text, options)
+
         def fill(stored: Session) -> None:
             for item in stored.items:
                 if item.id == options.item_id:
-                    item.parts = [StoredPart("text", text=text)]
+                    item.parts = parts
                     item.status = status
 
         try:
@@ -471,6 +501,12 @@ class ChatService:
         instructions = (
             session.instructions if options.instructions is None else options.instructions
         )
+        if options.tools_prompt:
+            instructions = (
+                f"{instructions}\n\n{options.tools_prompt}"
+                if instructions
+                else options.tools_prompt
+            )
         messages: list[Message] = []
         if instructions:
             messages.append(Message("system", [instructions]))
@@ -480,10 +516,17 @@ class ChatService:
         for item in session.items:
             if item.status == "in_progress":  # another response's answer, still being written
                 continue
+            if item.role == "tool":  # a tool's result: the model reads it as the user's turn
+                result = "".join(part.text or "" for part in item.parts)
+                messages.append(Message("user", [render_tool_result(result)]))
+                continue
             content: list[str | ImageInput] = []
+            calls: list[ToolCall] = []
             for part in item.parts:
                 if part.kind == "text":
                     content.append(part.text or "")
+                elif part.kind == "tool_call":
+                    calls.append(ToolCall(part.call_id or "", part.name or "", part.text or ""))
                 elif part.digest in images:
                     image = embeds_by_digest.get(part.digest)
                     if image is None:
@@ -497,9 +540,39 @@ class ChatService:
                         )
                         embeds_by_digest[part.digest] = image
                     content.append(image)
+            if calls:  # the calls as the model wrote them, after the text
+                text = "".join(p for p in content if isinstance(p, str))
+                content = [render_answer(text, calls)]
             if content:
                 messages.append(Message(item.role, content))
         return messages
+
+
+def _status(result: GenerationResult) -> tuple[Status, str | None]:
+    """How an answer ended, in the service's terms: its status and why it is not complete."""
+    status: Status = {
+        "stop": "completed",
+        "length": "incomplete",
+        "cancelled": "cancelled",
+        "slow_reader": "incomplete",
+    }[result.finish_reason]
+    reason = {
+        "length": "max_output_tokens",
+        "cancelled": "client_cancelled",
+        "slow_reader": "slow_reader",
+    }.get(result.finish_reason)
+    return status, reason
+
+
+def _answer_parts(text: str, options: ResponseOptions) -> list[StoredPart]:
+    """An answer as stored: its text, and with tools its calls as `tool_call` parts (the text
+    part only when there is text or there are no calls, as a replayed message parses)."""
+    if not options.tools:
+        return [StoredPart("text", text=text)]
+    rest, calls = split_answer(text, options.response_id)
+    parts = [StoredPart("text", text=rest)] if rest or not calls else []
+    parts += [StoredPart("tool_call", text=c.arguments, name=c.name, call_id=c.id) for c in calls]
+    return parts
 
 
 # writes that must outlive the response that started them (a strong reference until done)

@@ -7,7 +7,7 @@ a fixed order, fixed whitespace), several calls joined by a newline:
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-The grammars of `gateway.structured` make the model write exactly this, byte for byte, so the
+The grammars of `gateway.output_grammar` make the model write exactly this, byte for byte, so the
 reader here can be a small state machine: it looks for the fixed head `<tool_call>\\n{"name": "`,
 reads a name of `[A-Za-z0-9_-]`, the fixed `", "arguments": `, one JSON object (it only counts
 braces outside strings; the grammar already made it valid), then the fixed tail. The same reader

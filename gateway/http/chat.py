@@ -4,17 +4,24 @@ The serving layer returns values, never raises for a bad request: a `ChatComplet
 `EventStream` of SSE frames, or an `ErrorResponse` that the route maps to its HTTP status.
 A streamed answer is started before the HTTP status is chosen: the first text (or the failure)
 decides between `200 text/event-stream` and an error with its proper code. A client that
-disconnects mid-stream cancels generation, which frees the engine at once. The request's
-values are checked by the request layer (`gateway.chat_requests`), as the WebSocket's are.
+disconnects cancels generation, which frees the engine at once: mid-stream, and while a
+non-streamed answer is computed (the ASGI channel is watched for `http.disconnect`). The
+request's values are checked by the request layer (`gateway.chat_requests`, and
+`gateway.output_grammar` for tools and response formats), as the WebSocket's are.
+
+With tools, each answer is read by a `ToolCallStream`: its text goes out as content, its calls
+as `tool_calls` (streamed: the first delta of a call carries id, type and name, the next ones
+pieces of the arguments). `n` answers are choices 0..n-1; `logprobs` go with the content.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -25,8 +32,10 @@ from gateway.chat_requests import (
     RequestLimits,
     add_inline_images,
     admit_encodes,
+    check_choices,
     check_image_count,
     check_item_count,
+    check_logprobs,
     check_session_id,
     fetch_remote,
     refuse_unsupported,
@@ -37,9 +46,19 @@ from gateway.http import protocol as p
 from gateway.http.messages import Conversation, all_parts, parse_messages, reconcile
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import Session
+from gateway.output_grammar import plan_tools, response_format_grammar, tools_from_chat
+from gateway.tool_stream import (
+    ArgumentsPiece,
+    CallStart,
+    Piece,
+    TextPiece,
+    ToolCallStream,
+    split_answer,
+)
 
 if TYPE_CHECKING:
-    from gateway.chat_events import ServiceEvent
+    from gateway.chat_events import ChoiceEnd, ServiceEvent
+    from gateway.engine.interface import TokenLogprob
     from gateway.state import GatewayState
     from gateway.vision_resolver import EncodePermit
 
@@ -49,6 +68,8 @@ log = structlog.get_logger("visiongate.http")
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
+
+Receive = Callable[[], Awaitable[Any]]  # the ASGI receive channel of the request
 
 
 @dataclass(slots=True)
@@ -78,13 +99,35 @@ class ChatCompletionServing:
         self.limits = RequestLimits.of(state.settings)
 
     async def create(
-        self, request: p.ChatCompletionRequest, *, owner: str, session_id: str | None
+        self,
+        request: p.ChatCompletionRequest,
+        *,
+        owner: str,
+        session_id: str | None,
+        receive: Receive | None = None,
     ) -> p.ChatCompletion | EventStream | p.ErrorResponse:
+        """`receive` (the request's ASGI channel, its body already read) is watched until the
+        answer is ready to send: a client that goes away meanwhile cancels it. A stream is
+        watched by the server from its first frame on."""
         received = time.perf_counter()
         try:
             prepared = await self._prepare(request, owner, session_id or request.session_id)
         except GatewayError as exc:
             return p.error_response(exc)
+        watch = (
+            asyncio.ensure_future(_watch_disconnect(receive, prepared))
+            if receive is not None
+            else None
+        )
+        try:
+            return await self._answer(request, prepared, received)
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _answer(
+        self, request: p.ChatCompletionRequest, prepared: _Prepared, received: float
+    ) -> p.ChatCompletion | EventStream | p.ErrorResponse:
         first: list[ServiceEvent] = []
         try:
             events = self.state.require().service.respond(
@@ -228,12 +271,12 @@ class ChatCompletionServing:
     async def _complete(
         self, prepared: _Prepared, first: list[ServiceEvent], events: AsyncIterator[ServiceEvent]
     ) -> p.ChatCompletion | p.ErrorResponse:
-        text: list[str] = []
+        logprobs: dict[int, list[TokenLogprob]] = {}
         finished: Finished | None = None
         try:
             async for ev in _chain(first, events):
                 if isinstance(ev, TextChunk):
-                    text.append(ev.text)
+                    logprobs.setdefault(ev.index, []).extend(ev.logprobs)
                 elif isinstance(ev, Finished):
                     finished = ev
         finally:
@@ -253,11 +296,8 @@ class ChatCompletionServing:
             created=prepared.created,
             model=prepared.model,
             choices=[
-                p.Choice(
-                    index=0,
-                    message=p.ChatMessage(content=finished.text),
-                    finish_reason=_finish_reason(finished),
-                )
+                _choice(end, [*logprobs.get(end.index, ()), *end.logprobs], prepared.options)
+                for end in finished.answers()
             ],
             usage=_usage(finished, ext),
             system_fingerprint=self._fingerprint(),
@@ -267,15 +307,22 @@ class ChatCompletionServing:
     async def _sse(
         self, prepared: _Prepared, first: list[ServiceEvent], events: AsyncIterator[ServiceEvent]
     ) -> AsyncIterator[bytes]:
+        options = prepared.options
         include_usage = bool(
             prepared.request.stream_options and prepared.request.stream_options.include_usage
         )
+        answers = [_StreamedAnswer(options, i) for i in range(options.n)]
+        frame = _Frames(prepared, self._fingerprint(), include_usage)
         finished: Finished | None = None
         try:
-            yield self._frame(p.Delta(role="assistant", content=""), prepared)
+            for i in range(options.n):  # every choice announced first, in order
+                yield frame(i, p.Delta(role="assistant", content=""))
             async for ev in _chain(first, events):
                 if isinstance(ev, TextChunk):
-                    yield self._frame(p.Delta(content=ev.text), prepared)
+                    answer = answers[ev.index]
+                    answer.logprobs.extend(ev.logprobs)
+                    for delta in answer.feed(ev.text):
+                        yield frame(ev.index, delta, logprobs=answer.take_logprobs())
                 elif isinstance(ev, Finished):
                     finished = ev
             if finished is None or finished.status == "failed":
@@ -287,24 +334,20 @@ class ChatCompletionServing:
                 yield b"data: " + _json.encode(p.error_response(error)) + b"\n\n"
             else:
                 ext = self._extension(finished, prepared)
-                yield self._frame(
-                    p.Delta(), prepared, finish_reason=_finish_reason(finished), extension=ext
-                )
-                if include_usage:
-                    yield (
-                        b"data: "
-                        + _json.encode(
-                            p.ChatCompletionChunk(
-                                id=prepared.completion_id,
-                                created=prepared.created,
-                                model=prepared.model,
-                                choices=[],
-                                system_fingerprint=self._fingerprint(),
-                                usage=_usage(finished, ext),
-                            )
-                        )
-                        + b"\n\n"
+                for end in finished.answers():
+                    answer = answers[end.index]
+                    for delta in answer.finish():
+                        yield frame(end.index, delta, logprobs=answer.take_logprobs())
+                    answer.logprobs.extend(end.logprobs)
+                    yield frame(
+                        end.index,
+                        p.Delta(),
+                        finish_reason=_finish_reason(end, answer.calls > 0),
+                        logprobs=answer.take_logprobs() if answer.logprobs else None,
+                        extension=ext,
                     )
+                if include_usage:
+                    yield frame.usage(_usage(finished, ext))
             yield DONE
         finally:
             # reached on completion and on a client disconnect (the stream is cancelled)
@@ -313,24 +356,6 @@ class ChatCompletionServing:
                 log.info("http_stream_abandoned", completion_id=prepared.completion_id)
             await _close(events)
             self._finished(finished, prepared)
-
-    def _frame(
-        self,
-        delta: p.Delta,
-        prepared: _Prepared,
-        *,
-        finish_reason: str | None = None,
-        extension: p.CompletionExtension | None = None,
-    ) -> bytes:
-        chunk = p.ChatCompletionChunk(
-            id=prepared.completion_id,
-            created=prepared.created,
-            model=prepared.model,
-            choices=[p.ChunkChoice(index=0, delta=delta, finish_reason=finish_reason)],
-            system_fingerprint=self._fingerprint(),
-            visiongate=extension,
-        )
-        return b"data: " + _json.encode(chunk) + b"\n\n"
 
     def _fingerprint(self) -> str:
         return "fp_" + self.state.require().vision.fingerprint[:12]
@@ -360,9 +385,16 @@ class ChatCompletionServing:
 
 def _options(request: p.ChatCompletionRequest, limits: RequestLimits) -> ResponseOptions:
     """The request's response values, checked by the request layer (HTTP names the params)."""
-    if request.n is not None and request.n != 1:
-        raise GatewayError("invalid_request", "only n=1 is supported", param="n")
-    refuse_unsupported(request.tools, "tools", "tools are not supported")
+    refuse_unsupported(
+        request.functions,
+        "functions",
+        "functions is the legacy form of tools and is not supported; send tools",
+    )
+    refuse_unsupported(
+        request.function_call,
+        "function_call",
+        "function_call is the legacy form of tool_choice and is not supported; send tool_choice",
+    )
     if request.stream_options is not None and not request.stream:
         raise GatewayError(
             "invalid_request",
@@ -372,7 +404,7 @@ def _options(request: p.ChatCompletionRequest, limits: RequestLimits) -> Respons
     max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, param = request.max_tokens, "max_tokens"
-    return response_options(
+    options = response_options(
         limits,
         max_tokens=max_tokens,
         max_tokens_param=param,
@@ -383,10 +415,155 @@ def _options(request: p.ChatCompletionRequest, limits: RequestLimits) -> Respons
         truncation=request.truncation,
         api="http",
     )
+    options.n = check_choices(request.n)
+    options.logprobs = check_logprobs(request.logprobs, request.top_logprobs)
+    text_grammar = response_format_grammar(request.response_format)
+    plan = plan_tools(
+        tools_from_chat(request.tools),
+        request.tool_choice,
+        request.parallel_tool_calls,
+        text_grammar=text_grammar,
+    )
+    options.grammar = text_grammar if plan is None else plan.grammar
+    if plan is not None and plan.choice != "none":
+        options.tools_prompt = plan.prompt
+        options.tools = True
+    return options
 
 
-def _finish_reason(ev: Finished) -> str:
-    return "length" if ev.status == "incomplete" else "stop"
+def _answer_id(response_id: str, index: int) -> str:
+    """What names the tool calls of answer `index` (the first answer's are the stored ones)."""
+    return response_id if index == 0 else f"{response_id}/{index}"
+
+
+def _finish_reason(end: ChoiceEnd, called: bool) -> p.FinishReason:
+    if end.status == "incomplete":
+        return "length"
+    return "tool_calls" if called else "stop"
+
+
+def _choice(end: ChoiceEnd, logprobs: list[TokenLogprob], options: ResponseOptions) -> p.Choice:
+    text, calls = end.text, []
+    if options.tools:
+        text, calls = split_answer(end.text, _answer_id(options.response_id, end.index))
+    message = p.ChatMessage(
+        content=text if text or not calls else None,
+        refusal=None,
+        role="assistant",
+        tool_calls=[
+            p.ToolCall(id=c.id, function=p.ToolCallFunction(name=c.name, arguments=c.arguments))
+            for c in calls
+        ]
+        or None,
+    )
+    return p.Choice(
+        index=end.index,
+        message=message,
+        finish_reason=_finish_reason(end, bool(calls)),
+        logprobs=p.ChoiceLogprobs.of(logprobs) if options.logprobs is not None else None,
+    )
+
+
+class _StreamedAnswer:
+    """One answer of a stream: its text read into content and tool-call deltas, and the
+    log-probabilities not sent yet (they go with the next frame of this answer)."""
+
+    __slots__ = ("calls", "logprobs", "reader", "wants_logprobs")
+
+    def __init__(self, options: ResponseOptions, index: int) -> None:
+        self.reader = (
+            ToolCallStream(_answer_id(options.response_id, index)) if options.tools else None
+        )
+        self.calls = 0
+        self.logprobs: list[TokenLogprob] = []
+        self.wants_logprobs = options.logprobs is not None
+
+    def feed(self, text: str) -> list[p.Delta]:
+        if self.reader is None:
+            return [p.Delta(content=text)] if text else []
+        return self._deltas(self.reader.feed(text))
+
+    def finish(self) -> list[p.Delta]:
+        return [] if self.reader is None else self._deltas(self.reader.finish())
+
+    def take_logprobs(self) -> p.ChoiceLogprobs | None:
+        if not self.wants_logprobs:
+            return None
+        taken = p.ChoiceLogprobs.of(self.logprobs)
+        self.logprobs = []
+        return taken
+
+    def _deltas(self, pieces: list[Piece]) -> list[p.Delta]:
+        deltas: list[p.Delta] = []
+        for piece in pieces:
+            if isinstance(piece, TextPiece):
+                deltas.append(p.Delta(content=piece.text))
+            elif isinstance(piece, CallStart):
+                self.calls += 1
+                function = p.DeltaFunction(name=piece.name, arguments="")
+                call = p.DeltaToolCall(piece.index, id=piece.id, type="function", function=function)
+                deltas.append(p.Delta(tool_calls=[call]))
+            elif isinstance(piece, ArgumentsPiece):
+                function = p.DeltaFunction(arguments=piece.text)
+                deltas.append(p.Delta(tool_calls=[p.DeltaToolCall(piece.index, function=function)]))
+        return deltas
+
+
+class _Frames:
+    """SSE frames of one completion's chunks."""
+
+    __slots__ = ("fingerprint", "include_usage", "prepared")
+
+    def __init__(self, prepared: _Prepared, fingerprint: str, include_usage: bool) -> None:
+        self.prepared = prepared
+        self.fingerprint = fingerprint
+        self.include_usage = include_usage
+
+    def __call__(
+        self,
+        index: int,
+        delta: p.Delta,
+        *,
+        finish_reason: p.FinishReason | None = None,
+        logprobs: p.ChoiceLogprobs | None = None,
+        extension: p.CompletionExtension | None = None,
+    ) -> bytes:
+        choice = p.ChunkChoice(index, delta, finish_reason=finish_reason, logprobs=logprobs)
+        return self._encode([choice], None, extension)
+
+    def usage(self, usage: p.Usage) -> bytes:
+        return self._encode([], usage, None)
+
+    def _encode(
+        self,
+        choices: list[p.ChunkChoice],
+        usage: p.Usage | None,
+        extension: p.CompletionExtension | None,
+    ) -> bytes:
+        prepared = self.prepared
+        chunk = p.ChatCompletionChunk(
+            id=prepared.completion_id,
+            object="chat.completion.chunk",
+            created=prepared.created,
+            model=prepared.model,
+            system_fingerprint=self.fingerprint,
+            choices=choices,
+            # asked for: null on every chunk but the last; not asked for: left out
+            usage=usage if self.include_usage else msgspec.UNSET,
+            visiongate=extension,
+        )
+        return b"data: " + _json.encode(chunk) + b"\n\n"
+
+
+async def _watch_disconnect(receive: Receive, prepared: _Prepared) -> None:
+    """Cancel the answer when the client goes away before it is sent."""
+    while True:
+        message = await receive()
+        if message.get("type") == "http.disconnect":
+            if not prepared.options.cancel.is_set():
+                prepared.options.cancel.set()
+                log.info("http_client_gone", completion_id=prepared.completion_id)
+            return
 
 
 def _usage(ev: Finished, ext: p.CompletionExtension) -> p.Usage:

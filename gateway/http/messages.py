@@ -2,6 +2,8 @@
 
 `message_parts` translates a message's wire shape to the request layer's `ContentPart`s;
 `parse_messages` checks them there (`gateway.chat_requests`) and gathers the conversation.
+An assistant message's `tool_calls` become `tool_call` parts (after its text, if any); a `tool`
+message becomes a "tool" item of one text part carrying the `tool_call_id` it answers.
 
 OpenAI clients send the whole conversation on every request. With a session, the gateway
 keeps the conversation too; `reconcile` appends only what is new when the stored items are a
@@ -21,12 +23,15 @@ from gateway.chat_requests import (
     check_conversation_size,
     check_image_count,
     check_instructions,
+    check_tool_result,
     conversation_chars,
     parse_content,
+    tool_call_part,
+    tool_result_part,
 )
 from gateway.http.protocol import ImageUrlPart, InputMessage, RefusalPart, TextPart
 from gateway.protocol.errors import GatewayError
-from gateway.sessions.session import Session, StoredItem, new_id
+from gateway.sessions.session import Session, StoredItem, StoredPart, new_id
 
 __all__ = ("Conversation", "all_parts", "message_parts", "parse_messages", "reconcile", "same_item")
 
@@ -44,9 +49,11 @@ class Conversation:
 def message_parts(message: InputMessage, param: str) -> list[ContentPart]:
     """One message's content as the request layer's parts (`param`: "messages[i]")."""
     content, where = message.content, f"{param}.content"
-    if content is None:
-        # an assistant turn may be empty (it called tools); the request layer refuses the rest
-        return [ContentPart("text", where, text="")] if message.role == "assistant" else []
+    if content is None or (content == "" and message.tool_calls):
+        # an assistant turn may be empty (or only call tools); the request layer refuses the rest
+        if message.role == "assistant" and not message.tool_calls:
+            return [ContentPart("text", where, text="")]
+        return []
     if isinstance(content, str):
         return [ContentPart("text", where, text=content)]
     parts: list[ContentPart] = []
@@ -80,41 +87,95 @@ def parse_messages(
     messages: list[InputMessage], limits: RequestLimits, fetched: Mapping[str, bytes] | None = None
 ) -> Conversation:
     """Check and convert. Images are checked from their header only (format, size); remote
-    URLs resolve only through `fetched` (the allow-listed ones already downloaded)."""
+    URLs resolve only through `fetched` (the allow-listed ones already downloaded). A
+    conversation of instructions alone is allowed: the model answers them."""
     if not messages:
         raise GatewayError(
             "invalid_request", "messages must hold at least one message", param="messages"
         )
     conv = Conversation(instructions=None, items=[])
     leading: list[str] = []
+    calls: list[str] = []  # ids of the tool calls made so far, for the results that answer them
     for index, message in enumerate(messages):
         param = f"messages[{index}]"
         role = "system" if message.role == "developer" else message.role
-        parsed = parse_content(
-            role, message_parts(message, param), limits, fetched, param=f"{param}.content"
-        )
-        for digest, data in parsed.inline.items():
-            conv.inline.setdefault(digest, data)
-        for digest, where in parsed.refs.items():
-            conv.refs.setdefault(digest, where)
+        _refuse_misplaced_fields(message, param)
+        parts = message_parts(message, param)
+        stored: list[StoredPart] = []
+        if parts or not (role == "assistant" and message.tool_calls):  # empty: refused there
+            parsed = parse_content(role, parts, limits, fetched, param=f"{param}.content")
+            stored = list(parsed.parts)
+            for digest, data in parsed.inline.items():
+                conv.inline.setdefault(digest, data)
+            for digest, where in parsed.refs.items():
+                conv.refs.setdefault(digest, where)
         if role == "system" and not conv.items:
             # system messages before the conversation are its instructions
-            leading.append("\n".join(p.text or "" for p in parsed.parts))
+            leading.append("\n".join(p.text or "" for p in stored))
             continue
-        conv.items.append(StoredItem(id=new_id("item"), role=role, parts=parsed.parts))
+        if role == "tool":
+            stored = [_tool_result(message, stored, calls, limits, param)]
+        for j, call in enumerate(message.tool_calls or ()):
+            where = f"{param}.tool_calls[{j}]"
+            part = tool_call_part(
+                call.id,
+                call.function.name,
+                call.function.arguments,
+                limits,
+                params=(f"{where}.id", f"{where}.function.name", f"{where}.function.arguments"),
+            )
+            calls.append(part.call_id or "")
+            stored.append(part)
+        conv.items.append(StoredItem(id=new_id("item"), role=role, parts=stored))
     if leading:
         conv.instructions = check_instructions("\n\n".join(leading), limits, "messages")
-    if not conv.items:
-        raise GatewayError(
-            "invalid_request", "messages must hold at least one user message", param="messages"
-        )
     check_image_count(set(conv.inline) | set(conv.refs), limits, "messages")
     check_conversation_size(conversation_chars(conv.instructions, conv.items), limits, "messages")
     return conv
 
 
+def _refuse_misplaced_fields(message: InputMessage, param: str) -> None:
+    if message.function_call is not None:
+        raise GatewayError(
+            "invalid_request",
+            "function_call is the legacy form of tool calls and is not supported; send tool_calls",
+            param=f"{param}.function_call",
+        )
+    if message.tool_calls and message.role != "assistant":
+        raise GatewayError(
+            "invalid_request",
+            "only assistant messages hold tool_calls",
+            param=f"{param}.tool_calls",
+        )
+    if message.role == "tool" and message.tool_call_id is None:
+        raise GatewayError(
+            "invalid_request",
+            "a tool message needs the tool_call_id of the call it answers",
+            param=f"{param}.tool_call_id",
+        )
+
+
+def _tool_result(
+    message: InputMessage,
+    parts: list[StoredPart],
+    calls: list[str],
+    limits: RequestLimits,
+    param: str,
+) -> StoredPart:
+    """A tool message's text parts joined into one part that names the call it answers."""
+    where = f"{param}.tool_call_id"
+    check_tool_result(message.tool_call_id or "", calls, where)
+    return tool_result_part(
+        message.tool_call_id,
+        "".join(p.text or "" for p in parts),
+        limits,
+        params=(where, f"{param}.content"),
+    )
+
+
 def same_item(stored: StoredItem, sent: StoredItem) -> bool:
-    """Same role and the same parts (texts and image digests); ids and status don't matter."""
+    """Same role and the same parts (texts, image digests, tool calls with their names,
+    arguments and ids, the call a tool result answers); ids and status don't matter."""
     return stored.role == sent.role and stored.parts == sent.parts
 
 

@@ -3,19 +3,25 @@
 Requests follow the Chat Completions format; fields the gateway does not use (`user`,
 `metadata`, penalties, ...) are accepted and ignored, so any OpenAI client works unchanged.
 Responses are encoded with `omit_defaults` only where OpenAI leaves a field out; fields OpenAI
-always sends (`logprobs: null`, `finish_reason: null`) are always present. visiongate's
-extensions (`visiongate` objects, `session_id`) are extra fields that OpenAI clients keep.
+always sends (`object`, `logprobs: null`, `finish_reason: null`, `refusal: null`) have no
+default in those structs, so they are always present (tests/unit/test_openai_shapes.py checks
+every shape against the `openai` package's own types). visiongate's extensions (`visiongate`
+objects, `session_id`) are extra fields that OpenAI clients keep.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 from msgspec import Struct
 
 from gateway.protocol.errors import ERROR_CODES, GatewayError
 from gateway.protocol.report import CacheReport, Timings
+
+if TYPE_CHECKING:
+    from gateway.engine.interface import TokenLogprob as EngineTokenLogprob
 
 __all__ = (
     "CacheReport",
@@ -24,9 +30,12 @@ __all__ = (
     "ChatCompletionRequest",
     "ChatMessage",
     "Choice",
+    "ChoiceLogprobs",
     "ChunkChoice",
     "CompletionExtension",
     "Delta",
+    "DeltaFunction",
+    "DeltaToolCall",
     "ErrorBody",
     "ErrorResponse",
     "ImageStatus",
@@ -42,6 +51,10 @@ __all__ = (
     "StreamOptions",
     "TextPart",
     "Timings",
+    "TokenLogprob",
+    "ToolCall",
+    "ToolCallFunction",
+    "TopLogprob",
     "Usage",
     "error_response",
 )
@@ -70,12 +83,29 @@ class RefusalPart(Struct, tag="refusal", tag_field="type"):
 ContentPart = TextPart | ImageUrlPart | RefusalPart
 
 
-class InputMessage(Struct):
-    """One message of the conversation. `developer` is the newer name of `system`."""
+class ToolCallFunction(Struct):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
 
-    role: Literal["system", "developer", "user", "assistant"]
+
+class ToolCall(Struct):
+    """A tool call of an assistant message: in an answer, and as the client sends it back."""
+
+    id: str
+    function: ToolCallFunction
+    type: Literal["function"] = "function"
+
+
+class InputMessage(Struct):
+    """One message of the conversation. `developer` is the newer name of `system`; a `tool`
+    message answers the assistant's tool call `tool_call_id`."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
+    function_call: dict[str, Any] | None = None  # legacy: held only to be refused clearly
 
 
 class StreamOptions(Struct):
@@ -94,7 +124,16 @@ class ChatCompletionRequest(Struct):
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    # checked by `gateway.output_grammar` (their shapes vary: tool types, named choices, schemas)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    # legacy function calling: held only to be refused clearly (use tools / tool_choice)
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
     # visiongate extension: join this session's cache (also `X-Session-Id`)
     session_id: str | None = None
     # visiongate extension: a conversation longer than the context is refused ("disabled", the
@@ -141,17 +180,59 @@ class Usage(Struct):
     visiongate: CompletionExtension | None = None
 
 
-class ChatMessage(Struct):
-    content: str
-    role: Literal["assistant"] = "assistant"
-    refusal: str | None = None
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Struct):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+    @classmethod
+    def of(cls, tokens: Iterable[EngineTokenLogprob]) -> ChoiceLogprobs:
+        return cls(
+            content=[
+                TokenLogprob(
+                    token=t.token,
+                    logprob=t.logprob,
+                    bytes=list(t.bytes),
+                    top_logprobs=[
+                        TopLogprob(token=token, logprob=logprob, bytes=list(raw))
+                        for token, logprob, raw in t.top
+                    ],
+                )
+                for t in tokens
+            ]
+        )
+
+
+class ChatMessage(Struct, kw_only=True, omit_defaults=True):
+    """The answer of one choice: `content` is null when the answer is only tool calls;
+    `tool_calls` is left out when there are none (as OpenAI does)."""
+
+    content: str | None
+    refusal: str | None
+    role: Literal["assistant"]
+    tool_calls: list[ToolCall] | None = None
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class Choice(Struct):
     index: int
     message: ChatMessage
-    finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    finish_reason: FinishReason
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletion(Struct):
@@ -165,26 +246,46 @@ class ChatCompletion(Struct):
     visiongate: CompletionExtension | None = None
 
 
+class DeltaFunction(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    """A piece of a streamed tool call: the first of a call carries its `id`, `type` and
+    `function.name` (with empty arguments); the next ones carry pieces of the arguments."""
+
+    index: int  # the call's place among the choice's tool calls
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction | None = None
+
+
 class Delta(Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChunkChoice(Struct):
     index: int
     delta: Delta
-    finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    finish_reason: FinishReason | None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
-class ChatCompletionChunk(Struct, omit_defaults=True):
+class ChatCompletionChunk(Struct, kw_only=True, omit_defaults=True):
+    """One SSE frame. `object` and `system_fingerprint` have no default, so they are always
+    sent (the SDK's stream helper reads `object`); `usage` is left out unless the client asked
+    for it (`stream_options.include_usage`), then null on every chunk but the last."""
+
     id: str
+    object: Literal["chat.completion.chunk"]
     created: int
     model: str
+    system_fingerprint: str | None
     choices: list[ChunkChoice]
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    system_fingerprint: str | None = None
-    usage: Usage | None = None
+    usage: Usage | msgspec.UnsetType | None = msgspec.UNSET
     visiongate: CompletionExtension | None = None
 
 

@@ -231,6 +231,17 @@ def _item_view(item: StoredItem) -> p.SessionItemView:
             content.append(
                 {"type": "image_url", "image_url": {"url": REF_PREFIX + (part.digest or "")}}
             )
+        elif part.kind == "tool_call":
+            content.append(
+                {
+                    "type": "tool_call",
+                    "call_id": part.call_id,
+                    "name": part.name,
+                    "arguments": part.text or "",
+                }
+            )
+        elif part.call_id is not None:  # a tool's result answers the call it names
+            content.append({"type": "text", "text": part.text or "", "call_id": part.call_id})
         else:
             content.append({"type": "text", "text": part.text or ""})
     return p.SessionItemView(id=item.id, role=item.role, content=content, status=item.status)

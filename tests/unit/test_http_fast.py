@@ -12,10 +12,11 @@ import openai
 import pytest
 
 from gateway.chat_service import kv_key_for
+from gateway.engine.interface import EngineError
 from tests.conftest import photo_bytes, unique_photo
 from tests.fakes import FakeEngine
 from tests.gateway.realtime_helpers import data_url
-from tests.unit.conftest import FakeGateway, GatewayFactory
+from tests.unit.conftest import FakeGateway, GatewayFactory, eventually
 
 TIMEOUT = 10.0
 MODEL = "fake-echo"
@@ -160,7 +161,7 @@ def test_sessions_api(client: openai.OpenAI, http: httpx.Client, fake_gateway: F
     assert view["items"][3]["content"][0]["text"] == second.choices[0].message.content
     request = fake_gateway.engine.requests[-1]
     assert request.kv_key == kv_key_for("anonymous", session_id)
-    assert [m.role for m in request.messages] == ["system", "user", "assistant", "user"]
+    assert [m.role for m in request.messages] == ["user", "assistant", "user"]
 
     deleted = http.delete(f"/v1/sessions/{session_id}")
     assert deleted.status_code == 200 and deleted.json()["id"] == session_id
@@ -312,3 +313,52 @@ def test_metrics_answer_prometheus_text(client: openai.OpenAI, http: httpx.Clien
         if line.startswith("visiongate_responses_total{") and "completed" in line
     ]
     assert completed and float(completed[0].rsplit(" ", 1)[1]) >= 1
+
+
+async def test_a_client_gone_before_the_answer_cancels_it(make_gateway: GatewayFactory) -> None:
+    engine = FakeEngine(delay_s=0.2)  # 400 words: over a minute unless cancelled
+    gateway = make_gateway(engine=engine)
+    words = " ".join(f"w{i}" for i in range(400))
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": words}],
+        "max_tokens": 400,
+        "session_id": "gone-before-the-answer",
+    }
+    async with httpx.AsyncClient(base_url=gateway.http_url, timeout=0.5) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/chat/completions", json=body)
+    await eventually(lambda: bool(engine.requests) and engine.requests[-1].cancel.is_set())
+    await eventually(lambda: engine.running == 0)
+    async with httpx.AsyncClient(base_url=gateway.http_url, timeout=TIMEOUT) as http:
+        view = (await http.get("/v1/sessions/gone-before-the-answer")).json()
+    answer = view["items"][-1]
+    # cut short: what was generated is kept as an incomplete answer
+    assert answer["role"] == "assistant" and answer["status"] == "incomplete"
+    assert len(answer["content"][0]["text"].split()) < 400
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("where", ["gateway", "engine"])
+def test_a_prompt_past_the_context_is_400(
+    make_gateway: GatewayFactory, stream: bool, where: str
+) -> None:
+    # past the context by the gateway's count, or by the engine's own (its refusal)
+    engine = (
+        FakeEngine(context_tokens=64)
+        if where == "gateway"
+        else FakeEngine(refuse=EngineError("prompt too long", code="context_length_exceeded"))
+    )
+    gateway = make_gateway(engine=engine)
+    words = " ".join(["word"] * 100) if where == "gateway" else "short"
+    url = f"{gateway.http_url}/v1"
+    with (
+        openai.OpenAI(base_url=url, api_key="unused", timeout=TIMEOUT) as client,
+        pytest.raises(openai.BadRequestError) as caught,
+    ):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": words}], stream=stream
+        )
+    assert caught.value.code == "context_length_exceeded"
+    # a 400 is not retried by the SDK (a 500 would have been, twice)
+    assert len(engine.requests) == (0 if where == "gateway" else 1)

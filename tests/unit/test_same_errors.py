@@ -231,8 +231,9 @@ CASES: dict[str, Case] = {
         "invalid_request",
         response(tools=[{"type": "function", "name": "f"}]),
         "response.tools",
-        {"tools": [{"type": "function", "function": {"name": "f"}}]},
-        "tools",
+        # HTTP takes function tools; a tool type it does not run is refused by name
+        {"tools": [{"type": "retrieval"}]},
+        "tools[0].type",
     ),
     "too_many_items": Case(
         "input_too_large",

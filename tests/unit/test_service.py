@@ -13,10 +13,12 @@ from gateway.chat_events import Finished, ResponseOptions, ServiceEvent, Started
 from gateway.chat_service import ChatService, kv_key_for
 from gateway.engine.interface import EngineError, ImageInput
 from gateway.sessions import MemorySessionStore, Session, StoredItem, StoredPart
+from gateway.tool_stream import render_tool_call, render_tool_result, split_answer
 from gateway.vision_resolver import VisionResolver
 from tests.conftest import photo_bytes
 from tests.fakes import FakeEncoder, FakeEngine
 from tests.unit.conftest import eventually
+from tests.unit.test_chat_tools import PARIS, ScriptedEngine
 
 MiB = 1024 * 1024
 OWNER = "key_owner"
@@ -326,3 +328,102 @@ async def test_cancel_while_waiting_for_an_image_ends_before_the_encode() -> Non
     gate.set()
     await eventually(lambda: parts.encoder.encoded == [digest])
     assert await parts.vision.cached(OWNER, digest) is not None
+
+
+async def test_n_answers_stream_by_index_and_only_the_first_is_stored() -> None:
+    parts = build()
+    session = await new_session(parts, text("red kite"))
+    options = ResponseOptions(n=3, logprobs=1)
+    events = await collect(parts, session, options)
+    done = events[-1]
+    assert isinstance(done, Finished) and done.status == "completed"
+    assert parts.engine.requests[-1].sampling.n == 3
+    assert parts.engine.requests[-1].sampling.logprobs == 1
+    chunks = [ev for ev in events if isinstance(ev, TextChunk)]
+    for end in done.choices:
+        streamed = "".join(ev.text for ev in chunks if ev.index == end.index)
+        assert streamed == end.text and end.status == "completed"
+        tokens = [t for ev in chunks if ev.index == end.index for t in ev.logprobs]
+        assert "".join(t.token for t in [*tokens, *end.logprobs]) == end.text
+    assert [end.index for end in done.choices] == [0, 1, 2]
+    assert done.text == done.choices[0].text == "red kite [0 images]"
+    assert done.output_tokens == sum(end.output_tokens for end in done.choices) == 3 + 4 + 4
+    stored = (await parts.sessions.load(session.id, OWNER)).items[-1]
+    assert stored.parts == [text(done.text)]
+
+
+async def test_one_answer_leaves_choices_empty() -> None:
+    parts = build()
+    session = await new_session(parts, text("hello"))
+    done = (await collect(parts, session))[-1]
+    assert isinstance(done, Finished) and done.choices == [] and done.logprobs == ()
+
+
+async def test_tools_prompt_follows_the_instructions_and_a_grammar_goes_to_the_engine() -> None:
+    parts = build()
+    session = await new_session(parts, text("hello"))
+    options = ResponseOptions(tools_prompt="# Tools\nget_weather", grammar='start: "x"\n')
+    await collect(parts, session, options)
+    request = parts.engine.requests[-1]
+    assert request.messages[0].content == [f"{INSTRUCTIONS}\n\n# Tools\nget_weather"]
+    assert request.sampling.grammar == 'start: "x"\n'
+
+    session.instructions = ""
+    await collect(parts, session, ResponseOptions(tools_prompt="# Tools"))
+    assert parts.engine.requests[-1].messages[0].content == ["# Tools"]
+
+
+async def test_tool_calls_and_results_render_as_the_model_writes_them() -> None:
+    parts = build()
+    session = await new_session(parts, text("weather in Paris?"))
+    call = StoredPart("tool_call", text='{"city": "Paris"}', name="get_weather", call_id="call_1")
+    session.items += [
+        StoredItem(id="item_a", role="assistant", parts=[call]),
+        StoredItem(
+            id="item_t", role="tool", parts=[StoredPart("text", text="sunny", call_id="call_1")]
+        ),
+        StoredItem(id="item_b", role="assistant", parts=[text("Let me check."), call]),
+    ]
+    await collect(parts, session)
+    messages = parts.engine.requests[-1].messages
+    assert [m.role for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert messages[2].content == [render_tool_call("get_weather", '{"city": "Paris"}')]
+    assert messages[3].content == [render_tool_result("sunny")]
+    assert messages[4].content == [
+        "Let me check." + render_tool_call("get_weather", '{"city": "Paris"}')
+    ]
+
+
+async def test_an_answer_with_tools_is_stored_as_text_and_calls() -> None:
+    parts = build(ScriptedEngine(PARIS))
+    session = await new_session(parts, text("weather in Paris?"))
+    options = ResponseOptions(tools=True)
+    done = (await collect(parts, session, options))[-1]
+    assert isinstance(done, Finished) and done.text == PARIS
+    [call] = split_answer(PARIS, options.response_id)[1]
+    stored = (await parts.sessions.load(session.id, OWNER)).items[-1]
+    assert stored.parts == [
+        StoredPart("tool_call", text='{"city": "Paris"}', name="get_weather", call_id=call.id)
+    ]
+
+    # without tools the same text is only text
+    session = await new_session(parts, text("weather in Paris?"))
+    await collect(parts, session, ResponseOptions())
+    assert (await parts.sessions.load(session.id, OWNER)).items[-1].parts == [text(PARIS)]
+
+
+async def test_context_overflow_is_context_length_exceeded() -> None:
+    # past the context by the gateway's own count, and refused by the engine's count
+    parts = build(FakeEngine(context_tokens=64))
+    session = await new_session(parts, text(" ".join(["word"] * 80)))
+    session.truncation = "disabled"
+    done = (await collect(parts, session))[-1]
+    assert isinstance(done, Finished) and done.status == "failed"
+    assert done.error is not None and done.error.code == "context_length_exceeded"
+
+    refusing = FakeEngine(refuse=EngineError("prompt too long", code="context_length_exceeded"))
+    parts = build(refusing)
+    session = await new_session(parts, text("short"))
+    done = (await collect(parts, session))[-1]
+    assert isinstance(done, Finished) and done.error is not None
+    assert done.error.code == "context_length_exceeded" and done.error.http_status == 400

@@ -166,8 +166,10 @@ def test_disconnect_mid_stream_frees_the_engine(
         "malformed_data_url",
         "remote_url",
         "oversized_image",
-        "n_2",
+        "n_9",
         "bad_role",
+        "tool_choice_without_tools",
+        "legacy_functions",
         "max_tokens_0",
     ],
 )
@@ -213,12 +215,24 @@ def test_bad_requests_get_openai_errors(
             "image_too_large",
             "messages[0].content[0].image_url.url",
         ),
-        "n_2": ({"model": model, "messages": hello, "n": 2}, 400, "invalid_request", "n"),
+        "n_9": ({"model": model, "messages": hello, "n": 9}, 400, "invalid_request", "n"),
         "bad_role": (
-            {"model": model, "messages": [{"role": "tool", "content": "x"}]},
+            {"model": model, "messages": [{"role": "function", "content": "x"}]},
             400,
             "invalid_request",
             "messages[0].role",
+        ),
+        "tool_choice_without_tools": (
+            {"model": model, "messages": hello, "tool_choice": "required"},
+            400,
+            "invalid_request",
+            "tool_choice",
+        ),
+        "legacy_functions": (
+            {"model": model, "messages": hello, "functions": [{"name": "f"}]},
+            400,
+            "invalid_request",
+            "functions",
         ),
         "max_tokens_0": (
             {"model": model, "messages": hello, "max_tokens": 0},

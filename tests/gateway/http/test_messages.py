@@ -6,10 +6,10 @@ import msgspec
 import pytest
 
 from gateway.chat_requests import RequestLimits
-from gateway.http.messages import parse_messages, reconcile
+from gateway.http.messages import parse_messages, reconcile, same_item
 from gateway.http.protocol import ChatCompletionRequest
 from gateway.protocol.errors import GatewayError
-from gateway.sessions.session import Session
+from gateway.sessions.session import Session, StoredItem, StoredPart
 from tests.conftest import photo_bytes
 from tests.gateway.http.conftest import data_url
 
@@ -21,6 +21,9 @@ LIMITS = RequestLimits(
     max_image_bytes=2 * 1024 * 1024,
     max_pixels=4_000_000,
 )
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
 
 
 def parse(messages: list[dict]):
@@ -60,7 +63,71 @@ def test_images_are_stored_by_digest_once() -> None:
     ("messages", "code", "param"),
     [
         ([], "invalid_request", "messages"),
-        ([{"role": "system", "content": "only instructions"}], "invalid_request", "messages"),
+        (
+            [{"role": "user", "content": "q"}, {"role": "tool", "content": "r"}],
+            "invalid_request",
+            "messages[1].tool_call_id",
+        ),
+        (
+            [
+                {"role": "user", "content": "q"},
+                {"role": "tool", "tool_call_id": "call_9", "content": "r"},
+            ],
+            "invalid_request",
+            "messages[1].tool_call_id",
+        ),
+        (
+            [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "tool_calls": [CALL]},
+                {
+                    "role": "tool",
+                    "tool_call_id": "call_1",
+                    "content": [{"type": "image_url", "image_url": {"url": "data:,"}}],
+                },
+            ],
+            "invalid_request",
+            "messages[2].content[0].type",
+        ),
+        (
+            [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "x" * 101},
+            ],
+            "input_too_large",
+            "messages[2].content",
+        ),
+        (
+            [{"role": "user", "content": "q", "tool_calls": [CALL]}],
+            "invalid_request",
+            "messages[0].tool_calls",
+        ),
+        (
+            [{"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}],
+            "invalid_request",
+            "messages[0].function_call",
+        ),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{**CALL, "function": {"name": "", "arguments": "{}"}}],
+                }
+            ],
+            "invalid_request",
+            "messages[0].tool_calls[0].function.name",
+        ),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "x" * 101}}],
+                }
+            ],
+            "input_too_large",
+            "messages[0].tool_calls[0].function.arguments",
+        ),
         ([{"role": "user", "content": []}], "invalid_request", "messages[0].content"),
         (
             [
@@ -135,6 +202,54 @@ def test_an_assistant_turn_without_content_is_empty_text() -> None:
         ]
     )
     assert [p.text for i in conv.items for p in i.parts] == ["q", "", "again"]
+
+
+def test_instructions_alone_are_a_conversation() -> None:
+    conv = parse([{"role": "system", "content": "Say hi."}])
+    assert conv.instructions == "Say hi." and conv.items == []
+
+
+def test_tool_calls_and_results() -> None:
+    conv = parse(
+        [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {
+                "role": "tool",
+                "tool_call_id": "call_1",
+                "content": [{"type": "text", "text": "sun"}],
+            },
+            {"role": "assistant", "content": "sunny", "tool_calls": [{**CALL, "id": "call_2"}]},
+        ]
+    )
+    assistant, tool, both = conv.items[1:]
+    assert assistant.parts == [
+        StoredPart("tool_call", text="{}", name="get_weather", call_id="call_1")
+    ]
+    assert (tool.role, tool.parts) == ("tool", [StoredPart("text", text="sun", call_id="call_1")])
+    assert [p.kind for p in both.parts] == ["text", "tool_call"]
+    # content "" beside calls is the same message as content null
+    again = parse(
+        [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        ]
+    )
+    assert same_item(assistant, again.items[1])
+
+
+def test_a_replayed_tool_call_matches_only_itself() -> None:
+    stored = parse([{"role": "assistant", "tool_calls": [CALL]}]).items[0]
+
+    def replay(**changes: object) -> StoredItem:
+        function = {**CALL["function"], **changes.pop("function", {})}  # type: ignore[dict-item]
+        call = {**CALL, **changes, "function": function}
+        return parse([{"role": "assistant", "tool_calls": [call]}]).items[0]
+
+    assert same_item(stored, replay())
+    assert not same_item(stored, replay(id="call_2"))
+    assert not same_item(stored, replay(function={"name": "other"}))
+    assert not same_item(stored, replay(function={"arguments": '{"a": 1}'}))
 
 
 def test_images_are_counted_across_messages() -> None:

@@ -24,7 +24,9 @@ Decisions:
 - `auto`: either plain text (which does not start with `<` and never contains `<tool_call>`; the
   response format's grammar instead, when there is one) or calls. `required`: one call, or one
   or more when `parallel_tool_calls`. A named function: exactly one call of it. `none`: the
-  tools are not offered at all (no prompt, no grammar from them).
+  tools stay listed in the prompt, and the grammar allows plain text only. The prompt is the
+  same under every choice (the grammar alone enforces it), so a conversation that moves from
+  `required` to `auto` or `none` keeps its whole prefix in the KV cache.
 - Sizes are bounded before llguidance sees anything: names, descriptions, each schema (64 KiB)
   and all of them together (the engine compiles grammars of at most `MAX_GRAMMAR_CHARS`).
   Validation of a grammar is remembered by digest, since clients resend the same tools.
@@ -125,8 +127,8 @@ class ToolPlan:
     choice: Choice
     function: str | None  # the named function when choice == "function"
     parallel: bool
-    prompt: str  # appended to the system prompt ("" when choice == "none")
-    grammar: str | None  # None when choice == "none" and there is no response format grammar
+    prompt: str  # appended to the system prompt (the same whatever the choice)
+    grammar: str | None
 
 
 def _refuse(param: str, message: str) -> GatewayError:
@@ -412,15 +414,20 @@ def plan_tools(
         raise _refuse("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
     _check_tool_set(tools, "tools", lambda i: "tools")
     choice, function = _parse_choice(tool_choice, {t.name for t in tools}, param)
+    prompt = _tools_prompt(tools, parallel)
     if choice == "none":
-        return ToolPlan(tuple(tools), choice, None, parallel, "", text_grammar)
+        # the tools stay listed (the same prompt as under any other choice, so the KV of a
+        # conversation that called them is reused); the grammar allows plain text only
+        grammar = text_grammar or _checked(
+            "start: TEXT\n" + _PLAIN_TEXT, "tools", "the plain-text grammar"
+        )
+        return ToolPlan(tuple(tools), choice, None, parallel, prompt, grammar)
     offered = [t for t in tools if t.name == function] if function else tools
     grammar = _checked(
         _tools_grammar(offered, choice, parallel, text_grammar),
         "tools",
         "the tools' schemas are not supported together",
     )
-    prompt = _tools_prompt(tools, choice, function, parallel)
     log.debug("tools planned", tools=len(tools), choice=choice, grammar_chars=len(grammar))
     return ToolPlan(tuple(tools), choice, function, parallel, prompt, grammar)
 
@@ -479,9 +486,7 @@ def _tools_grammar(
     return start + "\n".join(lines) + "\n"
 
 
-def _tools_prompt(
-    tools: list[ToolSpec], choice: Choice, function: str | None, parallel: bool
-) -> str:
+def _tools_prompt(tools: list[ToolSpec], parallel: bool) -> str:
     """The tools as JSON between <tools> tags, then how to call them. The listing comes first
     and does not depend on the choice, so prompts of one tool set share their prefix."""
     listing = "\n".join(
@@ -491,18 +496,13 @@ def _tools_prompt(
         )
         for t in tools
     )
-    if choice == "function":
-        rule = f"Answer with exactly one call, of the function {function}."
-    elif choice == "required":
-        rule = (
-            "Answer with one or more function calls, one after another."
-            if parallel
-            else "Answer with exactly one function call."
-        )
-    elif parallel:
-        rule = "Answer either in plain text or with one or more function calls, one after another."
-    else:
-        rule = "Answer either in plain text or with one function call."
+    # the rule does not depend on the choice either (the grammar enforces it): a follow-up under
+    # another tool_choice renders the same system prompt, so the whole conversation's KV is reused
+    rule = (
+        "Answer either in plain text or with one or more function calls, one after another."
+        if parallel
+        else "Answer either in plain text or with one function call."
+    )
     return (
         "# Tools\n\n"
         "You can call functions to help answer the user. They are listed below, one JSON "

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from gateway.protocol.errors import ERROR_CODES, GatewayError
-from gateway.structured import (
+from gateway.output_grammar import (
     MAX_DESCRIPTION_CHARS,
     MAX_GRAMMAR_CHARS,
     MAX_SCHEMA_BYTES,
@@ -306,11 +306,19 @@ def test_plans_validate(choice: str, parallel: bool | None, fmt: Any) -> None:
     assert plan is not None
     assert plan.choice == choice and plan.tools == tuple(specs)
     assert plan.parallel is (parallel is not False)
-    if choice == "none":
-        assert plan.prompt == "" and plan.grammar == text_grammar and plan.function is None
-        return
     assert plan.grammar is not None
     valid(plan.grammar)
+    # one prompt for every choice (the grammar alone enforces it): a conversation moving from
+    # "required" to "none" keeps its whole prefix in the KV cache
+    same = plan_tools(specs, "auto", parallel, text_grammar=text_grammar)
+    assert same is not None and plan.prompt == same.prompt
+    if choice == "none":
+        assert plan.function is None
+        if text_grammar is not None:
+            assert plan.grammar == text_grammar
+        else:  # plain text only: never a call
+            assert "<tool_call>" not in plan.grammar.split("\n")[0]
+        return
     assert plan.function == ("add" if choice == "function" else None)
     # the listing is the same whatever the choice: prompts of one tool set share a prefix
     assert plan.prompt.startswith("# Tools\n")
