@@ -2,8 +2,20 @@
 
 Keys (namespace `vg`; the gateway's caches may be given another, the job queue may not):
 
-    vg:encode:jobs              stream of jobs, read by the consumer group `encoders`;
-                                entry field `job` = msgpack `EncodeJob` (jobs.py)
+    vg:encode:jobs              stream of jobs of the deployment "default", read by the consumer
+                                group `encoders`; entry field `job` = msgpack `EncodeJob` (jobs.py)
+    vg:encode:jobs:{deployment} the same for any other deployment: gateways and workers of one
+                                deployment share a stream, other deployments never see it
+    vg:encode:spec:{fingerprint}
+                                JSON `EncoderSpec` (jobs.py): what a gateway encodes with, so its
+                                workers adopt it instead of having it copied into their flags
+    vg:encode:current:{deployment}
+                                the fingerprint the deployment's gateways encode with now: set by
+                                each gateway as it starts, followed by the deployment's workers
+    vg:encode:workers:{deployment}:{fingerprint}
+                                sorted set of the workers serving that encoder, scored by the
+                                Redis server's clock (seconds) at their last heartbeat, every
+                                `HEARTBEAT_S`; a worker unseen for `WORKER_LIVE_S` counts as gone
     vg:encode:dead              dead-letter stream; fields `job`, `reason`, `consumer`, `attempts`
     vg:encode:result:{job_id}   list the worker RPUSHes one msgpack `EncodeResult` onto (short
                                 TTL); the caller BLPOPs it
@@ -37,6 +49,7 @@ This module holds formats only: no Redis client, no I/O.
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 import zlib
 
@@ -46,24 +59,70 @@ from encoder_worker.types import EncodedImage, ImageLayout
 
 __all__ = (
     "DEAD_STREAM",
+    "DEFAULT_DEPLOYMENT",
     "GROUP",
+    "HEARTBEAT_S",
     "JOBS_STREAM",
     "NAMESPACE",
+    "WORKER_LIVE_S",
+    "check_deployment",
+    "current_spec_key",
     "image_key",
+    "jobs_stream",
     "owner_key",
     "pack_encoded",
     "read_redis_value",
     "redis_value",
     "result_key",
     "scoped_digest",
+    "spec_key",
     "unpack_encoded",
     "vision_key",
+    "workers_key",
 )
 
 NAMESPACE = "vg"
 JOBS_STREAM = f"{NAMESPACE}:encode:jobs"
 DEAD_STREAM = f"{NAMESPACE}:encode:dead"
 GROUP = "encoders"
+DEFAULT_DEPLOYMENT = "default"
+HEARTBEAT_S = 2.0  # a worker's heartbeat period
+WORKER_LIVE_S = 10  # ... and how long after its last one it still counts as serving
+
+_DEPLOYMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def check_deployment(name: str) -> str:
+    """`name` if it may name a deployment (1-64 of letters, digits, `_`, `.`, `-`), else
+    ValueError: it becomes part of Redis keys."""
+    if not isinstance(name, str) or not _DEPLOYMENT.fullmatch(name):
+        raise ValueError(
+            f"deployment name {name!r}: use 1-64 letters, digits, '_', '.' or '-' "
+            "(starting with a letter or digit)"
+        )
+    return name
+
+
+def jobs_stream(deployment: str = DEFAULT_DEPLOYMENT) -> str:
+    """The job stream a deployment's gateways write and its workers read."""
+    if deployment == DEFAULT_DEPLOYMENT:
+        return JOBS_STREAM
+    return f"{JOBS_STREAM}:{check_deployment(deployment)}"
+
+
+def spec_key(fingerprint: str) -> str:
+    """Where the `EncoderSpec` of the encoder with this fingerprint is published."""
+    return f"{NAMESPACE}:encode:spec:{fingerprint}"
+
+
+def current_spec_key(deployment: str = DEFAULT_DEPLOYMENT) -> str:
+    """The deployment's pointer to the fingerprint its gateways encode with now."""
+    return f"{NAMESPACE}:encode:current:{check_deployment(deployment)}"
+
+
+def workers_key(deployment: str, fingerprint: str) -> str:
+    """The heartbeats of the deployment's workers that serve the encoder `fingerprint`."""
+    return f"{NAMESPACE}:encode:workers:{check_deployment(deployment)}:{fingerprint}"
 
 
 def result_key(job_id: str) -> str:

@@ -13,15 +13,23 @@ How a job can end:
     ImageError              the image is bad: caller told its code at once; not retried
     unexpected error        re-enqueued with attempt + 1; after `max_attempts` failed runs
                             (crashes, or deliveries to workers that died) -> dead letter
-    refused                 fingerprint / hidden size / target RMS not this worker's, image bytes
-                            gone or not matching the digest, malformed job -> dead letter
+    refused                 image bytes gone or not matching the digest, malformed job
+                            -> dead letter
+    other encoder           the job's fingerprint is not the one this worker serves -> dead
+                            letter, caller told `encoder_mismatch` (the gateway answers `busy`)
 
 A dead letter goes to `vg:encode:dead` with its reason, and the caller (if known) is told
 `failed` with the same reason. The worker itself keeps serving.
 
-It does not decide what to encode (the gateway does), and it serves one encoder fingerprint:
-jobs for another are refused, not re-routed. Keys and stored values: `storage.py`; the process
-around it (flags, signals): `process.py`.
+It does not decide what to encode (the gateway does), and it serves one encoder fingerprint at a
+time, that of its deployment's gateways. Every `HEARTBEAT_S` it records itself as serving that
+fingerprint (gateways count live workers for `/readyz`) and reads the deployment's current
+fingerprint; a worker given `build` follows it: when the gateways publish another encoder
+(restarted with other settings), it builds that one between batches and serves it from then on,
+and a job for an encoder other than its own makes it look at once. A job for an encoder that is
+still not the worker's is refused, not re-routed. `build` raising `ConfigConflict` (the worker's
+explicit flags disagree with the new configuration) ends `run_until` with that error. Keys and
+stored values: `storage.py`; the process around it (flags, signals): `process.py`.
 """
 
 from __future__ import annotations
@@ -32,20 +40,23 @@ import hashlib
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import structlog
 from opentelemetry import trace
 
 from encoder_worker.jobs import (
+    ENCODER_MISMATCH,
     EncodeDone,
     EncodeFailed,
     EncodeJob,
+    EncoderSpec,
     decode_job,
+    decode_spec,
     encode_job,
     encode_result,
 )
@@ -59,13 +70,20 @@ from encoder_worker.spans import (
 )
 from encoder_worker.storage import (
     DEAD_STREAM,
+    DEFAULT_DEPLOYMENT,
     GROUP,
+    HEARTBEAT_S,
     JOBS_STREAM,
+    WORKER_LIVE_S,
+    current_spec_key,
     image_key,
+    jobs_stream,
     pack_encoded,
     redis_value,
     result_key,
+    spec_key,
     vision_key,
+    workers_key,
 )
 from encoder_worker.types import ENCODE_STAGES, EncodedImage, ImageError
 
@@ -75,7 +93,7 @@ if TYPE_CHECKING:
 
     from encoder_worker.pipeline import EncoderPipeline
 
-__all__ = ("EncodeMetrics", "EncoderWorker", "ensure_group")
+__all__ = ("ConfigConflict", "EncodeMetrics", "EncoderWorker", "ensure_group", "read_current_spec")
 
 log = structlog.get_logger("encoder_worker.worker")
 
@@ -100,18 +118,46 @@ class _CorruptBytes(Exception):
     """The stored bytes do not hash to the job's digest: re-running cannot help."""
 
 
+class ConfigConflict(ValueError):
+    """This worker cannot serve its deployment's encoder configuration (its explicit flags
+    disagree, or it cannot reproduce the gateway's encoder); the message says what differs."""
+
+
+# One round trip per heartbeat, timed by the Redis server's clock (hosts' clocks may disagree):
+# record this worker under its encoder, forget workers unseen for long, and read the
+# deployment's current fingerprint.
+_HEARTBEAT = """
+local now = redis.call('TIME')
+local t = tonumber(now[1]) + tonumber(now[2]) / 1000000
+redis.call('ZADD', KEYS[1], t, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', t - tonumber(ARGV[2]))
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return redis.call('GET', KEYS[2])
+"""
+
+
 _Outcome = EncodedImage | ImageError | Exception
 
 
-async def ensure_group(client: Redis) -> None:
+async def ensure_group(client: Redis, stream: str = JOBS_STREAM) -> None:
     """Create the job stream and its consumer group if missing (idempotent)."""
     from redis.exceptions import ResponseError
 
     try:
-        await client.xgroup_create(JOBS_STREAM, GROUP, id="0", mkstream=True)
+        await client.xgroup_create(stream, GROUP, id="0", mkstream=True)
     except ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
+
+
+async def read_current_spec(client: Redis, deployment: str) -> EncoderSpec | None:
+    """The encoder spec the deployment's gateways last published, or None if there is none
+    yet; ValueError if it does not decode (another release's, or damaged)."""
+    fingerprint = await client.get(current_spec_key(deployment))
+    if not fingerprint:
+        return None
+    raw = await client.get(spec_key(fingerprint.decode()))
+    return None if raw is None else decode_spec(raw)
 
 
 @dataclass(slots=True)
@@ -126,10 +172,13 @@ class _Entry:
 class _Commit:
     """Everything one batch writes, sent as one MULTI/EXEC."""
 
-    __slots__ = ("_pipe", "_result_ttl_s", "_vision_ttl_ms", "acked", "consumer")
+    __slots__ = ("_pipe", "_result_ttl_s", "_stream", "_vision_ttl_ms", "acked", "consumer")
 
-    def __init__(self, client: Redis, consumer: str, vision_ttl_ms: int, result_ttl_s: int) -> None:
+    def __init__(
+        self, client: Redis, stream: str, consumer: str, vision_ttl_ms: int, result_ttl_s: int
+    ) -> None:
         self._pipe = client.pipeline(transaction=True)
+        self._stream = stream
         self._vision_ttl_ms = vision_ttl_ms
         self._result_ttl_s = result_ttl_s
         self.consumer = consumer
@@ -141,8 +190,8 @@ class _Commit:
         self._pipe.expire(key, self._result_ttl_s)
 
     def ack(self, entry: _Entry) -> None:
-        self._pipe.xack(JOBS_STREAM, GROUP, entry.entry_id)
-        self._pipe.xdel(JOBS_STREAM, entry.entry_id)  # the stream holds only outstanding jobs
+        self._pipe.xack(self._stream, GROUP, entry.entry_id)
+        self._pipe.xdel(self._stream, entry.entry_id)  # the stream holds only outstanding jobs
         self.acked += 1
 
     def store(self, entry: _Entry, image: EncodedImage) -> None:
@@ -161,10 +210,10 @@ class _Commit:
         assert entry.job is not None
         # every delivery of this entry was a run (those lost with dead workers included)
         job = msgspec.structs.replace(entry.job, attempt=entry.job.attempt + entry.deliveries)
-        self._pipe.xadd(JOBS_STREAM, {"job": encode_job(job)})
+        self._pipe.xadd(self._stream, {"job": encode_job(job)})
         self.ack(entry)
 
-    def dead(self, entry: _Entry, reason: str, attempts: int) -> None:
+    def dead(self, entry: _Entry, reason: str, attempts: int, code: str = "dead_letter") -> None:
         self._pipe.xadd(
             DEAD_STREAM,
             {"job": entry.raw, "reason": reason, "consumer": self.consumer, "attempts": attempts},
@@ -172,7 +221,7 @@ class _Commit:
             approximate=True,
         )
         if entry.job is not None:
-            self.notify(entry.job.job_id, EncodeFailed(entry.job.job_id, "dead_letter", reason))
+            self.notify(entry.job.job_id, EncodeFailed(entry.job.job_id, code, reason))
         self.ack(entry)
 
     async def execute(self) -> None:
@@ -181,11 +230,14 @@ class _Commit:
 
 
 class EncoderWorker:
-    """Consumes `vg:encode:jobs` as consumer `consumer` of group `encoders`.
+    """Consumes its deployment's job stream (`vg:encode:jobs` for the default one) as consumer
+    `consumer` of group `encoders`.
 
     `run_once()` handles at most one batch (returns how many jobs it took, 0 when the read timed
     out); `run_until(stop)` loops until `stop` is set, finishing the batch in hand. The pipeline
-    is passed in, built by the caller (the CLI builds one from its flags; tests share one).
+    is passed in, built by the caller (the process builds one from the gateway's published spec;
+    tests share one); `build` (spec -> warmed-up pipeline, run on the worker thread), when given,
+    makes the worker follow the deployment's spec as it changes.
 
     Each encoded job's spans go to `tracer` (default: the process's global tracer provider) and
     its measurements to `metrics` (default: none recorded).
@@ -205,12 +257,19 @@ class EncoderWorker:
         result_ttl_s: int = 300,
         tracer: Tracer | None = None,
         metrics: EncodeMetrics | None = None,
+        deployment: str = DEFAULT_DEPLOYMENT,
+        build: Callable[[EncoderSpec], EncoderPipeline] | None = None,
+        heartbeat_s: float = HEARTBEAT_S,
     ) -> None:
         if claim_idle_ms < 1 or max_attempts < 1 or block_ms < 1:
             raise ValueError("claim_idle_ms, max_attempts and block_ms must be >= 1")
         self.redis_url = redis_url
         self.pipeline = pipeline
         self.fingerprint = pipeline.fingerprint
+        self.deployment = deployment
+        self.stream = jobs_stream(deployment)
+        self._build = build
+        self.heartbeat_s = heartbeat_s
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.max_batch = max_batch or pipeline.config.max_batch
         self.block_ms = block_ms
@@ -224,12 +283,18 @@ class EncoderWorker:
         self._executor: ThreadPoolExecutor | None = None
         self._claim_cursor: bytes | str = "0-0"
         self._next_claim = 0.0
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()  # ends the heartbeat even if a cancel goes astray
+        self._beat_script: Any = None  # the _HEARTBEAT script, registered on start
+        self._beat_lock = asyncio.Lock()  # no heartbeat lands under a fingerprint just left
+        self._wanted: str | None = None  # the deployment's fingerprint, when not ours
         # counters (logs and tests)
         self.encoded = 0
         self.failed = 0  # ImageError results
         self.requeued = 0
         self.dead_lettered = 0
         self.reclaimed = 0
+        self.reconfigured = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -246,11 +311,17 @@ class EncoderWorker:
             decode_responses=False,
         )
         await self.client.ping()
-        await ensure_group(self.client)
+        await ensure_group(self.client, self.stream)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="vg-worker-encode")
+        self._beat_script = self.client.register_script(_HEARTBEAT)
+        await self._beat()
+        self._closing.clear()
+        self._heartbeat = asyncio.create_task(self._beat_forever(), name="worker heartbeat")
         log.info(
             "worker.started",
             consumer=self.consumer,
+            deployment=self.deployment,
+            stream=self.stream,
             fingerprint=self.fingerprint[:16],
             hidden_size=self.pipeline.hidden_size,
             target_rms=self.pipeline.target_rms,
@@ -260,14 +331,26 @@ class EncoderWorker:
         )
 
     async def aclose(self) -> None:
-        """Leave the group if nothing is pending to this consumer; release the thread."""
+        """Stop the heartbeat and leave the workers' set; leave the group if nothing is pending
+        to this consumer; release the thread."""
+        if self._heartbeat is not None:
+            # the flag, not only the cancel: a cancel that lands inside a Redis call may be
+            # absorbed there, and the loop must still end
+            self._closing.set()
+            self._heartbeat.cancel()
+            await asyncio.wait([self._heartbeat], timeout=10)
+            self._heartbeat = None
         if self.client is not None:
             with contextlib.suppress(Exception):
+                await self.client.zrem(
+                    workers_key(self.deployment, self.fingerprint), self.consumer
+                )
+            with contextlib.suppress(Exception):
                 pending = await self.client.xpending_range(
-                    JOBS_STREAM, GROUP, "-", "+", 1, consumername=self.consumer
+                    self.stream, GROUP, "-", "+", 1, consumername=self.consumer
                 )
                 if not pending:
-                    await self.client.xgroup_delconsumer(JOBS_STREAM, GROUP, self.consumer)
+                    await self.client.xgroup_delconsumer(self.stream, GROUP, self.consumer)
             await self.client.aclose()
             self.client = None
         if self._executor is not None:
@@ -281,20 +364,27 @@ class EncoderWorker:
             requeued=self.requeued,
             dead_lettered=self.dead_lettered,
             reclaimed=self.reclaimed,
+            reconfigured=self.reconfigured,
         )
 
     async def run_until(self, stop: asyncio.Event) -> None:
         """Serve until `stop` is set. A read blocks at most `block_ms`, so stopping takes at
-        most that plus the batch in hand; jobs read are always finished (or left pending)."""
+        most that plus the batch in hand; jobs read are always finished (or left pending).
+        Raises `ConfigConflict` when the deployment moves to an encoder this worker cannot
+        serve."""
         from redis.exceptions import RedisError
 
         await self.start()
         backoff = 0.5
         while not stop.is_set():
             try:
+                if self._wanted is not None:
+                    await self._follow(self._wanted)
                 await self.run_once()
                 backoff = 0.5
                 continue
+            except ConfigConflict:
+                raise
             except (RedisError, OSError) as exc:  # Redis restarting: keep trying, slowly
                 log.warning("worker.redis_error", error=repr(exc), retry_in_s=backoff)
             except Exception:
@@ -318,8 +408,8 @@ class EncoderWorker:
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            log.warning("worker.group_recreated", stream=JOBS_STREAM, group=GROUP)
-            await ensure_group(self.client)  # the stream was deleted (FLUSHALL, a new Redis)
+            log.warning("worker.group_recreated", stream=self.stream, group=GROUP)
+            await ensure_group(self.client, self.stream)  # deleted (FLUSHALL, a new Redis)
             self._claim_cursor = "0-0"
             return 0
         if not entries:
@@ -332,7 +422,7 @@ class EncoderWorker:
     async def _read(self) -> list[_Entry]:
         assert self.client is not None
         reply = await self.client.xreadgroup(
-            GROUP, self.consumer, {JOBS_STREAM: ">"}, count=self.max_batch, block=self.block_ms
+            GROUP, self.consumer, {self.stream: ">"}, count=self.max_batch, block=self.block_ms
         )
         if not reply:
             return []
@@ -346,7 +436,7 @@ class EncoderWorker:
         if now < self._next_claim:
             return []
         cursor, messages, *_ = await self.client.xautoclaim(
-            JOBS_STREAM,
+            self.stream,
             GROUP,
             self.consumer,
             self.claim_idle_ms,
@@ -359,9 +449,9 @@ class EncoderWorker:
         entries = []
         for entry_id, fields in messages:
             if fields is None:  # the entry itself is gone: nothing to run, stop tracking it
-                await self.client.xack(JOBS_STREAM, GROUP, entry_id)
+                await self.client.xack(self.stream, GROUP, entry_id)
                 continue
-            pending = await self.client.xpending_range(JOBS_STREAM, GROUP, entry_id, entry_id, 1)
+            pending = await self.client.xpending_range(self.stream, GROUP, entry_id, entry_id, 1)
             deliveries = int(pending[0]["times_delivered"]) if pending else 2
             entries.append(self._entry(entry_id, fields, deliveries))
         if entries:
@@ -374,18 +464,119 @@ class EncoderWorker:
             )
         return entries
 
-    async def _keep_claimed(self, entry_ids: list[bytes]) -> None:
-        """While a long batch encodes, keep resetting its jobs' idle time (XCLAIM JUSTID does
-        not count a delivery), so other workers do not take them over as stalled."""
-        assert self.client is not None
-        while True:
-            await asyncio.sleep(max(self.claim_idle_ms / 3000, 0.05))
+    # -- heartbeat and following the deployment's encoder --------------------------------------
+
+    async def _beat(self) -> None:
+        """Record this worker as serving its encoder; note the deployment's current one."""
+        async with self._beat_lock:
+            current = await self._beat_script(
+                keys=[
+                    workers_key(self.deployment, self.fingerprint),
+                    current_spec_key(self.deployment),
+                ],
+                args=[self.consumer, WORKER_LIVE_S * 6, WORKER_LIVE_S * 6],
+            )
+        current = current.decode() if isinstance(current, bytes) else current
+        if self._build is not None and current and current != self.fingerprint:
+            self._wanted = current
+
+    async def _beat_forever(self) -> None:
+        failing = False
+        while not self._closing.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), self.heartbeat_s)
+                return
             try:
-                await self.client.xclaim(
-                    JOBS_STREAM, GROUP, self.consumer, 0, entry_ids, justid=True
+                await self._beat()
+            except Exception as exc:  # Redis restarting: the read loop reports and retries too
+                if not failing:
+                    log.warning("worker.heartbeat_failed", error=repr(exc))
+                failing = True
+            else:
+                failing = False
+
+    async def _follow(self, fingerprint: str | None = None) -> None:
+        """If the deployment's gateways now encode with another fingerprint than ours (read
+        from Redis unless given), build that encoder and serve it from now on."""
+        assert self.client is not None
+        self._wanted = None
+        if self._build is None:
+            return
+        if fingerprint is None:
+            raw = await self.client.get(current_spec_key(self.deployment))
+            fingerprint = raw.decode() if raw else None
+        if not fingerprint or fingerprint == self.fingerprint:
+            return
+        raw = await self.client.get(spec_key(fingerprint))
+        if raw is None:  # a pointer without its spec: a gateway mid-publish, or damage
+            log.warning(
+                "worker.spec_missing", fingerprint=fingerprint[:16], key=spec_key(fingerprint)
+            )
+            return
+        try:
+            spec = decode_spec(raw)
+        except ValueError as exc:
+            raise ConfigConflict(
+                f"the deployment's encoder spec {spec_key(fingerprint)}: {exc}"
+            ) from None
+        log.info(
+            "worker.reconfiguring",
+            consumer=self.consumer,
+            deployment=self.deployment,
+            serving=self.fingerprint[:16],
+            wanted=fingerprint[:16],
+            hidden_size=spec.hidden_size,
+            target_rms=spec.target_rms,
+        )
+        loop = asyncio.get_running_loop()
+        pipeline = await loop.run_in_executor(self._executor, self._build, spec)
+        old, self.pipeline = self.pipeline, pipeline
+        async with self._beat_lock:
+            with contextlib.suppress(Exception):
+                await self.client.zrem(
+                    workers_key(self.deployment, self.fingerprint), self.consumer
                 )
-            except Exception as exc:  # a missed heartbeat costs at most a duplicate encode
-                log.warning("worker.heartbeat_failed", error=str(exc))
+            self.fingerprint = pipeline.fingerprint
+        self.reconfigured += 1
+        await self._beat()
+        close = getattr(old, "close", None)
+        if close is not None:
+            close()
+        log.info(
+            "worker.reconfigured",
+            consumer=self.consumer,
+            deployment=self.deployment,
+            fingerprint=self.fingerprint[:16],
+            hidden_size=pipeline.hidden_size,
+            target_rms=pipeline.target_rms,
+        )
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, entries: list[_Entry]) -> AsyncIterator[None]:
+        """While a long step runs (an encode, a switch of encoder), keep resetting its jobs'
+        idle time (XCLAIM JUSTID does not count a delivery), so other workers do not take them
+        over as stalled. Ended by a flag as well as a cancel: redis-py may absorb a cancel that
+        lands inside a command, and the task must not outlive the step."""
+        assert self.client is not None
+        client, ids = self.client, [e.entry_id for e in entries]
+        done = asyncio.Event()
+
+        async def keep() -> None:
+            while not done.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), max(self.claim_idle_ms / 3000, 0.05))
+                    return
+                try:
+                    await client.xclaim(self.stream, GROUP, self.consumer, 0, ids, justid=True)
+                except Exception as exc:  # a missed heartbeat costs at most a duplicate encode
+                    log.warning("worker.heartbeat_failed", error=str(exc))
+
+        task = asyncio.create_task(keep(), name="keep jobs claimed")
+        try:
+            yield
+        finally:
+            done.set()
+            task.cancel()
 
     @staticmethod
     def _entry(entry_id: bytes, fields: dict[bytes, bytes], deliveries: int) -> _Entry:
@@ -400,12 +591,19 @@ class EncoderWorker:
 
     async def _handle(self, entries: list[_Entry]) -> None:
         assert self.client is not None
-        commit = _Commit(self.client, self.consumer, self.vision_ttl_ms, self.result_ttl_s)
+        if self._build is not None and any(
+            e.job is not None and e.job.fingerprint != self.fingerprint for e in entries
+        ):  # a gateway may have published another encoder since the last heartbeat
+            async with self._holding(entries):
+                await self._follow()
+        commit = _Commit(
+            self.client, self.stream, self.consumer, self.vision_ttl_ms, self.result_ttl_s
+        )
         runnable: list[_Entry] = []
         for entry in entries:
-            reason = self._refusal(entry)
-            if reason is not None:
-                self._dead(commit, entry, reason)
+            refusal = self._refusal(entry)
+            if refusal is not None:
+                self._dead(commit, entry, *refusal)
             else:
                 runnable.append(entry)
         if runnable:
@@ -427,11 +625,8 @@ class EncoderWorker:
         outcomes: list[_Outcome] = []
         if runnable:
             loop = asyncio.get_running_loop()
-            heartbeat = asyncio.create_task(self._keep_claimed([e.entry_id for e in runnable]))
-            try:
+            async with self._holding(runnable):
                 outcomes = await loop.run_in_executor(self._executor, self._encode, runnable)
-            finally:
-                heartbeat.cancel()
         encoded: list[tuple[_Entry, EncodedImage]] = []
         for entry, outcome in zip(runnable, outcomes, strict=True):
             job = entry.job
@@ -470,49 +665,50 @@ class EncoderWorker:
         for entry, image in encoded:
             self._observe(entry.job, image, started_ns, put_ms)  # type: ignore[arg-type]
 
-    def _refusal(self, entry: _Entry) -> str | None:
-        """Why this worker will not run the job, or None."""
+    def _refusal(self, entry: _Entry) -> tuple[str, str] | None:
+        """Why this worker will not run the job (reason, and the code its caller is told), or
+        None."""
         job = entry.job
         if job is None:
-            return f"malformed job: {entry.raw[:64]!r} is not an EncodeJob"
+            return f"malformed job: {entry.raw[:64]!r} is not an EncodeJob", "dead_letter"
         earlier = job.attempt + entry.deliveries - 1  # runs that ended without an ack
         if earlier >= self.max_attempts:
             return (
                 f"gave up after {earlier} attempts (max_attempts={self.max_attempts}): the "
                 f"workers running it died or stalled past claim_idle_ms={self.claim_idle_ms}"
-            )
+            ), "dead_letter"
         if job.fingerprint == self.fingerprint:
             return None
         p = self.pipeline
         head = (
-            f"fingerprint mismatch: the job expects encoder {job.fingerprint[:16]}, this worker "
-            f"makes {self.fingerprint[:16]}"
+            f"fingerprint mismatch: the job expects encoder {job.fingerprint[:16]}, the "
+            f"workers of deployment {self.deployment!r} serve {self.fingerprint[:16]}"
         )
         family = getattr(p, "family", None)
         if family is not None:  # a real checkpoint: its tokens do not depend on these flags
-            return (
-                f"{head}; this worker serves the {family.name} checkpoint {p.config.tower} "
-                f"(pruning {p.config.pruning}, visual tokens {p.config.visual_tokens}): start "
-                "workers with the gateway's --model-path, --pruning and --visual-tokens"
+            what = (
+                f"the {family.name} checkpoint {p.config.tower} (pruning {p.config.pruning}, "
+                f"visual tokens {p.config.visual_tokens})"
             )
-        if job.hidden_size != p.hidden_size:
-            return (
-                f"{head}; hidden size: job {job.hidden_size}, worker {p.hidden_size} "
-                f"(start the worker with --hidden-size {job.hidden_size})"
+        elif job.hidden_size != p.hidden_size:
+            what = f"hidden size: job {job.hidden_size}, worker {p.hidden_size}"
+        elif job.target_rms != p.target_rms:
+            what = f"target RMS: job {job.target_rms!r}, worker {p.target_rms!r}"
+        else:
+            what = (
+                "the encoder config differs (tower, feature layer, pruning, quantization or seed)"
             )
-        if job.target_rms != p.target_rms:
-            return (
-                f"{head}; target RMS: job {job.target_rms!r}, worker {p.target_rms!r} "
-                f"(start the worker with --target-rms {job.target_rms!r})"
-            )
-        return (
-            f"{head}; the encoder config differs (tower, feature layer, pruning, quantization "
-            "or seed): start workers with the gateway's settings"
+        why = (
+            "workers take the configuration the deployment's gateways last published; the "
+            "gateway that sent this job runs other settings"
+            if self._build is not None
+            else "this worker serves one fixed configuration"
         )
+        return f"{head}; {what} ({why})", ENCODER_MISMATCH
 
-    def _dead(self, commit: _Commit, entry: _Entry, reason: str) -> None:
+    def _dead(self, commit: _Commit, entry: _Entry, reason: str, code: str = "dead_letter") -> None:
         attempts = (entry.job.attempt if entry.job else 0) + entry.deliveries
-        commit.dead(entry, reason, attempts)
+        commit.dead(entry, reason, attempts, code)
         self.dead_lettered += 1
         log.error(
             "worker.dead_letter",

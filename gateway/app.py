@@ -30,8 +30,11 @@ from gateway.engine.interface import Engine
 from gateway.http import http_route_handlers
 from gateway.http.routes import routing_error_handler
 from gateway.ratelimit import make_rate_limiter
+from gateway.readiness import Readiness
 from gateway.realtime_connection import realtime_route
+from gateway.request_ids import with_request_ids
 from gateway.sessions import make_session_store
+from gateway.sessions.response_records import make_response_store
 from gateway.settings import Settings
 from gateway.state import GatewayState, Serving
 from gateway.telemetry import litestar_plugin, register_secrets, setup_telemetry
@@ -156,6 +159,8 @@ def create_app(
         auth=Authenticator(settings.api_keys),
         rate_limiter=make_rate_limiter(settings.rate_limit_per_minute, settings.redis_url),
         telemetry=telemetry,
+        # with the session store's backend: a record names a session of that store
+        responses=make_response_store(settings.redis_url, settings.session_ttl_s),
     )
     gauges = {"sessions": 0, "queue": 0, "vision_cache": 0}
     telemetry.metrics.observe_gauges(
@@ -183,12 +188,13 @@ def create_app(
     def healthz() -> dict[str, Any]:
         return {"status": "ok", "uptime_s": round(time.time() - state.started_at, 3)}
 
-    @get("/readyz", sync_to_thread=False)
-    def readyz() -> Response[dict[str, Any]]:
-        if state.ready:
-            return Response({"status": "ready", "model": engine.model_id}, status_code=200)
-        body = {"status": "failed" if state.load_error else "loading", "error": state.load_error}
-        return Response(body, status_code=503)
+    readiness = Readiness(state)
+
+    @get("/readyz")
+    async def readyz() -> Response[dict[str, Any]]:
+        """200 once the gateway can serve, else 503 naming what is missing (readiness.py)."""
+        status, body = await readiness.check()
+        return Response(body, status_code=status)
 
     @get("/metrics", sync_to_thread=False)
     def prometheus_metrics() -> Response[bytes]:
@@ -201,7 +207,7 @@ def create_app(
         description="OpenAI-compatible chat gateway for vision-language models "
         "with session-aware vision caching.",
     )
-    return Litestar(
+    app = Litestar(
         route_handlers=[
             healthz,
             readyz,
@@ -217,6 +223,7 @@ def create_app(
         debug=False,
         logging_config=None,
     )
+    return with_request_ids(app)  # outermost: every response, routed or not, gets its id
 
 
 async def _load_models(state: GatewayState, encoder: Encoder | None) -> None:
@@ -278,6 +285,12 @@ async def _close(state: GatewayState) -> None:
             await part.aclose()
         except Exception:
             log.exception("close_failed", part=type(part).__name__)
-    for store in (state.sessions, state.vision_cache, state.images, state.rate_limiter):
+    for store in (
+        state.sessions,
+        state.responses,
+        state.vision_cache,
+        state.images,
+        state.rate_limiter,
+    ):
         await store.aclose()
     state.telemetry.shutdown()

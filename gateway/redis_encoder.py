@@ -1,30 +1,62 @@
 """`RedisEncoder`: the gateway's `Encoder` when the encoding runs in encoder worker processes.
 
-No model is loaded here. `encode()` makes sure the bytes are in the image store
-(`vg:image:{digest}`), XADDs an `EncodeJob` to `vg:encode:jobs`, and waits with BLPOP on the
-job's result list `vg:encode:result:{job_id}`; on `done` it reads the tokens the worker put in
-the vision cache (keys and stored values: `encoder_worker.storage`). A list rather than pub/sub
-because a notice pushed before the caller starts waiting (or while its connection is being
-re-established) is kept, not lost; the price is one Redis connection per image being waited for,
-which the gateway's single-flight per digest keeps to the number of distinct images in flight.
+No model is loaded here. `start()` publishes what this gateway encodes with (`EncoderSpec`:
+the encoder settings, the engine's hidden size and embedding RMS in the dtype it runs, the
+fingerprint) and points its deployment at it, so workers adopt it rather than have it copied
+into their flags; while it runs it puts both back if Redis lost them, without taking the pointer
+from another gateway that has since replaced it. Workers report themselves live under their
+encoder's fingerprint (`live_workers`, which `/readyz` asks).
+
+`encode()` makes sure the bytes are in the image store (`vg:image:{digest}`), XADDs an
+`EncodeJob` to the deployment's job stream (`vg:encode:jobs` for the default one), and waits
+with BLPOP on the job's result list `vg:encode:result:{job_id}`; on `done` it reads the tokens
+the worker put in the vision cache (keys and stored values: `encoder_worker.storage`). A list
+rather than pub/sub because a notice pushed before the caller starts waiting (or while its
+connection is being re-established) is kept, not lost; the price is one Redis connection per
+image being waited for, which the gateway's single-flight per digest keeps to the number of
+distinct images in flight.
 
 Errors: a bad image raises `ImageError` with the worker's code; no answer within `timeout_s`,
-or Redis unreachable, raises `GatewayError("busy")`; a job the workers gave up on (it is in
-`vg:encode:dead`) raises `GatewayError("internal_error")` with the dead letter's reason. A job
-whose caller timed out is still encoded later, and its tokens still land in the cache.
+Redis unreachable, or a worker serving another encoder (`encoder_mismatch`: this gateway's
+configuration is no longer its deployment's) raises `GatewayError("busy")`; a job the workers
+gave up on (it is in `vg:encode:dead`) raises `GatewayError("internal_error")` with the dead
+letter's reason. A job whose caller timed out is still encoded later, and its tokens still land
+in the cache.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
 from typing import TYPE_CHECKING
 
 import structlog
 
-from encoder_worker.jobs import IMAGE_ERROR_CODES, EncodeDone, EncodeJob, decode_result, encode_job
+from encoder_worker.jobs import (
+    ENCODER_MISMATCH,
+    IMAGE_ERROR_CODES,
+    EncodeDone,
+    EncodeJob,
+    decode_result,
+    decode_spec,
+    encode_job,
+    encode_spec,
+    make_spec,
+)
 from encoder_worker.pipeline import encoder_fingerprint
-from encoder_worker.storage import JOBS_STREAM, image_key, result_key, unpack_encoded
+from encoder_worker.storage import (
+    DEFAULT_DEPLOYMENT,
+    WORKER_LIVE_S,
+    current_spec_key,
+    image_key,
+    jobs_stream,
+    result_key,
+    spec_key,
+    unpack_encoded,
+    workers_key,
+)
 from encoder_worker.types import EncodedImage, ImageError
 from gateway.fair_gate import FairGate
 
@@ -32,21 +64,38 @@ if TYPE_CHECKING:
     from redis.asyncio import Redis
 
     from encoder_worker.config import EncoderConfig
+    from encoder_worker.jobs import EncoderSpec
     from gateway.caching.vision_cache import TieredVisionCache
 
-__all__ = ("RedisEncoder",)
+__all__ = ("RedisEncoder", "live_workers")
 
 log = structlog.get_logger("gateway.redis_encoder")
+
+# workers of one encoder seen within the last ARGV[1] s, by the Redis server's clock (the one
+# their heartbeats are scored by)
+_LIVE_WORKERS = """
+local now = redis.call('TIME')
+local t = tonumber(now[1]) + tonumber(now[2]) / 1000000
+return redis.call('ZCOUNT', KEYS[1], t - tonumber(ARGV[1]), '+inf')
+"""
+_REPUBLISH_S = 5.0
+
+
+async def live_workers(client: Redis, deployment: str, fingerprint: str) -> int:
+    """Workers of `deployment` that serve the encoder `fingerprint` and were heard from within
+    `WORKER_LIVE_S`."""
+    count = await client.eval(_LIVE_WORKERS, 1, workers_key(deployment, fingerprint), WORKER_LIVE_S)
+    return int(count)
 
 
 class RedisEncoder:
     """Encoder protocol implementation that queues jobs for `visiongate worker` processes.
 
-    `config`, `hidden_size` and `target_rms` must be the workers' (they make the fingerprint
-    the tokens are cached under; for a VLM checkpoint only `config` counts, see
-    `encoder_fingerprint`); a worker started with others dead-letters the job and says
-    which differs. `max_stream_len` caps the job stream (past it, encode answers busy): a
-    safety valve for a queue no worker drains, not a tuning knob.
+    `config`, `hidden_size` and `target_rms` make the fingerprint the tokens are cached under
+    (for a VLM checkpoint only `config` counts, see `encoder_fingerprint`); `start()`
+    publishes them for the `deployment`'s workers to adopt. `max_stream_len` caps the job
+    stream (past it, encode answers busy): a safety valve for a queue no worker drains, not a
+    tuning knob.
     """
 
     # encodes in worker processes, which record their own stage spans (under the job's
@@ -65,6 +114,7 @@ class RedisEncoder:
         vision_ttl_s: float = 86400.0,
         max_stream_len: int = 100_000,
         max_in_flight: int = 16,
+        deployment: str = DEFAULT_DEPLOYMENT,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
@@ -73,6 +123,8 @@ class RedisEncoder:
         self.hidden_size = hidden_size
         self.target_rms = target_rms
         self.fingerprint = encoder_fingerprint(config, hidden_size, target_rms)
+        self.deployment = deployment
+        self.stream = jobs_stream(deployment)  # checks the name
         self._vlm = config.family is not None  # its entries must carry a layout
         self.timeout_s = timeout_s
         self.max_stream_len = max_stream_len
@@ -82,10 +134,13 @@ class RedisEncoder:
         self._vision_ttl_s = vision_ttl_s
         self._client: Redis | None = None
         self._cache: TieredVisionCache | None = None
+        self._republish: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
         self.jobs = 0  # jobs enqueued by this encoder
 
     async def start(self) -> None:
-        """Check Redis and create the job stream's consumer group; raises if Redis is down."""
+        """Check Redis, create the job stream's consumer group and publish this gateway's
+        encoder spec as its deployment's current one; raises if Redis is down."""
         from redis.asyncio import Redis
 
         from encoder_worker.worker import ensure_group
@@ -99,28 +154,92 @@ class RedisEncoder:
         )
         try:
             await client.ping()
-            await ensure_group(client)
-            groups = await client.xinfo_groups(JOBS_STREAM)
+            await ensure_group(client, self.stream)
+            await self._publish(client)
+            workers = await live_workers(client, self.deployment, self.fingerprint)
         except BaseException:
             await client.aclose()
             raise
-        consumers = sum(int(g.get("consumers", 0)) for g in groups)
-        if consumers == 0:
+        if workers == 0:
             log.warning(
                 "encoder.no_workers_yet",
-                stream=JOBS_STREAM,
-                hint="start `visiongate worker --redis-url ...` processes",
+                stream=self.stream,
+                deployment=self.deployment,
+                hint=f"start `visiongate worker --redis-url ...{self._deployment_flag}` "
+                "processes; they take this gateway's encoder configuration from Redis",
             )
         self._client = client
         self._cache = TieredVisionCache(MemoryVisionCache(0), self.redis_url, self._vision_ttl_s)
-        log.info("encoder.remote_ready", fingerprint=self.fingerprint[:16], workers=consumers)
+        self._republish = asyncio.create_task(self._keep_published(), name="publish encoder spec")
+        log.info(
+            "encoder.remote_ready",
+            fingerprint=self.fingerprint[:16],
+            deployment=self.deployment,
+            workers=workers,
+        )
+
+    @property
+    def _deployment_flag(self) -> str:
+        return "" if self.deployment == DEFAULT_DEPLOYMENT else f" --deployment {self.deployment}"
+
+    def spec(self) -> EncoderSpec:
+        return make_spec(
+            self.config, self.hidden_size, self.target_rms, self.fingerprint, time.time()
+        )
+
+    async def _publish(self, client: Redis) -> None:
+        """Publish the spec and make it the deployment's current one; say so loudly when that
+        replaces another gateway's, since the deployment's workers switch to this one."""
+        spec = self.spec()
+        await client.set(spec_key(self.fingerprint), encode_spec(spec))
+        previous = await client.set(current_spec_key(self.deployment), self.fingerprint, get=True)
+        previous = previous.decode() if isinstance(previous, bytes) else previous
+        if previous is None or previous == self.fingerprint:
+            return
+        changed: dict[str, dict[str, object]] = {}
+        raw, old = await client.get(spec_key(previous)), None
+        with contextlib.suppress(ValueError):
+            old = decode_spec(raw) if raw else None
+        if old is not None:  # what differs, named as the settings are
+            pairs = [(n, getattr(old, n), getattr(spec, n)) for n in ("hidden_size", "target_rms")]
+            pairs += [
+                (n, getattr(old.encoder, n), getattr(spec.encoder, n))
+                for n in type(spec.encoder).__struct_fields__
+            ]
+            changed = {n: {"was": a, "now": b} for n, a, b in pairs if a != b}
+        log.warning(
+            "encoder.deployment_config_replaced",
+            deployment=self.deployment,
+            previous=previous[:16],
+            fingerprint=self.fingerprint[:16],
+            changed=changed,
+            workers_switching=await live_workers(client, self.deployment, previous),
+            hint="the deployment's workers now switch to this gateway's encoder; gateways still "
+            "running the previous settings get `busy` for their images",
+        )
+
+    async def _keep_published(self) -> None:
+        """Put the spec and the deployment's pointer back if Redis lost them (a restart, a
+        flush); a pointer another gateway has set since is left alone."""
+        assert self._client is not None
+        while not self._closing.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), _REPUBLISH_S)
+                return
+            try:
+                await self._client.set(
+                    spec_key(self.fingerprint), encode_spec(self.spec()), nx=True
+                )
+                await self._client.set(current_spec_key(self.deployment), self.fingerprint, nx=True)
+            except Exception as exc:  # Redis down: /readyz says so; retried next round
+                log.debug("encoder.publish_failed", error=repr(exc))
 
     async def queue_depth(self) -> int:
         """Jobs in the stream not yet taken and acked by a worker."""
         if self._client is None:
             return 0
         try:
-            return int(await self._client.xlen(JOBS_STREAM))
+            return int(await self._client.xlen(self.stream))
         except Exception:
             return 0
 
@@ -163,12 +282,12 @@ class RedisEncoder:
                 if not await client.pexpire(key, self._image_ttl_ms):
                     await client.set(key, bytes(data), px=self._image_ttl_ms)
                 # a full queue answers busy; trimming the stream would drop waiting jobs
-                if await client.xlen(JOBS_STREAM) >= self.max_stream_len:
+                if await client.xlen(self.stream) >= self.max_stream_len:
                     raise GatewayError(
                         "busy",
                         f"the encoder queue holds {self.max_stream_len} jobs; retry shortly",
                     )
-                await client.xadd(JOBS_STREAM, {"job": encode_job(job)})
+                await client.xadd(self.stream, {"job": encode_job(job)})
                 self.jobs += 1
                 reply = await client.blpop([result_key(job.job_id)], timeout=self.timeout_s)
         except (RedisError, OSError) as exc:
@@ -184,6 +303,19 @@ class RedisEncoder:
         if not isinstance(result, EncodeDone):
             if result.code in IMAGE_ERROR_CODES:
                 raise ImageError(result.code, result.message)
+            if result.code == ENCODER_MISMATCH:
+                log.warning(
+                    "encoder.no_worker_for_this_config",
+                    job_id=job.job_id,
+                    fingerprint=self.fingerprint[:16],
+                    deployment=self.deployment,
+                    reason=result.message,
+                )
+                raise GatewayError(
+                    "busy",
+                    "no encoder worker serves this gateway's encoder configuration: "
+                    f"{result.message}",
+                )
             log.error(
                 "encoder.job_failed", job_id=job.job_id, digest=digest[:12], reason=result.message
             )
@@ -218,6 +350,11 @@ class RedisEncoder:
         return image
 
     async def aclose(self) -> None:
+        if self._republish is not None:  # the flag ends it even if a Redis call absorbs the cancel
+            self._closing.set()
+            self._republish.cancel()
+            await asyncio.wait([self._republish], timeout=10)
+            self._republish = None
         if self._cache is not None:
             await self._cache.aclose()
             self._cache = None

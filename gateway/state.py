@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from gateway.chat_service import ChatService
     from gateway.engine.interface import Engine
     from gateway.ratelimit import RateLimiter
+    from gateway.sessions.response_records import ResponseStore
     from gateway.sessions.session import SessionStore
     from gateway.settings import Settings
     from gateway.telemetry import GatewayMetrics, Telemetry
@@ -56,6 +57,7 @@ class GatewayState:
     auth: Authenticator
     rate_limiter: RateLimiter
     telemetry: Telemetry
+    responses: ResponseStore  # stored responses of the Responses API
     serving: Serving | None = None
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)

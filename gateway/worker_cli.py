@@ -2,9 +2,10 @@
 `redis` (VISIONGATE_ENCODER=redis).
 
 The flags and the run are the encoder worker's own (`encoder_worker.process`, also runnable as
-`python -m encoder_worker`); this command adds the gateway's telemetry: logging, and spans and
-encode metrics exported as the `OTEL_*` variables say, under the service name
-`visiongate-encoder` unless OTEL_SERVICE_NAME gives another.
+`python -m encoder_worker`): the worker takes its encoder configuration from the gateways of its
+deployment through Redis, so `--redis-url` is all it needs. This command adds the gateway's
+telemetry: logging, and spans and encode metrics exported as the `OTEL_*` variables say, under
+the service name `visiongate-encoder` unless OTEL_SERVICE_NAME gives another.
 """
 
 from __future__ import annotations

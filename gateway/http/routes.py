@@ -23,6 +23,7 @@ from litestar.response import Stream
 from litestar.static_files import create_static_files_router
 
 from gateway.http import protocol as p
+from gateway.http.api_routes import more_route_handlers
 from gateway.http.chat import ChatCompletionServing, EventStream
 from gateway.http.resources import ImageServing, ModelServing, SessionServing
 from gateway.protocol.errors import GatewayError
@@ -89,7 +90,10 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
             str | None, Parameter(header="x-session-id", required=False)
         ] = None,
     ) -> Response[p.ChatCompletion]:
-        result = await chat.create(data, owner=owner(request), session_id=x_session_id)
+        # the request's ASGI channel: a client gone before its answer is sent cancels it
+        result = await chat.create(
+            data, owner=owner(request), session_id=x_session_id, receive=request.receive
+        )
         if isinstance(result, EventStream):
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             if result.session_id:
@@ -177,6 +181,7 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
             image_status,
             get_session,
             delete_session,
+            *more_route_handlers(state),
         ],
         exception_handlers={Exception: on_error},
     )
