@@ -130,6 +130,7 @@ def build_encoder(settings: Settings, engine: Engine) -> Encoder:
             image_ttl_s=settings.vision_cache_ttl_s,
             vision_ttl_s=settings.vision_cache_ttl_s,
             max_in_flight=settings.encoder_max_in_flight,
+            deployment=settings.encoder_deployment,
         )
     return LocalEncoder(
         config,

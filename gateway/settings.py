@@ -8,6 +8,7 @@ validated once at start; a bad value stops the gateway with a message naming the
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +17,11 @@ import msgspec
 __all__ = ("Settings", "SettingsError")
 
 ENV_PREFIX = "VISIONGATE_"
+# variables with the prefix that other parts read, not settings: `VISIONGATE_KERNELS` (kernels/)
+# chooses the kernels' implementation in any process
+NOT_SETTINGS = frozenset({"kernels"})
+# the same rule as encoder_worker.storage.check_deployment (a deployment name enters Redis keys)
+_DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MiB = 1024 * 1024
 
 
@@ -88,6 +94,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # with encoder=redis: this replica's jobs in the shared job stream at once; more wait in the
     # gateway and enter in turn by API key (the stream itself is first in, first out)
     encoder_max_in_flight: int = 16
+    # with encoder "redis": the name gateways and workers of one deployment share on a Redis
+    # (its job stream and published encoder configuration); workers take `--deployment`
+    encoder_deployment: str = "default"
     # sessions and caches
     session_ttl_s: int = 3600
     redis_url: str | None = None  # absent: everything in process
@@ -175,6 +184,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "must be >= 0 (0: no cap)",
         )
         need(self.encoder_max_in_flight >= 1, "encoder_max_in_flight", "must be >= 1")
+        need(
+            bool(_DEPLOYMENT_NAME.fullmatch(self.encoder_deployment)),
+            "encoder_deployment",
+            "use 1-64 letters, digits, '_', '.' or '-' (starting with a letter or digit)",
+        )
         need(self.session_ttl_s >= 1, "session_ttl_s", "must be >= 1 second")
         need(self.vision_cache_bytes >= 0, "vision_cache_bytes", "must be >= 0")
         need(self.kv_budget_bytes >= 0, "kv_budget_bytes", "must be >= 0")
@@ -215,6 +229,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if not key.startswith(ENV_PREFIX):
                 continue
             name = key[len(ENV_PREFIX) :].lower()
+            if name in NOT_SETTINGS:
+                continue
             if name not in fields:
                 raise SettingsError(
                     f"{key}: unknown setting (known: "

@@ -33,3 +33,17 @@ def test_bad_values_name_the_variable(env: dict[str, str], fragment: str) -> Non
 def test_ws_frame_limit_leaves_room_for_an_oversized_image_error() -> None:
     s = Settings.load({"max_image_bytes": 2 * 1024 * 1024}, environ={})
     assert s.ws_max_frame_bytes > s.max_image_bytes * 4 // 3
+
+
+def test_variables_of_other_parts_are_not_refused_as_unknown_settings() -> None:
+    # VISIONGATE_KERNELS is read by kernels/ in any process (the README documents it)
+    settings = Settings.load(environ={"VISIONGATE_KERNELS": "torch", "VISIONGATE_PORT": "9001"})
+    assert settings.port == 9001
+    with pytest.raises(SettingsError, match="VISIONGATE_KERNEL: unknown setting"):
+        Settings.load(environ={"VISIONGATE_KERNEL": "torch"})
+
+
+def test_encoder_deployment_is_a_name_that_can_enter_redis_keys() -> None:
+    assert Settings.load(environ={"VISIONGATE_ENCODER_DEPLOYMENT": "blue-2"}).encoder_deployment
+    with pytest.raises(SettingsError, match="VISIONGATE_ENCODER_DEPLOYMENT"):
+        Settings.load(environ={"VISIONGATE_ENCODER_DEPLOYMENT": "a:b"})
