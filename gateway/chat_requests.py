@@ -175,6 +175,16 @@ def check_stop(stop: str | Sequence[str] | None, param: str = "stop") -> tuple[s
     return stops
 
 
+def check_model(requested: str | None, served: str, param: str = "model") -> None:
+    """Refuse a model other than the served one (None: the client named none)."""
+    if requested is not None and requested != served:
+        raise GatewayError(
+            "model_not_found",
+            f"the model {clip(requested)!r} does not exist; this gateway serves {served!r}",
+            param=param,
+        )
+
+
 def check_logprobs(
     logprobs: bool | None, top_logprobs: int | None, *, param: str = "top_logprobs"
 ) -> int | None:

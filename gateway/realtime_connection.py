@@ -38,6 +38,7 @@ from gateway.chat_requests import (
     check_instructions,
     check_item_count,
     check_max_tokens,
+    check_model,
     check_output_modalities,
     check_sampling,
     conversation_chars,
@@ -49,7 +50,7 @@ from gateway.chat_requests import (
 )
 from gateway.image_input import REF_PREFIX
 from gateway.protocol import realtime_events as rt
-from gateway.protocol.errors import GatewayError, clip
+from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import Session, StoredItem, new_id
 from gateway.state import not_ready
 from gateway.vision_resolver import EncodeQuota
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
     from gateway.state import GatewayState
     from gateway.vision_resolver import EncodePermit, Resolved
 
-__all__ = ("RealtimeConnection", "check_model", "realtime_route", "session_state", "wire_item")
+__all__ = ("RealtimeConnection", "realtime_route", "session_state", "wire_item")
 
 log = structlog.get_logger("visiongate.realtime")
 
@@ -124,16 +125,6 @@ def session_state(
         max_output_tokens=session.max_output_tokens,
         visiongate=ext,
     )
-
-
-def check_model(requested: str | None, served: str, param: str) -> None:
-    """Refuse a model other than the served one (None: the client named none)."""
-    if requested is not None and requested != served:
-        raise GatewayError(
-            "model_not_found",
-            f"the model {clip(requested)!r} does not exist; this gateway serves {served!r}",
-            param=param,
-        )
 
 
 def realtime_route(state: GatewayState) -> WebsocketRouteHandler:

@@ -36,6 +36,7 @@ from gateway.chat_requests import (
     check_image_count,
     check_item_count,
     check_logprobs,
+    check_model,
     check_session_id,
     fetch_remote,
     refuse_unsupported,
@@ -44,9 +45,9 @@ from gateway.chat_requests import (
 )
 from gateway.http import protocol as p
 from gateway.http.messages import Conversation, all_parts, parse_messages, reconcile
+from gateway.output_grammar import plan_tools, response_format_grammar, tools_from_chat
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import Session
-from gateway.output_grammar import plan_tools, response_format_grammar, tools_from_chat
 from gateway.tool_stream import (
     ArgumentsPiece,
     CallStart,
@@ -169,12 +170,7 @@ class ChatCompletionServing:
         state, limits = self.state, self.limits
         vision = state.require().vision
         model = state.engine.model_id
-        if request.model != model:
-            raise GatewayError(
-                "model_not_found",
-                f"the model {request.model!r} does not exist; this gateway serves {model!r}",
-                param="model",
-            )
+        check_model(request.model, model)
         options = _options(request, limits)
         check_item_count(len(request.messages), limits, "messages")
         fetched = await fetch_remote(all_parts(request.messages), limits, param="messages")
@@ -425,9 +421,11 @@ def _options(request: p.ChatCompletionRequest, limits: RequestLimits) -> Respons
         text_grammar=text_grammar,
     )
     options.grammar = text_grammar if plan is None else plan.grammar
-    if plan is not None and plan.choice != "none":
+    if plan is not None:
+        # listed under every choice (one prompt, one KV prefix); under "none" the grammar
+        # keeps the answer plain text, so it is never read for calls
         options.tools_prompt = plan.prompt
-        options.tools = True
+        options.tools = plan.choice != "none"
     return options
 
 

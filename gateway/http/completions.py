@@ -34,6 +34,7 @@ from gateway.chat_requests import (
     RequestLimits,
     check_choices,
     check_max_tokens,
+    check_model,
     check_sampling,
     check_stop,
     check_text,
@@ -230,12 +231,7 @@ class CompletionServing:
         state, limits = self.state, self.limits
         state.require()  # the one "busy" answer while the model loads
         model = state.engine.model_id
-        if request.model != model:
-            raise GatewayError(
-                "model_not_found",
-                f"the model {request.model!r} does not exist; this gateway serves {model!r}",
-                param="model",
-            )
+        check_model(request.model, model)
         prompts = _prompts(request.prompt, limits)
         n = check_choices(request.n)
         _check_unsupported(request, n)

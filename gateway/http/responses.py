@@ -40,6 +40,7 @@ from gateway.chat_requests import (
     check_image_count,
     check_item_count,
     check_logprobs,
+    check_model,
     conversation_chars,
     fetch_remote,
     refuse_unsupported,
@@ -49,10 +50,10 @@ from gateway.chat_requests import (
 from gateway.http import protocol as p
 from gateway.http import responses_protocol as r
 from gateway.http.chat import EventStream
+from gateway.output_grammar import plan_tools, text_format_grammar, tools_from_responses
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.response_records import ResponseRecord
 from gateway.sessions.session import Session, StoredItem, new_id
-from gateway.output_grammar import plan_tools, text_format_grammar, tools_from_responses
 from gateway.tool_stream import ArgumentsPiece, CallStart, TextPiece, ToolCallStream
 
 if TYPE_CHECKING:
@@ -154,12 +155,7 @@ class ResponsesServing:
         state, limits = self.state, self.limits
         vision = state.require().vision
         model = state.engine.model_id
-        if request.model != model:
-            raise GatewayError(
-                "model_not_found",
-                f"the model {request.model!r} does not exist; this gateway serves {model!r}",
-                param="model",
-            )
+        check_model(request.model, model)
         options, notes = self._options(request)
         previous = None
         if request.previous_response_id is not None:
@@ -260,8 +256,8 @@ class ResponsesServing:
             param="tool_choice",
         )
         options.grammar = grammar if plan is None else plan.grammar
-        if plan is not None and plan.choice != "none":
-            options.tools_prompt, options.tools = plan.prompt, True
+        if plan is not None:  # listed under every choice; "none" answers in plain text
+            options.tools_prompt, options.tools = plan.prompt, plan.choice != "none"
         notes = []
         if request.reasoning and request.reasoning.get("effort") not in (None, "none"):
             notes.append("reasoning is ignored: the served model does not reason")

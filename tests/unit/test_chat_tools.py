@@ -224,7 +224,7 @@ def test_a_replayed_call_that_differs_replaces_the_history(scripted) -> None:
     assert view["items"][0]["id"] != stored[0]  # not the stored conversation: replaced
 
 
-def test_tool_choice_none_offers_no_tools(scripted) -> None:
+def test_tool_choice_none_lists_the_tools_but_allows_only_text(scripted) -> None:
     gateway, client = scripted(PARIS)
     completion = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none"
@@ -233,8 +233,15 @@ def test_tool_choice_none_offers_no_tools(scripted) -> None:
     assert completion.choices[0].message.content == PARIS
     assert completion.choices[0].message.tool_calls is None
     request = gateway.engine.requests[-1]
-    assert "# Tools" not in request.messages[0].content[0]
-    assert request.sampling.grammar is None
+    # the same system prompt as under "auto" (a conversation that called the tools keeps its
+    # KV prefix); the grammar alone keeps the answer plain text
+    client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="auto")
+    auto = gateway.engine.requests[-1]
+    assert "# Tools" in request.messages[0].content[0]
+    assert request.messages[0].content == auto.messages[0].content
+    grammar = request.sampling.grammar
+    assert grammar is not None and grammar != auto.sampling.grammar
+    assert "calls" not in grammar.splitlines()[0]
 
 
 def test_a_named_tool_choice(scripted) -> None:

@@ -59,7 +59,9 @@ def test_chat_completion(client: openai.OpenAI, fake_gateway: FakeGateway) -> No
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     assert completion.system_fingerprint == "fp_" + fake_gateway.encoder.fingerprint[:12]
     request = next(
-        r for r in fake_gateway.engine.requests if r.messages[0].content == ["Be terse."]
+        r
+        for r in fake_gateway.engine.requests
+        if r.messages and r.messages[0].content == ["Be terse."]
     )
     assert (request.sampling.temperature, request.sampling.seed) == (0.3, 5)
     assert request.kv_key is None  # no session: nothing kept

@@ -19,7 +19,6 @@ import llguidance
 import numpy as np
 import pytest
 
-from gateway.protocol.errors import ERROR_CODES, GatewayError
 from gateway.output_grammar import (
     MAX_DESCRIPTION_CHARS,
     MAX_GRAMMAR_CHARS,
@@ -42,6 +41,7 @@ from gateway.output_grammar import (
     tools_from_chat,
     tools_from_responses,
 )
+from gateway.protocol.errors import ERROR_CODES, GatewayError
 
 RID = "resp_0123"
 
