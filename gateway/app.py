@@ -28,6 +28,7 @@ from gateway.caching import make_image_store, make_vision_cache
 from gateway.chat_service import ChatService
 from gateway.engine.interface import Engine
 from gateway.http import http_route_handlers
+from gateway.http.bodies import BoundedRequest
 from gateway.http.routes import routing_error_handler
 from gateway.ratelimit import make_rate_limiter
 from gateway.readiness import Readiness
@@ -218,6 +219,7 @@ def create_app(
         ],
         lifespan=[lifespan],
         exception_handlers={HTTPException: routing_error_handler(state)},
+        request_class=BoundedRequest,  # a JSON body's values are counted before decoding
         plugins=[litestar_plugin(telemetry)],
         openapi_config=openapi,
         state=State({"gateway": state}),

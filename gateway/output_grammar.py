@@ -100,6 +100,14 @@ MAX_SCHEMA_BYTES = 64 * 1024  # a schema's JSON text
 # this module stays free of torch); the grammar holds every schema, hence the bound on them all
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_TOOLS_SCHEMA_BYTES = MAX_GRAMMAR_CHARS
+# the engine's bounds on one matcher (gateway.engine.grammar.PARSER_LIMITS, not imported for the
+# same reason): a grammar is validated under them, so what passes here compiles there
+PARSER_LIMITS = {
+    "max_lexer_states": 50_000,
+    "step_lexer_fuel": 100_000,
+    "initial_lexer_fuel": 1_000_000,
+    "step_max_items": 50_000,
+}
 MAX_DESCRIPTION_CHARS = 4096
 NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
@@ -305,7 +313,9 @@ def _grammar_error(grammar: str) -> str:
         if key in _validated:
             _validated.move_to_end(key)
             return _validated[key]
-    message = llguidance.LLMatcher.validate_grammar(grammar)
+    message = llguidance.LLMatcher.validate_grammar(
+        grammar, limits=llguidance.LLParserLimits(**PARSER_LIMITS)
+    )
     # drop the position and llguidance's echo of the grammar (numbered lines, carets)
     lines = [line.strip() for line in message.splitlines() if not _ECHO.match(line)]
     error = re.sub(r"^at \d+\(\d+\): ", "", " ".join(line for line in lines if line))

@@ -47,6 +47,15 @@ log = structlog.get_logger(__name__)
 
 # A grammar is compiled on the thread every stream shares: its size bounds that work.
 MAX_GRAMMAR_CHARS = 64 * 1024
+# Explicit bounds on one matcher's work and memory (llguidance's defaults are looser): a grammar
+# comes from a request and its masks are computed beside every stream's step. Past a bound the
+# matcher errs, which fails that sequence alone. Fuel is ~14k units per ms per step.
+PARSER_LIMITS = {
+    "max_lexer_states": 50_000,  # lexer DFA states (its memory)
+    "step_lexer_fuel": 100_000,  # one token's mask: ~7 ms at most
+    "initial_lexer_fuel": 1_000_000,  # building the regexes once
+    "step_max_items": 50_000,  # Earley items per step
+}
 
 # per byte value of a bit mask, the bias of its 8 tokens, least significant bit first
 # (0: allowed, -inf: refused); [256, 8]
@@ -120,7 +129,10 @@ def compile_grammar(vocab: TokenVocab, source: str) -> llguidance.LLMatcher:
     lltok = vocab.lltokenizer()
     try:
         matcher = llguidance.LLMatcher(
-            lltok, llguidance.LLMatcher.grammar_from_lark(source), log_level=0
+            lltok,
+            llguidance.LLMatcher.grammar_from_lark(source),
+            log_level=0,
+            limits=llguidance.LLParserLimits(**PARSER_LIMITS),
         )
     except Exception as exc:  # llguidance reports grammar errors as state, but be sure
         raise EngineError(f"invalid grammar: {exc}", code="invalid_request") from None

@@ -17,6 +17,7 @@ from gateway.http import protocol as p
 from gateway.http import responses_protocol as r
 from gateway.http.chat import EventStream
 from gateway.http.completions import Completion, CompletionRequest, CompletionServing
+from gateway.http.disconnect import unless_client_leaves
 from gateway.http.responses import ResponsesServing
 from gateway.protocol.errors import GatewayError
 
@@ -82,7 +83,8 @@ def more_route_handlers(state: GatewayState) -> list[Any]:
         caller = owner(request)
         # decoded here, so that a refusal names the field (an unknown one too)
         data = r.decode_request(await request.body())
-        return reply(await responses.create(data, owner=caller))
+        work = responses.create(data, owner=caller)
+        return reply(await unless_client_leaves(request.receive, work, route="responses"))
 
     @get(
         "/responses/{response_id:str}",
@@ -137,7 +139,8 @@ def more_route_handlers(state: GatewayState) -> list[Any]:
         summary="Create a text completion (legacy; plain-text prompts, no chat template)",
     )
     async def create_completion(request: Request, data: CompletionRequest) -> Response[Completion]:
-        return reply(await completions.create(data, owner=owner(request)))
+        work = completions.create(data, owner=owner(request))
+        return reply(await unless_client_leaves(request.receive, work, route="completions"))
 
     return [create_response, get_response, delete_response, list_input_items, create_completion]
 

@@ -637,11 +637,11 @@ class _Output:
         status = "failed" if finished is None else finished.status
         if finished is not None and finished.logprobs and self.logprobs:
             extra = [_logprob(t) for t in finished.logprobs]
-            if self.message is None and not self.items:
+            if self.message is None and not self.items and self.call is None:
                 self._open_message()
             if self.message is not None:
                 self.message_logprobs.extend(extra)
-        if not self.items and self.message is None and status != "failed":
+        if not self.items and self.message is None and self.call is None and status != "failed":
             self._open_message()  # an empty answer is still one (empty) message
         item_status = "completed" if status == "completed" else "incomplete"
         self._close_message(item_status)

@@ -17,6 +17,7 @@ right across replicas.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -76,43 +77,66 @@ def make_response_store(redis_url: str | None, ttl_s: float) -> ResponseStore:
 
 
 class MemoryResponseStore:
-    __slots__ = ("_clock", "_records", "ttl_s")
+    """Records in this process, within a byte budget: past it the least recently used go first
+    (as Redis with an eviction policy would), so stored responses cannot grow memory without
+    bound before their TTL ends. Expired records are swept now and then, not on every write."""
 
-    def __init__(self, ttl_s: float, *, clock=time.monotonic) -> None:
+    __slots__ = ("_bytes", "_clock", "_records", "_writes", "max_bytes", "ttl_s")
+
+    SWEEP_EVERY = 256  # writes between sweeps of expired records
+
+    def __init__(self, ttl_s: float, *, max_bytes: int = 256 << 20, clock=time.monotonic) -> None:
         self.ttl_s = ttl_s
+        self.max_bytes = max_bytes
         self._clock = clock
-        # (owner, id) -> (expires_at, encoded record): stored encoded, never shared mutably
-        self._records: dict[tuple[str, str], tuple[float, bytes]] = {}
+        # (owner, id) -> (expires_at, encoded record), least recently used first: stored
+        # encoded, never shared mutably
+        self._records: OrderedDict[tuple[str, str], tuple[float, bytes]] = OrderedDict()
+        self._bytes = 0
+        self._writes = 0
 
     async def get(self, response_id: str, owner: str) -> ResponseRecord | None:
         key = (owner, response_id)
         entry = self._records.get(key)
         if entry is None or entry[0] <= self._clock():
-            self._records.pop(key, None)
+            self._drop(key)
             return None
         self._records[key] = (self._clock() + self.ttl_s, entry[1])
+        self._records.move_to_end(key)
         return _decoder.decode(entry[1])
 
     async def put(self, record: ResponseRecord) -> None:
-        self._expire()
-        self._records[(record.owner, record.id)] = (
-            self._clock() + self.ttl_s,
-            _encoder.encode(record),
-        )
+        key = (record.owner, record.id)
+        encoded = _encoder.encode(record)
+        self._drop(key)
+        self._records[key] = (self._clock() + self.ttl_s, encoded)
+        self._bytes += len(encoded)
+        self._writes += 1
+        if self._writes % self.SWEEP_EVERY == 0:
+            self._expire()
+        while self._bytes > self.max_bytes and len(self._records) > 1:
+            oldest = next(iter(self._records))
+            self._drop(oldest)
 
     async def delete(self, response_id: str, owner: str) -> bool:
         if await self.get(response_id, owner) is None:
             return False
-        del self._records[(owner, response_id)]
+        self._drop((owner, response_id))
         return True
 
     async def aclose(self) -> None:
         self._records.clear()
+        self._bytes = 0
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        entry = self._records.pop(key, None)
+        if entry is not None:
+            self._bytes -= len(entry[1])
 
     def _expire(self) -> None:
         now = self._clock()
         for key in [k for k, (exp, _) in self._records.items() if exp <= now]:
-            del self._records[key]
+            self._drop(key)
 
 
 # KEYS: record key. ARGV: the encoded value the caller checked. Deletes only that value.

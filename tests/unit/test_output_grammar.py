@@ -214,8 +214,11 @@ def test_tool_choice_refusals(tools: Any, choice: Any, param: str, text: str) ->
 
 def test_grammars_stay_within_what_the_engine_compiles() -> None:
     from gateway.engine.grammar import MAX_GRAMMAR_CHARS as ENGINE_MAX
+    from gateway.engine.grammar import PARSER_LIMITS as ENGINE_LIMITS
+    from gateway.output_grammar import PARSER_LIMITS
 
     assert MAX_GRAMMAR_CHARS == ENGINE_MAX
+    assert PARSER_LIMITS == ENGINE_LIMITS
     # the schema fits, and its own grammar, but not the tools grammar around it
     schema = {"type": "object", "description": "x" * (MAX_GRAMMAR_CHARS - 200)}
     specs = tools_from_chat([chat_tool("big", schema)])

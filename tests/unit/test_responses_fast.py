@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 from openai.types import Completion
@@ -19,7 +20,7 @@ from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from gateway.chat_events import Finished, ResponseOptions, TextChunk
-from gateway.engine.interface import EngineError
+from gateway.engine.interface import EngineError, TokenLogprob
 from gateway.http import responses_protocol as r
 from gateway.http.responses import _Output, _Prepared
 from gateway.sessions.response_records import (
@@ -188,6 +189,42 @@ def test_tool_calls_become_function_call_items_and_events() -> None:
     assert call.arguments == '{"city": "Paris"}'
     assert call.call_id == call_id(options.response_id, 0)
     assert {e.output_index for e in events if getattr(e, "item_id", None) == call.id} == {1}
+
+
+def test_an_answer_that_is_only_a_call_is_one_function_call_item() -> None:
+    """No empty message before or after the call: the SDK's stream helper requires every item
+    at its own output index."""
+    request = r.ResponsesRequest(
+        model=MODEL,
+        input="weather?",
+        tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
+    )
+    options = ResponseOptions(tools=True, item_id="msg_1", logprobs=0)
+    prepared = _Prepared(
+        request=request,
+        owner="anonymous",
+        options=options,
+        session=Session.new("anonymous", instructions="", max_output_tokens=16),
+        stored=False,
+        created=False,
+        forked=False,
+        parsed=r.ParsedInput(),
+        permit=None,  # type: ignore[arg-type]
+        created_at=1,
+        model=MODEL,
+    )
+    answer = render_tool_call("get_weather", '{"city": "Paris"}')
+    out = _Output(prepared)
+    out.feed(TextChunk(answer))
+    tail = (TokenLogprob("<", -0.1, b"<"),)  # tokens the call held back still end it cleanly
+    response = out.finish(
+        Finished(options.response_id, options.item_id, "completed", answer, logprobs=tail)
+    )
+    events = [EVENTS.validate_python(json.loads(frame.split(b"data: ")[1])) for frame in out.take()]
+    sdk = Response.model_validate(json.loads(_encode(response)))
+    assert [i.type for i in sdk.output] == ["function_call"]
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [(e.output_index, e.item.type) for e in added] == [(0, "function_call")]
 
 
 def _encode(value: object) -> bytes:
@@ -814,6 +851,19 @@ async def test_memory_records_expire_when_idle() -> None:
     assert await store.get("resp_1", "alice") is None
 
 
+async def test_memory_records_stay_within_their_byte_budget() -> None:
+    size = len(msgspec.msgpack.encode(record()))
+    store = MemoryResponseStore(60.0, max_bytes=size * 3)
+    for i in range(5):
+        await store.put(record(response_id=f"resp_{i}"))
+        if i == 2:
+            assert await store.get("resp_0", "alice") is not None  # read: now the most recent
+    # the least recently used went first; the budget holds
+    kept = [i for i in range(5) if await store.get(f"resp_{i}", "alice") is not None]
+    assert kept == [0, 3, 4]
+    assert store._bytes <= size * 3
+
+
 async def test_redis_records_have_the_session_ttl(redis_url: str, raw_redis: Any) -> None:
     store = RedisResponseStore(redis_url, 30.0)
     try:
@@ -824,3 +874,24 @@ async def test_redis_records_have_the_session_ttl(redis_url: str, raw_redis: Any
         assert await store.get("resp_1", "alice") is None  # corrupt reads as unknown
     finally:
         await store.aclose()
+
+
+@pytest.mark.parametrize("route", ["responses", "completions"])
+async def test_a_client_gone_before_a_non_streamed_answer_cancels_it(
+    make_gateway: GatewayFactory, route: str
+) -> None:
+    engine = FakeEngine(delay_s=0.2)  # 400 words: over a minute unless cancelled
+    gateway = make_gateway(engine=engine)
+    words = " ".join(f"w{i}" for i in range(400))
+    if route == "responses":
+        body: dict[str, Any] = {"model": MODEL, "input": words, "max_output_tokens": 400}
+    else:
+        body = {"model": MODEL, "prompt": [words, words], "n": 2, "max_tokens": 400}
+    async with httpx.AsyncClient(base_url=gateway.http_url, timeout=0.5) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post(f"/v1/{route}", json=body)
+    # every generation the request started stops, long before its 80 s of words
+    await eventually(
+        lambda: bool(engine.requests) and all(r.cancel.is_set() for r in engine.requests)
+    )
+    await eventually(lambda: engine.running == 0)
