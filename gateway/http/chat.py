@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import msgspec
 import structlog
 
@@ -44,6 +43,7 @@ from gateway.chat_requests import (
     response_options,
 )
 from gateway.http import protocol as p
+from gateway.http.event_streams import close_shielded, replay
 from gateway.http.messages import Conversation, all_parts, parse_messages, reconcile
 from gateway.output_grammar import plan_tools, response_format_grammar, tools_from_chat
 from gateway.protocol.errors import GatewayError
@@ -142,13 +142,13 @@ class ChatCompletionServing:
                 pass
             except BaseException:
                 prepared.options.cancel.set()
-                await _close(events)
+                await close_shielded(events)
                 raise
         finally:
             prepared.permit.close()  # the images are resolved (or failed) before any text
         end = first[-1] if first else None
         if end is None or (isinstance(end, Finished) and end.status == "failed"):
-            await _close(events)
+            await close_shielded(events)
             error = (
                 end.error
                 if isinstance(end, Finished) and end.error
@@ -270,14 +270,14 @@ class ChatCompletionServing:
         logprobs: dict[int, list[TokenLogprob]] = {}
         finished: Finished | None = None
         try:
-            async for ev in _chain(first, events):
+            async for ev in replay(first, events, _is_finished):
                 if isinstance(ev, TextChunk):
                     logprobs.setdefault(ev.index, []).extend(ev.logprobs)
                 elif isinstance(ev, Finished):
                     finished = ev
         finally:
             prepared.options.cancel.set()  # no-op once finished; frees the engine otherwise
-            await _close(events)
+            await close_shielded(events)
         self._finished(finished, prepared)
         if finished is None or finished.status == "failed":
             error = (
@@ -313,7 +313,7 @@ class ChatCompletionServing:
         try:
             for i in range(options.n):  # every choice announced first, in order
                 yield frame(i, p.Delta(role="assistant", content=""))
-            async for ev in _chain(first, events):
+            async for ev in replay(first, events, _is_finished):
                 if isinstance(ev, TextChunk):
                     answer = answers[ev.index]
                     answer.logprobs.extend(ev.logprobs)
@@ -350,7 +350,7 @@ class ChatCompletionServing:
             prepared.options.cancel.set()
             if finished is None:
                 log.info("http_stream_abandoned", completion_id=prepared.completion_id)
-            await _close(events)
+            await close_shielded(events)
             self._finished(finished, prepared)
 
     def _fingerprint(self) -> str:
@@ -576,18 +576,5 @@ def _usage(ev: Finished, ext: p.CompletionExtension) -> p.Usage:
     )
 
 
-async def _chain(
-    first: list[ServiceEvent], rest: AsyncIterator[ServiceEvent]
-) -> AsyncIterator[ServiceEvent]:
-    for ev in first:
-        yield ev
-    if not isinstance(first[-1], Finished):
-        async for ev in rest:
-            yield ev
-
-
-async def _close(events: AsyncIterator[ServiceEvent]) -> None:
-    # shielded: on a client disconnect the surrounding scope is already cancelled, and closing
-    # the service's iterator is what returns the engine's slot
-    with anyio.CancelScope(shield=True):
-        await events.aclose()  # type: ignore[attr-defined]
+def _is_finished(event: ServiceEvent) -> bool:
+    return isinstance(event, Finished)

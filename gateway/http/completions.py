@@ -49,6 +49,7 @@ from gateway.engine.interface import (
 )
 from gateway.http import protocol as p
 from gateway.http.chat import DONE, EventStream
+from gateway.http.event_streams import close_shielded, replay
 from gateway.protocol.errors import ERROR_CODES, GatewayError
 from gateway.response_trace import ResponseTrace
 
@@ -187,24 +188,24 @@ class CompletionServing:
         except StopAsyncIteration:
             pass
         except GatewayError as exc:
-            await _close(deltas)
+            await close_shielded(deltas)
             self._finish(run, exc)
             return p.error_response(exc)
         except BaseException:
             run.cancel.set()
-            await _close(deltas)
+            await close_shielded(deltas)
             raise
         if request.stream:
             return EventStream(self._sse(run, first, deltas), None)
         try:
-            async for index, delta in _chain(first, deltas):
+            async for index, delta in replay(first, deltas, _never):
                 self._take(run, index, delta)
         except GatewayError as exc:
             self._finish(run, exc)
             return p.error_response(exc)
         finally:
             run.cancel.set()
-            await _close(deltas)
+            await close_shielded(deltas)
         self._finish(run)
         return Completion(
             id=run.completion_id,
@@ -330,7 +331,7 @@ class CompletionServing:
         done = False
         try:
             try:
-                async for index, delta in _chain(first, deltas):
+                async for index, delta in replay(first, deltas, _never):
                     choice, at, logprobs = self._take(run, index, delta)
                     text = delta.text if isinstance(delta, TextDelta) else ""
                     if not choice.echoed:
@@ -357,7 +358,7 @@ class CompletionServing:
         finally:
             # reached on completion and on a client disconnect (the stream is cancelled)
             run.cancel.set()
-            await _close(deltas)
+            await close_shielded(deltas)
             if not done:
                 log.info("http_stream_abandoned", completion_id=run.completion_id)
                 run.trace.root.set_attribute("visiongate.abandoned", True)
@@ -538,22 +539,9 @@ async def _generate_all(
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _chain(
-    first: list[tuple[int, Delta]], rest: AsyncIterator[tuple[int, Delta]]
-) -> AsyncIterator[tuple[int, Delta]]:
-    for item in first:
-        yield item
-    if first:
-        async for item in rest:
-            yield item
-
-
-async def _close(deltas: AsyncIterator[tuple[int, Delta]]) -> None:
-    # shielded: on a client disconnect the surrounding scope is already cancelled, and closing
-    # the engine's streams is what returns their slots
-    with anyio.CancelScope(shield=True):
-        await deltas.aclose()  # type: ignore[attr-defined]
-
-
 def _ms(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1e3, 3)
+
+
+def _never(_item: object) -> bool:
+    return False  # the stream goes on after its first text

@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import msgspec
 import structlog
 
@@ -50,6 +49,7 @@ from gateway.chat_requests import (
 from gateway.http import protocol as p
 from gateway.http import responses_protocol as r
 from gateway.http.chat import EventStream
+from gateway.http.event_streams import close_shielded, replay
 from gateway.output_grammar import plan_tools, text_format_grammar, tools_from_responses
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.response_records import ResponseRecord
@@ -130,13 +130,13 @@ class ResponsesServing:
                 pass
             except BaseException:
                 prepared.options.cancel.set()
-                await _close(events)
+                await close_shielded(events)
                 raise
         finally:
             prepared.permit.close()
         end = first[-1] if first else None
         if end is None or (isinstance(end, Finished) and end.status == "failed"):
-            await _close(events)
+            await close_shielded(events)
             await self._roll_back(prepared)
             error = (
                 end.error
@@ -360,14 +360,14 @@ class ResponsesServing:
         out = _Output(prepared)
         finished: Finished | None = None
         try:
-            async for ev in _chain(first, events):
+            async for ev in replay(first, events, _is_finished):
                 if isinstance(ev, TextChunk):
                     out.feed(ev)
                 elif isinstance(ev, Finished):
                     finished = ev
         finally:
             prepared.options.cancel.set()  # no-op once finished; frees the engine otherwise
-            await _close(events)
+            await close_shielded(events)
         response = out.finish(finished)
         await self._record(prepared, response, finished)
         return response
@@ -380,7 +380,7 @@ class ResponsesServing:
         try:
             yield _frame(r.ResponseCreated(sequence_number=out.next(), response=out.snapshot()))
             yield _frame(r.ResponseInProgress(sequence_number=out.next(), response=out.snapshot()))
-            async for ev in _chain(first, events):
+            async for ev in replay(first, events, _is_finished):
                 if isinstance(ev, TextChunk):
                     out.feed(ev)
                 elif isinstance(ev, Finished):
@@ -401,7 +401,7 @@ class ResponsesServing:
             prepared.options.cancel.set()
             if finished is None:
                 log.info("responses_stream_abandoned", response_id=prepared.options.response_id)
-            await _close(events)
+            await close_shielded(events)
 
     async def _record(
         self, prepared: _Prepared, response: r.ResponseObject, finished: Finished | None
@@ -777,18 +777,5 @@ def _unknown_response(response_id: str, param: str, why: str = "") -> GatewayErr
     )
 
 
-async def _chain(
-    first: list[ServiceEvent], rest: AsyncIterator[ServiceEvent]
-) -> AsyncIterator[ServiceEvent]:
-    for ev in first:
-        yield ev
-    if not isinstance(first[-1], Finished):
-        async for ev in rest:
-            yield ev
-
-
-async def _close(events: AsyncIterator[ServiceEvent]) -> None:
-    # shielded: on a client disconnect the surrounding scope is already cancelled, and closing
-    # the service's iterator is what returns the engine's slot
-    with anyio.CancelScope(shield=True):
-        await events.aclose()  # type: ignore[attr-defined]
+def _is_finished(event: ServiceEvent) -> bool:
+    return isinstance(event, Finished)
