@@ -277,7 +277,7 @@ def test_service_hands_the_layout_to_the_engine(exact, photos) -> None:
     )
     messages = service._messages(
         session,
-        types.SimpleNamespace(instructions=None),
+        types.SimpleNamespace(instructions=None, tools_prompt=None),
         {image.digest: Resolved(image, "encoded", 0.0)},
     )
     (part, text) = messages[0].content

@@ -227,7 +227,17 @@ async def test_an_image_that_fails_after_the_socket_closed_leaves_no_item(make_g
 
 
 async def test_a_websocket_opened_while_the_session_store_is_down_gets_busy(make_gateway) -> None:
-    gw = make_gateway(settings=dict(redis_url=f"redis://127.0.0.1:{free_port()}/0"))
+    gw = make_gateway(settings=dict(redis_url=f"redis://127.0.0.1:{free_port()}/0"), wait=False)
+
+    # the models load; /readyz then names Redis as the one thing missing
+    def only_redis_missing() -> bool:
+        try:
+            answer = httpx.get(f"{gw.http_url}/readyz", timeout=5)
+        except httpx.TransportError:
+            return False
+        return answer.status_code == 503 and answer.json().get("missing") == ["redis"]
+
+    await eventually(only_redis_missing)
     async with websockets.connect(gw.ws_url) as ws:
         error = await recv(ws)
         assert error["type"] == "error" and error["error"]["code"] == "busy"
