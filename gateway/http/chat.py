@@ -43,7 +43,7 @@ from gateway.chat_requests import (
     response_options,
 )
 from gateway.http import protocol as p
-from gateway.http.event_streams import close_shielded, replay
+from gateway.http.event_streams import close_shielded, read_ahead, replay
 from gateway.http.messages import Conversation, all_parts, parse_messages, reconcile
 from gateway.output_grammar import plan_tools, response_format_grammar, tools_from_chat
 from gateway.protocol.errors import GatewayError
@@ -129,21 +129,11 @@ class ChatCompletionServing:
     async def _answer(
         self, request: p.ChatCompletionRequest, prepared: _Prepared, received: float
     ) -> p.ChatCompletion | EventStream | p.ErrorResponse:
-        first: list[ServiceEvent] = []
         try:
             events = self.state.require().service.respond(
                 prepared.session, prepared.options, received_at=received
             )
-            try:
-                # run until the first text or the end, so a failure still gets its HTTP status
-                while not first or not isinstance(first[-1], (TextChunk, Finished)):
-                    first.append(await events.__anext__())
-            except StopAsyncIteration:
-                pass
-            except BaseException:
-                prepared.options.cancel.set()
-                await close_shielded(events)
-                raise
+            first = await read_ahead(events, prepared.options.cancel)
         finally:
             prepared.permit.close()  # the images are resolved (or failed) before any text
         end = first[-1] if first else None

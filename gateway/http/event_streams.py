@@ -6,12 +6,15 @@ The HTTP layers read a stream until its first text or its end before they choose
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import anyio
 
-__all__ = ("close_shielded", "replay")
+from gateway.chat_events import Finished, ServiceEvent, TextChunk
+
+__all__ = ("close_shielded", "read_ahead", "replay")
 
 T = TypeVar("T")
 
@@ -33,3 +36,22 @@ async def close_shielded(stream: AsyncIterator[Any]) -> None:
     is already cancelled, and closing the stream is what returns its engine slots."""
     with anyio.CancelScope(shield=True):
         await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def read_ahead(
+    events: AsyncIterator[ServiceEvent], cancel: threading.Event
+) -> list[ServiceEvent]:
+    """The service's events up to its first text or its end (whichever comes first), so that a
+    failure before any output still gets its own HTTP status. Anything raised meanwhile (the
+    client gone, the server stopping) cancels the answer and closes the stream."""
+    first: list[ServiceEvent] = []
+    try:
+        while not first or not isinstance(first[-1], (TextChunk, Finished)):
+            first.append(await events.__anext__())
+    except StopAsyncIteration:
+        pass
+    except BaseException:
+        cancel.set()
+        await close_shielded(events)
+        raise
+    return first

@@ -49,7 +49,7 @@ from gateway.chat_requests import (
 from gateway.http import protocol as p
 from gateway.http import responses_protocol as r
 from gateway.http.chat import EventStream
-from gateway.http.event_streams import close_shielded, replay
+from gateway.http.event_streams import close_shielded, read_ahead, replay
 from gateway.output_grammar import plan_tools, text_format_grammar, tools_from_responses
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.response_records import ResponseRecord
@@ -117,21 +117,11 @@ class ResponsesServing:
             prepared = await self._prepare(request, owner)
         except GatewayError as exc:
             return p.error_response(exc)
-        first: list[ServiceEvent] = []
         try:
             events = self.state.require().service.respond(
                 prepared.session, prepared.options, received_at=received
             )
-            try:
-                # run until the first text or the end, so a failure still gets its HTTP status
-                while not first or not isinstance(first[-1], (TextChunk, Finished)):
-                    first.append(await events.__anext__())
-            except StopAsyncIteration:
-                pass
-            except BaseException:
-                prepared.options.cancel.set()
-                await close_shielded(events)
-                raise
+            first = await read_ahead(events, prepared.options.cancel)
         finally:
             prepared.permit.close()
         end = first[-1] if first else None
