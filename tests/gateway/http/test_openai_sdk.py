@@ -152,12 +152,13 @@ def test_a_tool_call_round_trip(openai_client: OpenAI, model: str) -> None:
     again = answer("auto")
     assert again.usage.prompt_tokens > first.usage.prompt_tokens
     assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 2
-    # no more calls: the model answers in text, after the instructions it shares with the first
+    # no more calls: the model answers in text. The tools stay listed under "none" (the grammar
+    # alone keeps it to text), so the whole first prompt is reused here too
     final = answer("none")
     text = final.choices[0]
     assert text.message.tool_calls is None and text.message.content
     assert text.finish_reason in ("stop", "length")
-    assert final.usage.prompt_tokens_details.cached_tokens > 0
+    assert final.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 2
 
     stored = openai_client.get(f"/sessions/{session['session_id']}", cast_to=object)
     assert [i["role"] for i in stored["items"]] == ["user", "assistant", "tool", "assistant"]
