@@ -147,16 +147,14 @@ def test_stream_events_in_order_match_the_sdk_and_the_plain_answer(
     assert [e.type for e in streamed] == kinds
 
 
-def test_tool_calls_become_function_call_items_and_events() -> None:
-    """The model's calls (read from its text as it streams) are function_call items, their
-    arguments streamed as deltas; the events and the response validate as the SDK's types."""
+def _weather_call_prepared(options: ResponseOptions) -> _Prepared:
+    """A prepared, unstored response offering one function tool (for `_Output` alone)."""
     request = r.ResponsesRequest(
         model=MODEL,
         input="weather?",
         tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
     )
-    options = ResponseOptions(tools=True, item_id="msg_1", logprobs=None)
-    prepared = _Prepared(
+    return _Prepared(
         request=request,
         owner="anonymous",
         options=options,
@@ -169,6 +167,13 @@ def test_tool_calls_become_function_call_items_and_events() -> None:
         created_at=1,
         model=MODEL,
     )
+
+
+def test_tool_calls_become_function_call_items_and_events() -> None:
+    """The model's calls (read from its text as it streams) are function_call items, their
+    arguments streamed as deltas; the events and the response validate as the SDK's types."""
+    options = ResponseOptions(tools=True, item_id="msg_1", logprobs=None)
+    prepared = _weather_call_prepared(options)
     answer = "Let me check." + render_tool_call("get_weather", '{"city": "Paris"}')
     out = _Output(prepared)
     for at in range(0, len(answer), 7):  # in pieces that cut the call's tags apart
@@ -194,25 +199,8 @@ def test_tool_calls_become_function_call_items_and_events() -> None:
 def test_an_answer_that_is_only_a_call_is_one_function_call_item() -> None:
     """No empty message before or after the call: the SDK's stream helper requires every item
     at its own output index."""
-    request = r.ResponsesRequest(
-        model=MODEL,
-        input="weather?",
-        tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
-    )
     options = ResponseOptions(tools=True, item_id="msg_1", logprobs=0)
-    prepared = _Prepared(
-        request=request,
-        owner="anonymous",
-        options=options,
-        session=Session.new("anonymous", instructions="", max_output_tokens=16),
-        stored=False,
-        created=False,
-        forked=False,
-        parsed=r.ParsedInput(),
-        permit=None,  # type: ignore[arg-type]
-        created_at=1,
-        model=MODEL,
-    )
+    prepared = _weather_call_prepared(options)
     answer = render_tool_call("get_weather", '{"city": "Paris"}')
     out = _Output(prepared)
     out.feed(TextChunk(answer))
