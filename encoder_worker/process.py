@@ -115,7 +115,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--redis-url",
         default=_env("redis_url"),
-        help="redis://host:port/db shared with the gateways (VISIONGATE_REDIS_URL)",
+        help="redis://host:port/db or redis+cluster://host:port[,...] shared with the gateways "
+        "(VISIONGATE_REDIS_URL)",
     )
     p.add_argument(
         "--deployment",

@@ -15,8 +15,8 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, help="port (default 8000)")
     g.add_argument(
         "--redis-url",
-        help="redis://host:port/db for sessions, vision cache and KV spill; "
-        "absent: everything in process",
+        help="redis://host:port/db (or redis+cluster://host:port[,host:port...] for a Redis "
+        "Cluster) for sessions, caches, KV spill and encoder jobs; absent: everything in process",
     )
     g.add_argument(
         "--model-path",

@@ -1,8 +1,10 @@
 """Per-owner response rate limits: at most N responses per minute per API key.
 
 `MemoryRateLimiter` is a token bucket per owner (one replica's view); `RedisRateLimiter` counts
-in a shared fixed one-minute window (INCR + EXPIRE in one transaction), so the limit holds
-across gateway replicas. A limit of 0 disables limiting. An exhausted owner gets
+in a shared fixed one-minute window (INCR, and EXPIRE on the first count, in one single-key
+script, so it runs on one Redis or any Redis Cluster node), so the limit holds across gateway
+replicas; while Redis is unreachable the limiter lets requests through (and logs it) rather than
+refuse every key. A limit of 0 disables limiting. An exhausted owner gets
 GatewayError("rate_limited"), HTTP 429, with the seconds to wait in the message.
 """
 
@@ -55,15 +57,27 @@ class MemoryRateLimiter:
         self._buckets.clear()
 
 
+# KEYS: the owner's counter for this minute. One key per script, so it runs on any Redis Cluster
+# node that holds it; the expiry is set with the first count, so a counter never outlives 2 min.
+_COUNT = """
+local n = redis.call('INCR', KEYS[1])
+if n == 1 then
+  redis.call('EXPIRE', KEYS[1], 120)
+end
+return n
+"""
+
+
 class RedisRateLimiter:
-    __slots__ = ("_redis", "namespace", "per_minute")
+    __slots__ = ("_count", "_redis", "namespace", "per_minute")
 
     def __init__(self, per_minute: int, redis_url: str, namespace: str = "vg") -> None:
-        import redis.asyncio as aioredis
+        from encoder_worker.redis_conn import async_client
 
         self.per_minute = per_minute
         self.namespace = namespace
-        self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=2.0)
+        self._redis = async_client(redis_url, socket_connect_timeout=2.0, socket_timeout=2.0)
+        self._count = self._redis.register_script(_COUNT)
 
     async def acquire(self, owner: str) -> None:
         if self.per_minute <= 0:
@@ -71,8 +85,7 @@ class RedisRateLimiter:
         window = int(time.time() // 60)
         key = f"{self.namespace}:rate:{owner}:{window}"
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                count, _ = await pipe.incr(key).expire(key, 120).execute()
+            count = await self._count(keys=[key])
         except Exception as exc:  # Redis down: serve rather than refuse everyone
             import structlog
 

@@ -84,20 +84,20 @@ class Readiness:
 
     async def _ask_redis(self, url: str) -> tuple[bool, int | None]:
         """(Redis answers, live encoder workers or None when not asked or not known)."""
-        from redis.asyncio import Redis
-
+        from encoder_worker.redis_conn import async_client, is_cluster_url
         from gateway.redis_encoder import RedisEncoder, live_workers
 
         serving = self._state.serving
         encoder = serving.encoder if serving is not None else None
         t = self.timeout_s
-        client = Redis.from_url(
-            url, socket_connect_timeout=t, socket_timeout=t, retry_on_timeout=False
-        )
+        client = async_client(url, socket_connect_timeout=t, socket_timeout=t)
         up, workers = False, None
         try:
             async with asyncio.timeout(t):
-                await client.ping()
+                if is_cluster_url(url):  # every master: a slot range without one is down
+                    await client.ping(target_nodes="primaries")
+                else:
+                    await client.ping()
                 up = True
                 if isinstance(encoder, RedisEncoder):
                     workers = await live_workers(client, encoder.deployment, encoder.fingerprint)

@@ -193,10 +193,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         need(self.vision_cache_bytes >= 0, "vision_cache_bytes", "must be >= 0")
         need(self.kv_budget_bytes >= 0, "kv_budget_bytes", "must be >= 0")
         need(
-            self.redis_url is None
-            or self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+            self.redis_url is None or _redis_url_problem(self.redis_url) is None,
             "redis_url",
-            f"must start with redis://, rediss:// or unix://, got {self.redis_url!r}",
+            _redis_url_problem(self.redis_url) or "",
         )
         need(
             self.encoder in ("inproc", "redis")
@@ -259,3 +258,16 @@ def _explain(exc: msgspec.ValidationError) -> str:
         field = text.rsplit("$.", 1)[1].rstrip("`").split("[")[0]
         return f"{ENV_PREFIX}{field.upper()}: {text.split(' - at ')[0]}"
     return text
+
+
+def _redis_url_problem(url: str | None) -> str | None:
+    """What is wrong with a Redis setting (one node or a cluster), or None."""
+    if url is None:
+        return None
+    from encoder_worker.redis_conn import parse_redis_url
+
+    try:
+        parse_redis_url(url)
+    except ValueError as exc:
+        return str(exc)
+    return None

@@ -1,4 +1,5 @@
-"""Shared fixtures: a private redis-server per test session, free ports, real sample photos."""
+"""Shared fixtures: a private redis-server (and a private 3-master Redis Cluster) per test
+session, free ports, real sample photos."""
 
 from __future__ import annotations
 
@@ -82,6 +83,107 @@ def raw_redis(redis_url: str):
     import redis
 
     client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+def _start_redis(port: int, workdir: str, *extra: str) -> subprocess.Popen:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed (apt-get install redis-server)")
+    return subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            workdir,
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_server() -> Iterator[str]:
+    """A real 3-master Redis Cluster on free ports, private to this test session; yields its
+    `redis+cluster://` URL naming every master as a seed."""
+    import redis
+
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        pytest.fail("redis-cli is not installed (apt-get install redis-tools)")
+    workdir = tempfile.mkdtemp(prefix="visiongate-cluster-")
+    ports = [free_port() for _ in range(3)]
+    procs = []
+    try:
+        for port in ports:
+            node_dir = Path(workdir, str(port))
+            node_dir.mkdir()
+            procs.append(
+                _start_redis(
+                    port,
+                    str(node_dir),
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--cluster-port",  # the default, port + 10000, may be taken or past 65535
+                    str(free_port()),
+                )
+            )
+        for port in ports:
+            _wait_for_port(port)
+        subprocess.run(
+            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports)]
+            + ["--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        deadline = time.monotonic() + 20
+        for port in ports:
+            node = redis.Redis(port=port)
+            while node.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
+                if time.monotonic() > deadline:
+                    pytest.fail(f"Redis Cluster node {port} never reported cluster_state:ok")
+                time.sleep(0.1)
+            node.close()
+        yield "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster_server: str) -> Iterator[str]:
+    """The session's Redis Cluster URL, every master flushed after each test."""
+    from encoder_worker.redis_conn import sync_client
+
+    yield redis_cluster_server
+    client = sync_client(redis_cluster_server)
+    client.flushall(target_nodes="primaries")
+    client.close()
+
+
+@pytest.fixture
+def raw_cluster(redis_cluster_url: str):
+    """A cluster client on the test session's Redis Cluster, to look at stored values."""
+    from encoder_worker.redis_conn import sync_client
+
+    client = sync_client(redis_cluster_url)
     yield client
     client.close()
 

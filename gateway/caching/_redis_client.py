@@ -39,16 +39,17 @@ UNAVAILABLE: Final = _Unavailable()
 def connect(
     redis_url: str, *, connect_timeout_s: float = 1.0, timeout_s: float = 2.0, retries: int = 1
 ) -> Redis:
-    """A redis.asyncio client for bytes values with short timeouts and few, immediate retries.
+    """A redis.asyncio client (one node, or a cluster for a `redis+cluster://` URL) for bytes values with short timeouts and few, immediate retries.
 
     One retry lets a pooled connection that Redis closed (restart, idle timeout) reconnect
     transparently; more would only make a dead server slower to notice.
     """
-    from redis.asyncio import Redis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
-    return Redis.from_url(
+    from encoder_worker.redis_conn import async_client
+
+    return async_client(
         redis_url,
         socket_connect_timeout=connect_timeout_s,
         socket_timeout=timeout_s,
@@ -61,7 +62,7 @@ class RedisTier:
     __slots__ = ("_down", "_down_until", "_failures", "client", "errors", "retry_after_s", "tier")
 
     def __init__(self, redis_url: str, *, tier: str, retry_after_s: float = 5.0) -> None:
-        from redis.exceptions import RedisError
+        from encoder_worker.redis_conn import REDIS_FAILURES
 
         self.client = connect(redis_url)
         self.tier = tier
@@ -69,11 +70,7 @@ class RedisTier:
         self.errors = 0
         self._down = False
         self._down_until = 0.0
-        self._failures: tuple[type[BaseException], ...] = (
-            RedisError,
-            OSError,
-            asyncio.TimeoutError,
-        )
+        self._failures: tuple[type[BaseException], ...] = REDIS_FAILURES
 
     @property
     def up(self) -> bool:

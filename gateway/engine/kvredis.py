@@ -143,10 +143,10 @@ class RedisKVStore:
         device: str | torch.device = "cpu",
         socket_timeout_s: float = 5.0,
     ) -> None:
-        import redis
+        from encoder_worker.redis_conn import sync_client
 
         self.memory = MemoryKVStore(budget_bytes)
-        self._redis = redis.Redis.from_url(url, socket_timeout=socket_timeout_s)
+        self._redis = sync_client(url, socket_timeout=socket_timeout_s)
         self._seed = seed
         self._ttl_s = ttl_s
         self._prefix = f"{namespace}:{seed.hex()[:16]}:"
@@ -180,11 +180,11 @@ class RedisKVStore:
         return entry
 
     def _load(self, key: str) -> KVEntry | None:
-        import redis
+        from encoder_worker.redis_conn import REDIS_FAILURES
 
         try:
             raw = self._redis.get(self.redis_key(key))
-        except redis.RedisError as exc:
+        except REDIS_FAILURES as exc:
             log.warning("kv.redis_unavailable", key=key, error=str(exc))
             return None
         if raw is None:
@@ -212,7 +212,7 @@ class RedisKVStore:
             self._cond.notify_all()
 
     def _write_loop(self) -> None:
-        import redis
+        from encoder_worker.redis_conn import REDIS_FAILURES
 
         while True:
             with self._cond:
@@ -230,7 +230,7 @@ class RedisKVStore:
                     raw = encode_entry(entry, self._seed)
                     self._redis.set(self.redis_key(key), raw, ex=self._ttl_s)
                     log.debug("kv.redis_written", key=key, nbytes=len(raw))
-            except redis.RedisError as exc:
+            except REDIS_FAILURES as exc:
                 log.warning("kv.redis_write_failed", key=key, error=str(exc))
             except Exception:
                 log.exception("kv.redis_write_failed", key=key)

@@ -22,9 +22,9 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import msgspec
-import redis.exceptions
 import structlog
 
+from encoder_worker.redis_conn import REDIS_FAILURES
 from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ end
 return redis.call('DEL', KEYS[1])
 """
 
-_FAILURES = (redis.exceptions.RedisError, OSError, TimeoutError)
+_FAILURES = REDIS_FAILURES
 
 
 class RedisResponseStore:
@@ -156,14 +156,15 @@ class RedisResponseStore:
     def __init__(self, redis_url: str, ttl_s: float, namespace: str = "vg") -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        from redis.asyncio import Redis
         from redis.asyncio.retry import Retry
         from redis.backoff import ExponentialBackoff
+
+        from encoder_worker.redis_conn import async_client
 
         self.ttl_s = ttl_s
         self.namespace = namespace
         self._ttl_ms = max(1, int(ttl_s * 1000))
-        self._client = Redis.from_url(
+        self._client = async_client(
             redis_url,
             socket_connect_timeout=2.0,
             socket_timeout=5.0,
