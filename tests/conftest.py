@@ -144,8 +144,15 @@ def redis_cluster_server() -> Iterator[str]:
         for port in ports:
             _wait_for_port(port)
         subprocess.run(
-            [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports)]
-            + ["--cluster-replicas", "0", "--cluster-yes"],
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in ports),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
             check=True,
             capture_output=True,
             timeout=30,

@@ -11,7 +11,6 @@ Redis was away is simply re-created on the next miss.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final
@@ -39,7 +38,8 @@ UNAVAILABLE: Final = _Unavailable()
 def connect(
     redis_url: str, *, connect_timeout_s: float = 1.0, timeout_s: float = 2.0, retries: int = 1
 ) -> Redis:
-    """A redis.asyncio client (one node, or a cluster for a `redis+cluster://` URL) for bytes values with short timeouts and few, immediate retries.
+    """A redis.asyncio client for bytes values (one node, or a cluster for a `redis+cluster://`
+    URL) with short timeouts and few, immediate retries.
 
     One retry lets a pooled connection that Redis closed (restart, idle timeout) reconnect
     transparently; more would only make a dead server slower to notice.
