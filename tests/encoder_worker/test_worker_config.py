@@ -59,6 +59,40 @@ def start_worker(redis_url: str, log_path: Path, *flags: str) -> subprocess.Pope
         )  # fmt: skip
 
 
+def readme_scale_out(redis_url: str) -> tuple[list[str], list[str]]:
+    """The README's scale-out commands (worker, serve) as a user copies them, with only the
+    Redis URL pointed at the test's server."""
+    import shlex
+
+    section = (ROOT / "README.md").read_text().split("## Scale-out", 1)[1]
+    block = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    commands = [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
+    found = {}
+    for argv in commands:
+        at = argv.index("--redis-url")
+        argv[at + 1] = redis_url
+        found[argv[1]] = argv
+    return found["worker"], found["serve"]
+
+
+def start_readme_worker(argv: list[str], log_path: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VISIONGATE_")}
+    program = ROOT / argv[0]  # .venv/bin/visiongate in a checkout set up as the README says
+    command = [str(program)] if program.exists() else [sys.executable, "-m", "gateway.cli"]
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            [*command, *argv[1:]], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+
+
+def readme_gateway_settings(argv: list[str], *extra: str):
+    from gateway.cli import _overrides, build_parser
+    from tests.gateway.conftest import gateway_settings
+
+    args = build_parser().parse_args([*argv[1:], *extra])
+    return gateway_settings(**{k: v for k, v in _overrides(args).items() if v is not None})
+
+
 @contextlib.contextmanager
 def running(proc: subprocess.Popen, log_path: Path) -> Iterator[subprocess.Popen]:
     """Stop the worker with SIGTERM at the end; it must exit cleanly."""
@@ -143,22 +177,26 @@ def _ask(base_url: str, image: bytes) -> dict:
 
 
 @pytest.mark.slow
-def test_a_worker_with_no_token_flags_serves_bfloat16_then_float32_gateways(
+def test_the_readme_scale_out_commands_serve_bfloat16_then_float32_gateways(
     redis_url, tmp_path
 ) -> None:
+    """The README's worker command, run as written, serves a gateway started with the README's
+    serve command under each `--lm-dtype`: the worker has no token flags and adopts each."""
     from gateway.app import create_app
     from gateway.server import ServerThread
-    from tests.gateway.conftest import gateway_settings
 
+    worker_argv, serve_argv = readme_scale_out(redis_url)
+    assert worker_argv[1:] == ["worker", "--redis-url", redis_url]  # no copied numbers
     log_path = tmp_path / "worker.log"
     r = redis.Redis.from_url(redis_url)
     fingerprints = []
-    with running(start_worker(redis_url, log_path, "--consumer", "adopter"), log_path) as proc:
+    with running(start_readme_worker(worker_argv, log_path), log_path) as proc:
         for dtype, rms, name in (
             ("bfloat16", BF16_RMS, "chelsea"),
             ("float32", FP32_RMS, "coffee"),
         ):
-            settings = gateway_settings(encoder="redis", redis_url=redis_url, lm_dtype=dtype)
+            settings = readme_gateway_settings(serve_argv, "--lm-dtype", dtype)
+            assert (settings.encoder, settings.redis_url) == ("redis", redis_url)
             with ServerThread(create_app(settings), settings) as server:
                 # ready only once a worker serves this gateway's encoder: the worker adopted it
                 server.wait_ready(timeout=300)
