@@ -3,6 +3,7 @@ session, free ports, real sample photos."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import shutil
 import socket
@@ -111,17 +112,17 @@ def _start_redis(port: int, workdir: str, *extra: str) -> subprocess.Popen:
     )
 
 
-@pytest.fixture(scope="session")
-def redis_cluster_server() -> Iterator[str]:
-    """A real 3-master Redis Cluster on free ports, private to this test session; yields its
-    `redis+cluster://` URL naming every master as a seed."""
+@contextlib.contextmanager
+def redis_cluster(masters: int = 3) -> Iterator[tuple[str, list[subprocess.Popen]]]:
+    """A real Redis Cluster of `masters` masters on free ports; yields its `redis+cluster://`
+    URL naming every master as a seed, and the masters' processes (which a test may stop)."""
     import redis
 
     cli = shutil.which("redis-cli")
     if cli is None:
         pytest.fail("redis-cli is not installed (apt-get install redis-tools)")
     workdir = tempfile.mkdtemp(prefix="visiongate-cluster-")
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(masters)]
     procs = []
     try:
         for port in ports:
@@ -165,13 +166,21 @@ def redis_cluster_server() -> Iterator[str]:
                     pytest.fail(f"Redis Cluster node {port} never reported cluster_state:ok")
                 time.sleep(0.1)
             node.close()
-        yield "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+        yield "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports), procs
     finally:
         for proc in procs:
-            proc.terminate()
+            if proc.poll() is None:
+                proc.terminate()
         for proc in procs:
             proc.wait(timeout=10)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_server() -> Iterator[str]:
+    """A real 3-master Redis Cluster, private to this test session; yields its URL."""
+    with redis_cluster() as (url, _):
+        yield url
 
 
 @pytest.fixture

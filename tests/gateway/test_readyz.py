@@ -133,3 +133,26 @@ def test_readyz_names_missing_encoder_workers_and_redis(tiny_clip: str, tmp_path
                 except subprocess.TimeoutExpired:
                     worker.kill()
                     worker.wait()
+
+
+@pytest.mark.slow
+def test_readyz_on_a_cluster_names_redis_while_a_master_is_down() -> None:
+    from tests.conftest import redis_cluster
+
+    with redis_cluster() as (cluster_url, masters):
+        settings = gateway_settings(redis_url=cluster_url)
+        with (
+            ServerThread(create_app(settings), settings) as server,
+            httpx.Client(base_url=server.http_url) as http,
+        ):
+            r = readyz_until(http, lambda r: r.status_code == 200, "ready on the cluster")
+            assert r.json() == {"status": "ready", "model": "SmolLM2-135M-Instruct"}
+            masters[1].send_signal(signal.SIGTERM)  # a third of the slots has no master now
+            masters[1].wait(10)
+            r = readyz_until(http, lambda r: r.status_code == 503, "a master seen down", 30)
+            assert r.json() == {
+                "status": "not_ready",
+                "model": "SmolLM2-135M-Instruct",
+                "missing": ["redis"],
+            }
+            assert http.get("/healthz").status_code == 200
