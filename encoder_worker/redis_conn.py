@@ -141,6 +141,14 @@ def parse_redis_url(url: str) -> RedisTarget:
     )
 
 
+# On a MOVED reply redis-py's cluster clients patch their slot map, and every few MOVED replies
+# (by default) also close all of the client's connections to rebuild it, including those other
+# commands are using at that moment: under concurrency (a fresh client's first burst, a slot
+# migration) those commands then fail. Patching alone is enough to follow a resharding, so the
+# clients here never close on MOVED; a failover (CLUSTER DOWN) still rebuilds the map.
+_MOVED_PATCHES: dict[str, Any] = {"reinitialize_steps": 0}
+
+
 def _url_options(target: RedisTarget) -> dict[str, Any]:
     """The connection options a cluster URL's query string carries, as redis-py reads them."""
     from redis.connection import parse_url
@@ -173,7 +181,7 @@ def async_client(url: str, **options: Any) -> redis.asyncio.Redis | redis.asynci
         return Redis.from_url(url, **options)
     from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-    kwargs = _accepted(RedisCluster, {**_url_options(target), **options})
+    kwargs = _accepted(RedisCluster, {**_MOVED_PATCHES, **_url_options(target), **options})
     return RedisCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
         username=target.username,
@@ -192,7 +200,7 @@ def sync_client(url: str, **options: Any) -> redis.Redis | redis.RedisCluster:
         return redis.Redis.from_url(url, **options)
     from redis.cluster import ClusterNode, RedisCluster
 
-    kwargs = {**_url_options(target), **options}
+    kwargs = {**_MOVED_PATCHES, **_url_options(target), **options}
     return RedisCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
         username=target.username,

@@ -1,17 +1,33 @@
 """Redis SessionStore: sessions shared by every gateway replica and kept across restarts.
 
-Layout (namespace `vg` by default):
-  `vg:session:{id}`  the msgpack-encoded `Session`, with the idle TTL as the key's expiry
-  `vg:sessions`      sorted set of session ids scored by expiry time (ms, Redis server clock)
+Layout (namespace `vg` by default), on one Redis or a Redis Cluster alike:
+  `vg:session:{t}:<owner>:<id>`  the msgpack-encoded `Session`, with the idle TTL as the key's
+                                 expiry
+  `vg:sessions:{t}`              the expiry index of bucket `t`: a sorted set of `<owner>:<id>`
+                                 scored by expiry time (ms, Redis server clock)
 
-The sorted set exists for `count()`: counting with SCAN would walk the whole keyspace on every
-gauge read. Keys expire on their own, so `count()` first drops index entries whose expiry has
-passed; an id whose key vanished otherwise (eviction under maxmemory) is dropped when its
-score passes, so nothing is counted for longer than one TTL after it is gone.
+`{t}` is a Redis hash tag naming one of `BUCKETS` buckets: two hex digits of `zlib.crc32` of
+`<owner>:<id>`, so every process puts a session in the same bucket. A session key and its
+bucket's index share that tag, hence a hash slot, and every write is one Lua script over those
+two keys only: atomic on one node, and never CROSSSLOT on a cluster. Buckets, rather than one
+index for the whole store, let sessions spread over a cluster's shards (a single index would
+pin every session's writes to the one shard holding it).
 
-Each write is one Lua script that updates the key and the index together, with times taken
-from Redis's clock so replicas with skewed clocks agree. All keys of a store are touched by
-those scripts, so on Redis Cluster give the store a hash-tagged namespace (e.g. `{vg}`).
+The indexes exist for `count()`: counting with SCAN would walk the whole keyspace on every
+gauge read. `count()` runs one small script per bucket, sent as one non-transactional pipeline
+(one round trip per node), each dropping the entries whose expiry has passed before counting.
+Keys expire on their own; an entry whose key vanished otherwise (eviction under maxmemory) is
+dropped when its score passes, so nothing is counted for longer than one TTL after it is gone.
+Times come from Redis's clock so replicas with skewed clocks agree.
+
+A namespace that carries its own hash tag (`{vg}`, once the advice for clusters) still works:
+Redis hashes only the first `{...}` of a key, so that tag wins and every key of the store lands
+in one slot. That is correct, only not spread. A namespace whose braces do not form such a tag
+is refused, as it would split a session key from its index.
+
+Sessions stored under the earlier layout (`vg:session:<owner>:<id>` with one `vg:sessions`
+index) are not read: sessions are short-lived, so after an upgrade clients start new ones and
+the old keys expire on their own.
 
 Owner checks happen here, after decoding: a foreign owner gets the same `session_not_found`
 as an unknown id and does not refresh the TTL. A value that does not decode is logged and
@@ -22,26 +38,29 @@ be correct across replicas.
 
 from __future__ import annotations
 
+import inspect
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import redis.exceptions
 import structlog
-from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from encoder_worker.redis_conn import REDIS_FAILURES, async_client
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import UPDATE_ATTEMPTS, Session, T, not_found
 
 if TYPE_CHECKING:
     from redis.commands.core import AsyncScript
 
-__all__ = ("RedisSessionStore",)
+__all__ = ("BUCKETS", "RedisSessionStore")
 
 log = structlog.get_logger("visiongate.sessions")
+
+# The write scripts below each name one session key and its bucket's index: one hash slot.
 
 _NOW_MS = """
 local t = redis.call('TIME')
@@ -59,12 +78,19 @@ return 1
 )
 
 # KEYS: session key, index. ARGV: encoded session, ttl ms, session id. Stores only a new id.
+# Finding the very value it stores means an earlier send of this call landed and only its
+# reply was lost (the client retries on a dropped connection): that is success, not a taken id.
 _CREATE = (
     _NOW_MS
     + """
-if redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2], 'NX') == false then
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[1] then
+  return 1
+end
+if current then
   return 0
 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[3])
 return 1
 """
@@ -97,10 +123,16 @@ return 1
 
 # KEYS: session key, index. ARGV: value read, new value, ttl ms, session id. Replaces the value
 # only if it is still the one read (compare-and-set), so concurrent writers never lose updates.
+# Finding the new value already there is a retried send whose first reply was lost: success,
+# so the caller does not apply its change a second time.
 _REPLACE = (
     _NOW_MS
     + """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+local current = redis.call('GET', KEYS[1])
+if current == ARGV[2] then
+  return 1
+end
+if current ~= ARGV[1] then
   return 0
 end
 redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
@@ -109,7 +141,7 @@ return 1
 """
 )
 
-# KEYS: index.
+# KEYS: one bucket's index.
 _COUNT = (
     _NOW_MS
     + """
@@ -120,20 +152,40 @@ return redis.call('ZCARD', KEYS[1])
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Session)
-_FAILURES = (redis.exceptions.RedisError, OSError, TimeoutError)
+_FAILURES = REDIS_FAILURES
+
+
+BUCKETS = 128  # hash-tagged buckets; enough to spread over any cluster's shards, few to count
+
+
+def _bucket_tag(member: str) -> str:
+    """The bucket's hash tag for an index member: crc32, not `hash()`, so every process agrees."""
+    return f"{{{zlib.crc32(member.encode()) % BUCKETS:02x}}}"
+
+
+def _check_namespace(namespace: str) -> None:
+    """Refuses braces that Redis would read as a tag spanning into the key's own bucket tag.
+
+    Redis hashes the text between a key's first `{` and the first `}` after it, if not empty.
+    A namespace without `{`, or with a complete non-empty tag, gives a session key and its index
+    the same slot; any other `{` would make the hashed text differ between the two."""
+    start = namespace.find("{")
+    if start >= 0 and namespace.find("}", start + 1) <= start + 1:
+        raise ValueError(
+            f"session namespace {namespace!r} has a '{{' without a non-empty '{{...}}' hash tag"
+        )
 
 
 class RedisSessionStore:
     __slots__ = (
         "_client",
-        "_count",
         "_create",
         "_delete",
-        "_index",
         "_replace",
         "_save",
         "_touch",
         "_ttl_ms",
+        "index_keys",
         "namespace",
         "ttl_s",
     )
@@ -141,11 +193,15 @@ class RedisSessionStore:
     def __init__(self, redis_url: str, ttl_s: float, namespace: str = "vg") -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        _check_namespace(namespace)
         self.ttl_s = ttl_s
         self.namespace = namespace
         self._ttl_ms = max(1, int(ttl_s * 1000))
-        self._index = f"{namespace}:sessions"
-        self._client = Redis.from_url(
+        # every bucket's expiry index, in bucket order: what `count()` walks
+        self.index_keys = tuple(
+            f"{namespace}:sessions:{{{bucket:02x}}}" for bucket in range(BUCKETS)
+        )
+        self._client = async_client(
             redis_url,
             socket_connect_timeout=2.0,
             socket_timeout=5.0,
@@ -157,11 +213,19 @@ class RedisSessionStore:
         self._replace: AsyncScript = self._client.register_script(_REPLACE)
         self._touch: AsyncScript = self._client.register_script(_TOUCH)
         self._delete: AsyncScript = self._client.register_script(_DELETE)
-        self._count: AsyncScript = self._client.register_script(_COUNT)
 
     def key(self, owner: str, session_id: str) -> str:
-        """Ids are per owner: the owner (a hash of the API key, or "anonymous") is in the key."""
-        return f"{self.namespace}:session:{owner}:{session_id}"
+        """Ids are per owner: the owner (a hash of the API key, or "anonymous") is in the key,
+        after the bucket's hash tag so that braces in an id cannot move it to another slot."""
+        member = self._member(owner, session_id)
+        return f"{self.namespace}:session:{_bucket_tag(member)}:{member}"
+
+    def index_key(self, owner: str, session_id: str) -> str:
+        """The expiry index of the session's bucket: the only other key its scripts touch."""
+        return f"{self.namespace}:sessions:{_bucket_tag(self._member(owner, session_id))}"
+
+    def _keys(self, owner: str, session_id: str) -> list[str]:
+        return [self.key(owner, session_id), self.index_key(owner, session_id)]
 
     @staticmethod
     def _member(owner: str, session_id: str) -> str:  # the expiry index's entry
@@ -173,7 +237,8 @@ class RedisSessionStore:
         await self._call(
             "load",
             self._touch(
-                keys=[key, self._index], args=[self._ttl_ms, self._member(owner, session_id)]
+                keys=self._keys(owner, session_id),
+                args=[self._ttl_ms, self._member(owner, session_id)],
             ),
         )
         return session
@@ -183,7 +248,7 @@ class RedisSessionStore:
         await self._call(
             "save",
             self._save(
-                keys=[self.key(session.owner, session.id), self._index],
+                keys=self._keys(session.owner, session.id),
                 args=[
                     _encoder.encode(session),
                     self._ttl_ms,
@@ -203,7 +268,7 @@ class RedisSessionStore:
             done = await self._call(
                 "update",
                 self._replace(
-                    keys=[key, self._index],
+                    keys=self._keys(owner, session_id),
                     args=[
                         raw,
                         _encoder.encode(session),
@@ -224,7 +289,7 @@ class RedisSessionStore:
             await self._call(
                 "create",
                 self._create(
-                    keys=[self.key(session.owner, session.id), self._index],
+                    keys=self._keys(session.owner, session.id),
                     args=[
                         _encoder.encode(session),
                         self._ttl_ms,
@@ -245,14 +310,16 @@ class RedisSessionStore:
                 raise
             deleted = await self._call(
                 "delete",
-                self._delete(keys=[key, self._index], args=[raw, self._member(owner, session_id)]),
+                self._delete(
+                    keys=self._keys(owner, session_id), args=[raw, self._member(owner, session_id)]
+                ),
             )
             if deleted:
                 return True
         return False
 
     async def count(self) -> int:
-        return int(await self._call("count", self._count(keys=[self._index])))
+        return await self._call("count", self._count_buckets())
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -270,9 +337,23 @@ class RedisSessionStore:
             raise not_found(session_id)
         return session, raw
 
+    async def _count_buckets(self) -> int:
+        """Sums every bucket's live entries: one script per bucket (a script may name one slot's
+        keys only), all in one non-transactional pipeline, which a cluster client splits into
+        one round trip per node. The pipeline sends EVAL, not EVALSHA: redis-py's cluster
+        pipeline refuses EVALSHA, as it cannot load a missing script on the right node midway.
+        The script is a few lines, and Redis keeps it compiled under its digest."""
+        pipe = self._client.pipeline(transaction=False)
+        for index in self.index_keys:
+            pipe.eval(_COUNT, 1, index)
+        return sum(int(reply) for reply in await pipe.execute())
+
     async def _call(self, op: str, pending: Awaitable[Any]) -> Any:
         try:
             return await pending
         except _FAILURES as exc:
             log.error("session_store_unavailable", op=op, error=repr(exc))
             raise GatewayError("busy", "session store unavailable, retry shortly") from exc
+        finally:
+            if inspect.iscoroutine(pending):
+                pending.close()  # a no-op once awaited; else it was never started

@@ -9,13 +9,18 @@ record never copies it.
 
 Records are owner-scoped and kept with an idle TTL, as sessions are: another API key's record
 reads as unknown, and reading one refreshes it. Two backends side by side, like the session
-stores: memory (the embedded default) and Redis (`vg:response:{owner}:{id}`, msgpack). Redis
+stores: memory (the embedded default) and Redis (`vg:response:<owner>:<id>`, msgpack). Redis
 being unreachable is `GatewayError("busy")`: a record has no memory fallback that would be
 right across replicas.
+
+The Redis backend works on one Redis or a Redis Cluster alike: a record is one key, and every
+command and script names that key only, so nothing can be CROSSSLOT, and records spread over a
+cluster's shards by their own keys (all in one slot only if the namespace is hash-tagged).
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable
@@ -227,3 +232,6 @@ class RedisResponseStore:
         except _FAILURES as exc:
             log.error("response_store_unavailable", op=op, error=repr(exc))
             raise GatewayError("busy", "response store unavailable, retry shortly") from exc
+        finally:
+            if inspect.iscoroutine(pending):
+                pending.close()  # a no-op once awaited; else it was never started

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 
 import msgspec
 import pytest
+from redis.crc import key_slot
 from structlog.testing import capture_logs
 
 from gateway.protocol.errors import GatewayError
@@ -19,6 +21,7 @@ from gateway.sessions import (
     StoredPart,
     make_session_store,
 )
+from gateway.sessions.redis import BUCKETS
 from tests.conftest import free_port
 
 ALICE, BOB = "key_alice", "key_bob"
@@ -250,24 +253,51 @@ async def test_survives_restart(redis_store) -> None:
     assert await after.count() == 1
 
 
+def indexed(raw_redis, store: RedisSessionStore) -> int:
+    """Entries in all of the store's bucket indexes, as Redis holds them (expired ones too)."""
+    return sum(raw_redis.zcard(index) for index in store.index_keys)
+
+
 async def test_key_layout_and_ttl(redis_store, raw_redis) -> None:
     store = redis_store(ttl_s=30)
     session = conversation()
     await store.save(session)
-    key = f"vg:session:{session.owner}:{session.id}"
+    member = f"{session.owner}:{session.id}"
+    tag = f"{{{zlib.crc32(member.encode()) % BUCKETS:02x}}}"
+    key = f"vg:session:{tag}:{member}"
+    assert store.key(session.owner, session.id) == key
     assert msgspec.msgpack.decode(raw_redis.get(key), type=Session) == session
     assert 25_000 < raw_redis.pttl(key) <= 30_000
-    expiry_ms = raw_redis.zscore("vg:sessions", f"{session.owner}:{session.id}")
+    expiry_ms = raw_redis.zscore(f"vg:sessions:{tag}", member)
     assert abs(expiry_ms - (time.time() * 1000 + 30_000)) < 5_000
-    await redis_store(namespace="blue").save(conversation())
-    assert raw_redis.zcard("blue:sessions") == 1 and raw_redis.zcard("vg:sessions") == 1
+    assert not raw_redis.exists("vg:sessions", f"vg:session:{member}")  # the old layout is gone
+    blue = redis_store(namespace="blue")
+    await blue.save(conversation())
+    assert indexed(raw_redis, blue) == 1 and indexed(raw_redis, store) == 1
+    assert all(k.startswith(b"blue:") for k in raw_redis.keys("*blue*"))
+
+
+async def test_hash_tagged_namespace_keeps_its_tag(redis_store, raw_redis) -> None:
+    store = redis_store(namespace="{vg}")
+    session = conversation()
+    await store.save(session)
+    key = store.key(session.owner, session.id)
+    assert key.startswith("{vg}:session:{") and key.endswith(f":{session.owner}:{session.id}")
+    assert key_slot(key.encode()) == key_slot(b"{vg}") == key_slot(b"{vg}:sessions:{00}")
+    assert await store.count() == 1 and (await store.load(session.id, ALICE)) == session
+
+
+@pytest.mark.parametrize("namespace", ["vg{", "vg{}", "{}vg", "a{b"])
+def test_namespace_whose_braces_would_split_a_session_is_refused(namespace: str) -> None:
+    with pytest.raises(ValueError, match="hash tag"):
+        RedisSessionStore("redis://127.0.0.1:1/0", 60, namespace=namespace)
 
 
 async def test_load_refreshes_ttl_but_not_for_a_foreign_owner(redis_store, raw_redis) -> None:
     store = redis_store(ttl_s=30)
     session = conversation()
     await store.save(session)
-    key = f"vg:session:{session.owner}:{session.id}"
+    key = store.key(session.owner, session.id)
     raw_redis.pexpire(key, 5_000)
     await expect_not_found(store, session.id, BOB)
     assert raw_redis.pttl(key) <= 5_000
@@ -282,14 +312,14 @@ async def test_expired_sessions_are_not_counted_forever(redis_store, raw_redis) 
     assert await store.count() == 3
     await asyncio.sleep(0.3)
     assert await store.count() == 0
-    assert raw_redis.zcard("vg:sessions") == 0  # pruned, not just filtered
+    assert indexed(raw_redis, store) == 0  # pruned, not just filtered
 
 
 async def test_vanished_key_leaves_the_count_within_one_ttl(redis_store, raw_redis) -> None:
     store = redis_store(ttl_s=0.3)
     session = conversation()
     await store.save(session)
-    raw_redis.delete(f"vg:session:{session.owner}:{session.id}")  # e.g. evicted under maxmemory
+    raw_redis.delete(store.key(session.owner, session.id))  # e.g. evicted under maxmemory
     await expect_not_found(store, session.id, ALICE)  # the failed refresh adds nothing back
     await asyncio.sleep(0.4)
     assert await store.count() == 0
@@ -299,7 +329,7 @@ async def test_corrupted_value_is_not_found(redis_store, raw_redis) -> None:
     store = redis_store()
     session = conversation()
     await store.save(session)
-    key = f"vg:session:{session.owner}:{session.id}"
+    key = store.key(session.owner, session.id)
     for garbage in (b"\xc1\xc1\xc1", msgspec.msgpack.encode({"id": session.id, "owner": 7}), b""):
         raw_redis.set(key, garbage)
         with capture_logs() as logs:
@@ -317,9 +347,7 @@ async def test_value_stored_under_another_id_is_not_found(redis_store, raw_redis
     store = redis_store()
     session = conversation()
     await store.save(session)
-    raw_redis.copy(
-        f"vg:session:{session.owner}:{session.id}", f"vg:session:{session.owner}:sess_other"
-    )
+    raw_redis.copy(store.key(session.owner, session.id), store.key(session.owner, "sess_other"))
     await expect_not_found(store, "sess_other", ALICE)
 
 
@@ -353,3 +381,22 @@ async def test_factory(redis_url: str) -> None:
     await store.save(session)
     assert await store.load(session.id, ALICE) == session
     await store.aclose()
+
+
+async def test_a_replayed_write_counts_as_done(redis_store, raw_redis) -> None:
+    """The client resends a script when a connection drops before its reply: the resend must
+    report the write as done, so create() does not call the id taken and update() does not
+    apply its change twice."""
+    store = redis_store()
+    session = conversation()
+    keys, member = store._keys(ALICE, session.id), f"{ALICE}:{session.id}"
+    first = msgspec.msgpack.encode(session)
+    for _ in range(2):
+        assert await store._create(keys=keys, args=[first, 60_000, member]) == 1
+    session.items.pop()
+    second = msgspec.msgpack.encode(session)
+    for _ in range(2):
+        assert await store._replace(keys=keys, args=[first, second, 60_000, member]) == 1
+    assert raw_redis.get(keys[0]) == second
+    assert await store._replace(keys=keys, args=[first, b"other", 60_000, member]) == 0
+    assert await store._create(keys=keys, args=[b"other", 60_000, member]) == 0
