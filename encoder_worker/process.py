@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from encoder_worker.redis_conn import REDIS_FAILURES, async_client, redacted
 from encoder_worker.storage import (
     DEFAULT_DEPLOYMENT,
     GROUP,
@@ -46,7 +47,7 @@ from encoder_worker.storage import (
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
-    from redis.asyncio import Redis
+    from redis.asyncio import Redis, RedisCluster
 
     from encoder_worker.config import EncoderConfig
     from encoder_worker.jobs import EncoderSpec
@@ -382,7 +383,7 @@ def _show(value: Any) -> str:
 
 
 async def wait_for_spec(
-    client: Redis,
+    client: Redis | RedisCluster,
     deployment: str,
     stop: asyncio.Event,
     *,
@@ -392,8 +393,6 @@ async def wait_for_spec(
     """The deployment's current encoder spec once a gateway has published one, or None if
     `stop` is set first. Says every `report_s` that it is still waiting, and for what. Redis
     errors while waiting are logged and retried; ValueError if the spec does not decode."""
-    from redis.exceptions import RedisError
-
     from encoder_worker.worker import read_current_spec
 
     started = time.monotonic()
@@ -401,7 +400,7 @@ async def wait_for_spec(
     while not stop.is_set():
         try:
             spec = await read_current_spec(client, deployment)
-        except (RedisError, OSError) as exc:
+        except REDIS_FAILURES as exc:
             log.warning("worker.redis_error", error=repr(exc), retry_in_s=poll_s)
             spec = None
         if spec is not None:
@@ -431,9 +430,6 @@ async def serve(
 ) -> int:
     """Wait for the gateway's encoder spec, build and warm that pipeline, then serve jobs until
     SIGTERM / SIGINT; the exit status (1: Redis unusable at start, 2: configuration conflict)."""
-    from redis.asyncio import Redis
-    from redis.exceptions import RedisError
-
     from encoder_worker.worker import ConfigConflict, EncoderWorker
 
     stop = asyncio.Event()
@@ -447,12 +443,16 @@ async def serve(
         return 2
 
     adopter = SpecAdopter(args, config)
-    client = Redis.from_url(args.redis_url, socket_connect_timeout=2.0, socket_timeout=10.0)
+    try:
+        client = async_client(args.redis_url, socket_connect_timeout=2.0, socket_timeout=10.0)
+    except ValueError as exc:  # a malformed URL
+        print(f"{prog}: configuration error: {exc}", file=sys.stderr)
+        return 2
     try:
         await client.ping()
         spec = await wait_for_spec(client, args.deployment, stop)
-    except (RedisError, OSError) as exc:
-        print(f"{prog}: cannot use Redis at {args.redis_url}: {exc}", file=sys.stderr)
+    except REDIS_FAILURES as exc:
+        print(f"{prog}: cannot use Redis at {redacted(args.redis_url)}: {exc}", file=sys.stderr)
         return 1
     except ValueError as exc:
         return refuse(exc)
@@ -480,8 +480,8 @@ async def serve(
     try:
         try:
             await worker.start()
-        except (RedisError, OSError) as exc:
-            print(f"{prog}: cannot use Redis at {args.redis_url}: {exc}", file=sys.stderr)
+        except REDIS_FAILURES as exc:
+            print(f"{prog}: cannot use Redis at {redacted(args.redis_url)}: {exc}", file=sys.stderr)
             return 1
         try:
             await worker.run_until(stop)

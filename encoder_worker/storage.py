@@ -28,6 +28,27 @@ Keys (namespace `vg`; the gateway's caches may be given another, the job queue m
                                 been given the image's tokens; the vision cache's TTL, refreshed
                                 on use
 
+Every command, script and MULTI/EXEC names keys of one hash slot, so the layout serves one Redis
+and a Redis Cluster (`redis+cluster://`, `encoder_worker.redis_conn`) alike; keys that are read
+or written together are reached by separate commands, in an order that keeps a job delivered
+at least once:
+
+    gateway, per image      PEXPIRE or SET vg:image:{digest}; XLEN + XADD on the job stream;
+                            BLPOP vg:encode:result:{job_id} (in slices shorter than the socket
+                            timeout); GET vg:vision:{fingerprint}:{digest}
+    gateway, start          XGROUP CREATE on the job stream; SET the spec, SET ... GET the
+                            current pointer; a one-key script counts live workers (ZCOUNT)
+    worker, heartbeat       a one-key script on the workers' set (ZADD, ZREMRANGEBYSCORE,
+                            EXPIRE), then GET the current pointer
+    worker, reading         XAUTOCLAIM / XREADGROUP / XPENDING / XCLAIM on the job stream;
+                            one GET per image key, in a non-transactional pipeline
+    worker, committing      1. SET vg:vision:... per encoded image, XADD vg:encode:dead per
+                               dead letter (a non-transactional pipeline of one-key commands)
+                            2. RPUSH + EXPIRE vg:encode:result:{job_id} per job
+                            3. MULTI: XADD of requeued jobs, XACK + XDEL of the batch, all on
+                               the job stream; a crash before it leaves the jobs pending, to be
+                               reclaimed and run again (`worker._Commit`)
+
 When the gateway does not share encodes across API keys, its image store and vision cache key an
 image by `scoped_digest(owner, digest)` instead of its digest (`vg:image:{scoped}`,
 `vg:vision:{fingerprint}:{scoped}`), so each key's entries are its own; workers never see those

@@ -2,10 +2,12 @@
 
 Each turn of the loop takes a batch of jobs (stale jobs of dead workers first, then new ones),
 loads their bytes from the image store, runs `EncoderPipeline.encode_batch` on a worker thread,
-and commits the whole batch in one MULTI/EXEC: the tokens into the vision cache, a result
-notice per caller, XACK + XDEL. A job is acknowledged only in the transaction that stores its
-outcome, so a worker that dies at any point before it loses nothing: its jobs stay pending
-and another worker reclaims them (XAUTOCLAIM) once idle for `claim_idle_ms`.
+and commits the batch in three steps, each awaited before the next: the outcomes (tokens into
+the vision cache, dead letters), then a result notice per caller, then XACK + XDEL on the job
+stream. A job is acknowledged only after its outcome and notice are stored, so a worker that
+dies at any point before loses nothing: its jobs stay pending and another worker reclaims them
+(XAUTOCLAIM) once idle for `claim_idle_ms`. Every command names keys of one hash slot, so the
+same code runs on one Redis and on a Redis Cluster (`_Commit` says why the order is safe).
 
 How a job can end:
 
@@ -60,6 +62,7 @@ from encoder_worker.jobs import (
     encode_job,
     encode_result,
 )
+from encoder_worker.redis_conn import REDIS_FAILURES, async_client
 from encoder_worker.spans import (
     ENCODE_ATTR,
     ENCODE_SPAN,
@@ -89,7 +92,7 @@ from encoder_worker.types import ENCODE_STAGES, EncodedImage, ImageError
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
-    from redis.asyncio import Redis
+    from redis.asyncio import Redis, RedisCluster
 
     from encoder_worker.pipeline import EncoderPipeline
 
@@ -123,23 +126,23 @@ class ConfigConflict(ValueError):
     disagree, or it cannot reproduce the gateway's encoder); the message says what differs."""
 
 
-# One round trip per heartbeat, timed by the Redis server's clock (hosts' clocks may disagree):
-# record this worker under its encoder, forget workers unseen for long, and read the
-# deployment's current fingerprint.
+# A heartbeat, timed by the Redis server's clock (hosts' clocks may disagree): record this
+# worker under its encoder and forget workers unseen for long. One key: a script on a Redis
+# Cluster may only touch keys of one hash slot, so the deployment's current fingerprint (another
+# key) is read by a separate GET.
 _HEARTBEAT = """
 local now = redis.call('TIME')
 local t = tonumber(now[1]) + tonumber(now[2]) / 1000000
 redis.call('ZADD', KEYS[1], t, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', t - tonumber(ARGV[2]))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
-return redis.call('GET', KEYS[2])
 """
 
 
 _Outcome = EncodedImage | ImageError | Exception
 
 
-async def ensure_group(client: Redis, stream: str = JOBS_STREAM) -> None:
+async def ensure_group(client: Redis | RedisCluster, stream: str = JOBS_STREAM) -> None:
     """Create the job stream and its consumer group if missing (idempotent)."""
     from redis.exceptions import ResponseError
 
@@ -150,7 +153,7 @@ async def ensure_group(client: Redis, stream: str = JOBS_STREAM) -> None:
             raise
 
 
-async def read_current_spec(client: Redis, deployment: str) -> EncoderSpec | None:
+async def read_current_spec(client: Redis | RedisCluster, deployment: str) -> EncoderSpec | None:
     """The encoder spec the deployment's gateways last published, or None if there is none
     yet; ValueError if it does not decode (another release's, or damaged)."""
     fingerprint = await client.get(current_spec_key(deployment))
@@ -170,14 +173,52 @@ class _Entry:
 
 
 class _Commit:
-    """Everything one batch writes, sent as one MULTI/EXEC."""
+    """Everything one batch writes, in three steps awaited in this order:
 
-    __slots__ = ("_pipe", "_result_ttl_s", "_stream", "_vision_ttl_ms", "acked", "consumer")
+    1. outcomes: each encoded image's tokens into the vision cache (SET, one key each) and each
+       dead letter (XADD to `vg:encode:dead`), in one non-transactional pipeline;
+    2. notices: RPUSH + EXPIRE on each caller's result list (one key per notice);
+    3. the job stream: requeued jobs XADDed again, then XACK + XDEL of the batch's entries, in
+       one MULTI/EXEC: every command of it names the job stream, so it is one hash slot.
+
+    No command, script or MULTI names keys of two hash slots, which a Redis Cluster refuses;
+    what one step writes is not atomic with the next, and the order is what keeps delivery at
+    least once. A job leaves the stream's pending list only in step 3, after its outcome and
+    its notice are stored. A worker that dies (or a Redis call that fails) between steps leaves
+    the job pending: another worker reclaims it after `claim_idle_ms` and runs it again, and
+    nothing was lost. Running it again repeats what was already written, which is harmless:
+    the tokens are content-addressed (the same key gets equal tokens), a dead letter may be
+    recorded twice, and a second notice lands on a list whose caller has already taken the
+    first: the caller BLPOPs one notice per job id (a fresh uuid per job) and stops listening,
+    and the list expires after `result_ttl_s`. A requeue needs no such care: the new entry and
+    the old one's ack are one MULTI, so the job is in the stream once. Acking before the
+    notice, by contrast, could lose a caller's only answer if the worker died in between.
+    """
+
+    __slots__ = (
+        "_acks",
+        "_notices",
+        "_outcomes",
+        "_result_ttl_s",
+        "_stream",
+        "_stream_step",
+        "_vision_ttl_ms",
+        "acked",
+        "consumer",
+    )
 
     def __init__(
-        self, client: Redis, stream: str, consumer: str, vision_ttl_ms: int, result_ttl_s: int
+        self,
+        client: Redis | RedisCluster,
+        stream: str,
+        consumer: str,
+        vision_ttl_ms: int,
+        result_ttl_s: int,
     ) -> None:
-        self._pipe = client.pipeline(transaction=True)
+        self._outcomes = client.pipeline(transaction=False)
+        self._notices = client.pipeline(transaction=False)
+        self._stream_step = client.pipeline(transaction=True)  # one key: the job stream
+        self._acks: list[bytes] = []
         self._stream = stream
         self._vision_ttl_ms = vision_ttl_ms
         self._result_ttl_s = result_ttl_s
@@ -186,19 +227,18 @@ class _Commit:
 
     def notify(self, job_id: str, result: EncodeDone | EncodeFailed) -> None:
         key = result_key(job_id)
-        self._pipe.rpush(key, encode_result(result))
-        self._pipe.expire(key, self._result_ttl_s)
+        self._notices.rpush(key, encode_result(result))
+        self._notices.expire(key, self._result_ttl_s)
 
     def ack(self, entry: _Entry) -> None:
-        self._pipe.xack(self._stream, GROUP, entry.entry_id)
-        self._pipe.xdel(self._stream, entry.entry_id)  # the stream holds only outstanding jobs
+        self._acks.append(entry.entry_id)
         self.acked += 1
 
     def store(self, entry: _Entry, image: EncodedImage) -> None:
         assert entry.job is not None
         # the value and key the gateway's vision cache reads (storage.py)
         value = redis_value(pack_encoded(image))
-        self._pipe.set(
+        self._outcomes.set(
             vision_key(entry.job.fingerprint, entry.job.digest), value, px=self._vision_ttl_ms
         )
         self.notify(
@@ -210,11 +250,11 @@ class _Commit:
         assert entry.job is not None
         # every delivery of this entry was a run (those lost with dead workers included)
         job = msgspec.structs.replace(entry.job, attempt=entry.job.attempt + entry.deliveries)
-        self._pipe.xadd(self._stream, {"job": encode_job(job)})
+        self._stream_step.xadd(self._stream, {"job": encode_job(job)})
         self.ack(entry)
 
     def dead(self, entry: _Entry, reason: str, attempts: int, code: str = "dead_letter") -> None:
-        self._pipe.xadd(
+        self._outcomes.xadd(
             DEAD_STREAM,
             {"job": entry.raw, "reason": reason, "consumer": self.consumer, "attempts": attempts},
             maxlen=_DEAD_MAXLEN,
@@ -225,8 +265,17 @@ class _Commit:
         self.ack(entry)
 
     async def execute(self) -> None:
-        if len(self._pipe):
-            await self._pipe.execute()
+        """Send the three steps in order; a step that fails raises before the next is sent."""
+        if len(self._outcomes):
+            await self._outcomes.execute()
+        if len(self._notices):
+            await self._notices.execute()
+        if self._acks:
+            self._stream_step.xack(self._stream, GROUP, *self._acks)
+            # the stream holds only outstanding jobs
+            self._stream_step.xdel(self._stream, *self._acks)
+        if len(self._stream_step):
+            await self._stream_step.execute()
 
 
 class EncoderWorker:
@@ -279,7 +328,7 @@ class EncoderWorker:
         self.result_ttl_s = result_ttl_s
         self.tracer = tracer if tracer is not None else trace.get_tracer("encoder_worker")
         self.metrics = metrics
-        self.client: Redis | None = None
+        self.client: Redis | RedisCluster | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._claim_cursor: bytes | str = "0-0"
         self._next_claim = 0.0
@@ -299,12 +348,11 @@ class EncoderWorker:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        from redis.asyncio import Redis
-
         if self.client is not None:
             return
-        # a blocking XREADGROUP must not trip the socket timeout
-        self.client = Redis.from_url(
+        # a blocking XREADGROUP must not trip the socket timeout (on a cluster a timeout would
+        # also make the client rediscover the cluster and send the read again)
+        self.client = async_client(
             self.redis_url,
             socket_connect_timeout=2.0,
             socket_timeout=self.block_ms / 1000 + 10.0,
@@ -372,8 +420,6 @@ class EncoderWorker:
         most that plus the batch in hand; jobs read are always finished (or left pending).
         Raises `ConfigConflict` when the deployment moves to an encoder this worker cannot
         serve."""
-        from redis.exceptions import RedisError
-
         await self.start()
         backoff = 0.5
         while not stop.is_set():
@@ -385,7 +431,7 @@ class EncoderWorker:
                 continue
             except ConfigConflict:
                 raise
-            except (RedisError, OSError) as exc:  # Redis restarting: keep trying, slowly
+            except REDIS_FAILURES as exc:  # Redis restarting, a node failing over: keep trying
                 log.warning("worker.redis_error", error=repr(exc), retry_in_s=backoff)
             except Exception:
                 # a bug must not end the worker: the batch stays pending, is reclaimed after
@@ -468,14 +514,13 @@ class EncoderWorker:
 
     async def _beat(self) -> None:
         """Record this worker as serving its encoder; note the deployment's current one."""
+        assert self.client is not None
         async with self._beat_lock:
-            current = await self._beat_script(
-                keys=[
-                    workers_key(self.deployment, self.fingerprint),
-                    current_spec_key(self.deployment),
-                ],
+            await self._beat_script(
+                keys=[workers_key(self.deployment, self.fingerprint)],
                 args=[self.consumer, WORKER_LIVE_S * 6, WORKER_LIVE_S * 6],
             )
+            current = await self.client.get(current_spec_key(self.deployment))
         current = current.decode() if isinstance(current, bytes) else current
         if self._build is not None and current and current != self.fingerprint:
             self._wanted = current
@@ -607,7 +652,11 @@ class EncoderWorker:
             else:
                 runnable.append(entry)
         if runnable:
-            datas = await self.client.mget([image_key(e.job.digest) for e in runnable])  # type: ignore[union-attr]
+            # one GET per key, not MGET: the images' keys lie in different hash slots
+            reads = self.client.pipeline(transaction=False)
+            for entry in runnable:
+                reads.get(image_key(entry.job.digest))  # type: ignore[union-attr]
+            datas = await reads.execute()
             kept = []
             for entry, data in zip(runnable, datas, strict=True):
                 if data is None:

@@ -14,7 +14,10 @@ the worker put in the vision cache (keys and stored values: `encoder_worker.stor
 rather than pub/sub because a notice pushed before the caller starts waiting (or while its
 connection is being re-established) is kept, not lost; the price is one Redis connection per
 image being waited for, which the gateway's single-flight per digest keeps to the number of
-distinct images in flight.
+distinct images in flight. The wait is a series of BLPOPs of at most `_WAIT_SLICE_S` each, so
+no reply takes longer than the client's socket timeout: a longer BLPOP would trip it, and a
+cluster client would then rediscover the cluster and send the BLPOP again. Every command names
+one key, so the Redis setting may be one node or a Redis Cluster (`redis+cluster://`).
 
 Errors: a bad image raises `ImageError` with the worker's code; no answer within `timeout_s`,
 Redis unreachable, or a worker serving another encoder (`encoder_mismatch`: this gateway's
@@ -46,6 +49,7 @@ from encoder_worker.jobs import (
     make_spec,
 )
 from encoder_worker.pipeline import encoder_fingerprint
+from encoder_worker.redis_conn import REDIS_FAILURES, async_client
 from encoder_worker.storage import (
     DEFAULT_DEPLOYMENT,
     WORKER_LIVE_S,
@@ -61,7 +65,7 @@ from encoder_worker.types import EncodedImage, ImageError
 from gateway.fair_gate import FairGate
 
 if TYPE_CHECKING:
-    from redis.asyncio import Redis
+    from redis.asyncio import Redis, RedisCluster
 
     from encoder_worker.config import EncoderConfig
     from encoder_worker.jobs import EncoderSpec
@@ -79,9 +83,12 @@ local t = tonumber(now[1]) + tonumber(now[2]) / 1000000
 return redis.call('ZCOUNT', KEYS[1], t - tonumber(ARGV[1]), '+inf')
 """
 _REPUBLISH_S = 5.0
+# one BLPOP waits at most this long; the socket timeout leaves room for its reply
+_WAIT_SLICE_S = 5.0
+_SOCKET_TIMEOUT_S = _WAIT_SLICE_S + 5.0
 
 
-async def live_workers(client: Redis, deployment: str, fingerprint: str) -> int:
+async def live_workers(client: Redis | RedisCluster, deployment: str, fingerprint: str) -> int:
     """Workers of `deployment` that serve the encoder `fingerprint` and were heard from within
     `WORKER_LIVE_S`."""
     count = await client.eval(_LIVE_WORKERS, 1, workers_key(deployment, fingerprint), WORKER_LIVE_S)
@@ -132,7 +139,7 @@ class RedisEncoder:
         self._gate = FairGate(max_in_flight)
         self._image_ttl_ms = max(1, int(image_ttl_s * 1000))
         self._vision_ttl_s = vision_ttl_s
-        self._client: Redis | None = None
+        self._client: Redis | RedisCluster | None = None
         self._cache: TieredVisionCache | None = None
         self._republish: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
@@ -141,16 +148,16 @@ class RedisEncoder:
     async def start(self) -> None:
         """Check Redis, create the job stream's consumer group and publish this gateway's
         encoder spec as its deployment's current one; raises if Redis is down."""
-        from redis.asyncio import Redis
-
         from encoder_worker.worker import ensure_group
         from gateway.caching.vision_cache import MemoryVisionCache, TieredVisionCache
 
         if self._client is not None:
             return
-        # no socket timeout: BLPOP blocks up to timeout_s by design
-        client = Redis.from_url(
-            self.redis_url, socket_connect_timeout=2.0, socket_timeout=None, decode_responses=False
+        client = async_client(
+            self.redis_url,
+            socket_connect_timeout=2.0,
+            socket_timeout=_SOCKET_TIMEOUT_S,
+            decode_responses=False,
         )
         try:
             await client.ping()
@@ -187,7 +194,7 @@ class RedisEncoder:
             self.config, self.hidden_size, self.target_rms, self.fingerprint, time.time()
         )
 
-    async def _publish(self, client: Redis) -> None:
+    async def _publish(self, client: Redis | RedisCluster) -> None:
         """Publish the spec and make it the deployment's current one; say so loudly when that
         replaces another gateway's, since the deployment's workers switch to this one."""
         spec = self.spec()
@@ -250,8 +257,6 @@ class RedisEncoder:
         GatewayError. `owner` (the API key's owner id) is not sent: the job stream is one FIFO
         that every worker reads, so fairness is decided here, where jobs enter it (at most
         `max_in_flight` of this replica's at a time, the next taken in turn by owner)."""
-        from redis.exceptions import RedisError
-
         from gateway.caching import sha256_hex
         from gateway.protocol.errors import GatewayError
 
@@ -289,8 +294,8 @@ class RedisEncoder:
                     )
                 await client.xadd(self.stream, {"job": encode_job(job)})
                 self.jobs += 1
-                reply = await client.blpop([result_key(job.job_id)], timeout=self.timeout_s)
-        except (RedisError, OSError) as exc:
+                reply = await self._wait(client, result_key(job.job_id))
+        except REDIS_FAILURES as exc:
             raise GatewayError("busy", f"the encoder queue is unavailable: {exc}") from None
         if reply is None:
             log.warning(
@@ -323,6 +328,19 @@ class RedisEncoder:
                 "internal_error", f"the image could not be encoded: {result.message}"
             )
         return await self._tokens(digest, job.job_id)
+
+    async def _wait(self, client: Redis | RedisCluster, key: str) -> list[bytes] | None:
+        """BLPOP `key` for up to `timeout_s`, in slices of at most `_WAIT_SLICE_S` (a notice
+        pushed between two slices stays in the list for the next); None when none came."""
+        deadline = time.monotonic() + self.timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            # BLPOP's timeout 0 means forever: never send less than a millisecond
+            reply = await client.blpop(
+                [key], timeout=max(round(min(left, _WAIT_SLICE_S), 3), 0.001)
+            )
+            if reply is not None:
+                return reply
+        return None
 
     async def _tokens(self, digest: str, job_id: str) -> EncodedImage:
         from gateway.protocol.errors import GatewayError
