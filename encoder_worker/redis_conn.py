@@ -9,7 +9,8 @@ Every Redis client of the project is built here from one URL setting:
 
 A cluster has only database 0, so a cluster URL naming another one is refused. Query options
 are those redis-py reads from a URL (for example `?socket_keepalive=true`) and apply to every
-node's connections.
+node's connections; the asyncio cluster client ignores the few it has no use for (such as
+`retry_on_timeout`, which its `retry` replaces).
 
 On a cluster, a command that names keys in more than one hash slot fails (CROSSSLOT). The key
 layout (`encoder_worker.storage`, the session store) is made so that nothing needs that: keys
@@ -72,37 +73,35 @@ def is_cluster_url(url: str) -> bool:
 
 
 def redacted(url: str) -> str:
-    """The URL with any password replaced by `***`, for logs and error messages."""
+    """The URL with any credentials replaced by `***`, for logs and error messages."""
     scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest.split("/", 1)[0]:
+    if not sep or "@" not in rest:
         return url
     userinfo, at, tail = rest.rpartition("@")
     user = userinfo.split(":", 1)[0]
-    return f"{scheme}://{user}:***{at}{tail}" if ":" in userinfo else f"{scheme}://***@{tail}"
+    return f"{scheme}://{user}:***{at}{tail}" if ":" in userinfo else f"{scheme}://***{at}{tail}"
 
 
 def parse_redis_url(url: str) -> RedisTarget:
-    """Checks the setting's form; raises ValueError saying what is wrong (password redacted)."""
+    """Checks the setting's form; raises ValueError saying what is wrong. No message quotes the
+    credentials, even a password that was not percent-encoded as URLs require."""
     if not isinstance(url, str) or "://" not in url:
         raise ValueError(
-            f"Redis URL must look like redis://host:port/db or redis+cluster://host:port[,...], "
-            f"got {redacted(str(url))!r}"
+            "Redis URL must look like redis://host:port/db or redis+cluster://host:port[,...]"
         )
-    scheme = url.split("://", 1)[0].lower()
+    scheme, _, rest = url.partition("://")
+    scheme = scheme.lower()
     if scheme in _SINGLE_SCHEMES:
+        _check_single(url)
         return RedisTarget(cluster=False, url=url)
     if scheme not in CLUSTER_SCHEMES:
         raise ValueError(
             f"Redis URL scheme must be one of {', '.join(_SINGLE_SCHEMES + CLUSTER_SCHEMES)}, "
-            f"got {scheme!r}"
+            f"got {scheme[:20]!r}"
         )
-    rest = url.split("://", 1)[1]
-    netloc, _, tail = rest.partition("/")
-    path, _, query = tail.partition("?")
-    if "?" in netloc:  # no path: redis+cluster://h:p?opt=1
-        netloc, _, query = netloc.partition("?")
-        path = ""
-    userinfo, _, hosts = netloc.rpartition("@")
+    userinfo, _, rest = rest.rpartition("@")  # the last @: a password may hold / ? or @
+    rest, _, query = rest.partition("?")  # the query first: option values may hold a /
+    hosts, _, path = rest.partition("/")
     username = password = None
     if userinfo:
         user, colon, secret = userinfo.partition(":")
@@ -110,7 +109,7 @@ def parse_redis_url(url: str) -> RedisTarget:
         password = unquote(secret) if colon else None
     if path.strip("/") not in ("", "0"):
         raise ValueError(
-            f"a Redis Cluster has only database 0; the URL names database {path.strip('/')!r}"
+            f"a Redis Cluster has only database 0; the URL names database {path.strip('/')[:20]!r}"
         )
     nodes: list[tuple[str, int]] = []
     for part in hosts.split(","):
@@ -120,15 +119,15 @@ def parse_redis_url(url: str) -> RedisTarget:
         try:
             port = parsed.port or 6379
         except ValueError:
-            raise ValueError(f"bad port in Redis Cluster node {part.strip()!r}") from None
+            raise ValueError(f"bad port in Redis Cluster node {part.strip()[:60]!r}") from None
         if not parsed.hostname:
-            raise ValueError(f"Redis Cluster node {part.strip()!r} has no host")
+            raise ValueError(f"Redis Cluster node {part.strip()[:60]!r} has no host")
         nodes.append((parsed.hostname, port))
     if not nodes:
         raise ValueError("a redis+cluster:// URL needs at least one host:port")
     tls = scheme == "rediss+cluster"
-    first_host, first_port = nodes[0]
-    options_url = f"{'rediss' if tls else 'redis'}://{first_host}:{first_port}/0"
+    # only the options are read from this URL (host, port and db are dropped), so any host does
+    options_url = f"{'rediss' if tls else 'redis'}://localhost/0"
     if query:
         options_url += f"?{query}"
     return RedisTarget(
@@ -141,12 +140,40 @@ def parse_redis_url(url: str) -> RedisTarget:
     )
 
 
+def _check_single(url: str) -> None:
+    """What redis-py itself would refuse in a one-node URL, said without the credentials."""
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        message = str(exc)
+        if "@" in url:  # redis-py's message may quote a piece of the password
+            message = "it does not parse; percent-encode any / ? # @ or : in the password"
+        raise ValueError(f"bad Redis URL {redacted(url)!r}: {message}") from None
+
+
 # On a MOVED reply redis-py's cluster clients patch their slot map, and every few MOVED replies
 # (by default) also close all of the client's connections to rebuild it, including those other
 # commands are using at that moment: under concurrency (a fresh client's first burst, a slot
 # migration) those commands then fail. Patching alone is enough to follow a resharding, so the
 # clients here never close on MOVED; a failover (CLUSTER DOWN) still rebuilds the map.
 _MOVED_PATCHES: dict[str, Any] = {"reinitialize_steps": 0}
+
+
+def _default_retry(options: dict[str, Any], asyncio_client: bool) -> dict[str, Any]:
+    """One quick retry unless the caller chose: redis-py's own default (3 retries with jittered
+    backoff up to 10 s, each after a cluster rediscovery) holds a request for ~25 s while a
+    master is unreachable, where the callers here would rather fail fast and fall back."""
+    if "retry" in options:
+        return options
+    from redis.backoff import ExponentialBackoff
+
+    if asyncio_client:
+        from redis.asyncio.retry import Retry
+    else:
+        from redis.retry import Retry
+    return {**options, "retry": Retry(ExponentialBackoff(cap=0.25, base=0.05), 1)}
 
 
 def _url_options(target: RedisTarget) -> dict[str, Any]:
@@ -178,9 +205,10 @@ def async_client(url: str, **options: Any) -> redis.asyncio.Redis | redis.asynci
     if not target.cluster:
         from redis.asyncio import Redis
 
-        return Redis.from_url(url, **options)
+        return Redis.from_url(url, **_default_retry(options, True))
     from redis.asyncio.cluster import ClusterNode, RedisCluster
 
+    options = _default_retry(options, True)
     kwargs = _accepted(RedisCluster, {**_MOVED_PATCHES, **_url_options(target), **options})
     return RedisCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],
@@ -197,9 +225,10 @@ def sync_client(url: str, **options: Any) -> redis.Redis | redis.RedisCluster:
     if not target.cluster:
         import redis
 
-        return redis.Redis.from_url(url, **options)
+        return redis.Redis.from_url(url, **_default_retry(options, False))
     from redis.cluster import ClusterNode, RedisCluster
 
+    options = _default_retry(options, False)
     kwargs = {**_MOVED_PATCHES, **_url_options(target), **options}
     return RedisCluster(
         startup_nodes=[ClusterNode(host, port) for host, port in target.nodes],

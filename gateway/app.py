@@ -184,6 +184,7 @@ def create_app(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await readiness.aclose()
             await _close(state)
 
     @get("/healthz", sync_to_thread=False)

@@ -10,6 +10,7 @@ GatewayError("rate_limited"), HTTP 429, with the seconds to wait in the message.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Protocol
 
@@ -85,7 +86,8 @@ class RedisRateLimiter:
         window = int(time.time() // 60)
         key = f"{self.namespace}:rate:{owner}:{window}"
         try:
-            count = await self._count(keys=[key])
+            async with asyncio.timeout(2.5):  # a hung master must not hold every request
+                count = await self._count(keys=[key])
         except Exception as exc:  # Redis down: serve rather than refuse everyone
             import structlog
 

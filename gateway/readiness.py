@@ -3,7 +3,8 @@
 Ready means all of:
 
     model           the engine and encoder are loaded and warmed up
-    redis           the configured Redis answers PING (only when `redis_url` is set)
+    redis           the configured Redis answers PING (only when `redis_url` is set); a Redis
+                    Cluster: every master answers and reports `cluster_state:ok`
     encoder_workers with `encoder=redis`: at least one worker of the deployment serving this
                     gateway's encoder fingerprint has sent a heartbeat within `WORKER_LIVE_S`
                     (unknown, so missing, while Redis is down)
@@ -15,7 +16,8 @@ parts above that are absent.
 
 A probe is cheap and never stalls the event loop: one check at a time, its answer reused for
 `ttl_s`, and Redis asked on a fresh connection within `timeout_s` (and half that to drop the
-connection), so a dead or unreachable Redis delays an answer by at most that, once per `ttl_s`,
+connection; a cluster through one long-lived client, whose map of the nodes follows the
+cluster), so a dead or unreachable Redis delays an answer by at most that, once per `ttl_s`,
 however often the load balancer asks.
 """
 
@@ -47,6 +49,7 @@ class Readiness:
         self._answer: tuple[int, dict[str, Any]] | None = None
         self._at = 0.0
         self._redis_was_up = True
+        self._cluster: Any = None  # the long-lived probe client of a Redis Cluster
 
     async def check(self) -> tuple[int, dict[str, Any]]:
         async with self._lock:  # concurrent probes wait for the one in flight and share it
@@ -84,18 +87,18 @@ class Readiness:
 
     async def _ask_redis(self, url: str) -> tuple[bool, int | None]:
         """(Redis answers, live encoder workers or None when not asked or not known)."""
-        from encoder_worker.redis_conn import async_client, is_cluster_url
         from gateway.redis_encoder import RedisEncoder, live_workers
 
         serving = self._state.serving
         encoder = serving.encoder if serving is not None else None
         t = self.timeout_s
-        client = async_client(url, socket_connect_timeout=t, socket_timeout=t)
+        cluster = self._cluster_client(url)
+        client = cluster or self._fresh_client(url)
         up, workers = False, None
         try:
             async with asyncio.timeout(t):
-                if is_cluster_url(url):  # every master: a slot range without one is down
-                    await client.ping(target_nodes="primaries")
+                if cluster is not None:
+                    await _cluster_ok(cluster)
                 else:
                     await client.ping()
                 up = True
@@ -107,8 +110,45 @@ class Readiness:
             elif self._redis_was_up:
                 log.warning("readyz.redis_unavailable", error=repr(exc))
         finally:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(t / 2):
-                    await client.aclose()
+            if cluster is None:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(t / 2):
+                        await client.aclose()
         self._redis_was_up = up
         return up, workers
+
+    def _fresh_client(self, url: str) -> Any:
+        from encoder_worker.redis_conn import async_client
+
+        t = self.timeout_s
+        return async_client(url, socket_connect_timeout=t, socket_timeout=t)
+
+    def _cluster_client(self, url: str) -> Any:
+        """A Redis Cluster is probed by one long-lived client: its map of the nodes follows the
+        cluster, so the probe keeps working when the seeds named in the URL are gone."""
+        from encoder_worker.redis_conn import is_cluster_url
+
+        if not is_cluster_url(url):
+            return None
+        if self._cluster is None:
+            self._cluster = self._fresh_client(url)
+        return self._cluster
+
+    async def aclose(self) -> None:
+        if self._cluster is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.timeout_s):
+                    await self._cluster.aclose()
+            self._cluster = None
+
+
+async def _cluster_ok(client: Any) -> None:
+    """Every master answers and reports `cluster_state:ok`: a master that answers PING while it
+    sees the cluster failed (a partition's minority side) refuses keyed commands all the same.
+    Raises when not."""
+    replies = await client.cluster_info(target_nodes="primaries")
+    if isinstance(replies, dict) and "cluster_state" in replies:
+        replies = {"node": replies}  # one master: the reply itself
+    failed = [node for node, info in replies.items() if info.get("cluster_state") != "ok"]
+    if failed or not replies:
+        raise ConnectionError(f"cluster_state is not ok on {failed or 'any master'}")

@@ -56,9 +56,11 @@ from encoder_worker.storage import (
     current_spec_key,
     image_key,
     jobs_stream,
+    read_redis_value,
     result_key,
     spec_key,
     unpack_encoded,
+    vision_key,
     workers_key,
 )
 from encoder_worker.types import EncodedImage, ImageError
@@ -69,7 +71,6 @@ if TYPE_CHECKING:
 
     from encoder_worker.config import EncoderConfig
     from encoder_worker.jobs import EncoderSpec
-    from gateway.caching.vision_cache import TieredVisionCache
 
 __all__ = ("RedisEncoder", "live_workers")
 
@@ -140,7 +141,6 @@ class RedisEncoder:
         self._image_ttl_ms = max(1, int(image_ttl_s * 1000))
         self._vision_ttl_s = vision_ttl_s
         self._client: Redis | RedisCluster | None = None
-        self._cache: TieredVisionCache | None = None
         self._republish: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self.jobs = 0  # jobs enqueued by this encoder
@@ -149,7 +149,6 @@ class RedisEncoder:
         """Check Redis, create the job stream's consumer group and publish this gateway's
         encoder spec as its deployment's current one; raises if Redis is down."""
         from encoder_worker.worker import ensure_group
-        from gateway.caching.vision_cache import MemoryVisionCache, TieredVisionCache
 
         if self._client is not None:
             return
@@ -176,7 +175,6 @@ class RedisEncoder:
                 "processes; they take this gateway's encoder configuration from Redis",
             )
         self._client = client
-        self._cache = TieredVisionCache(MemoryVisionCache(0), self.redis_url, self._vision_ttl_s)
         self._republish = asyncio.create_task(self._keep_published(), name="publish encoder spec")
         log.info(
             "encoder.remote_ready",
@@ -260,7 +258,7 @@ class RedisEncoder:
         from gateway.caching import sha256_hex
         from gateway.protocol.errors import GatewayError
 
-        if self._client is None or self._cache is None:
+        if self._client is None:
             raise RuntimeError("RedisEncoder is not started (await start() first)")
         if len(data) > self.config.max_image_bytes:
             raise ImageError(
@@ -296,7 +294,8 @@ class RedisEncoder:
                 self.jobs += 1
                 reply = await self._wait(client, result_key(job.job_id))
         except REDIS_FAILURES as exc:
-            raise GatewayError("busy", f"the encoder queue is unavailable: {exc}") from None
+            log.warning("encoder.queue_unavailable", job_id=job.job_id, error=repr(exc))
+            raise GatewayError("busy", "the encoder queue is unavailable; retry shortly") from None
         if reply is None:
             log.warning(
                 "encoder.timeout", job_id=job.job_id, digest=digest[:12], timeout_s=self.timeout_s
@@ -345,16 +344,21 @@ class RedisEncoder:
     async def _tokens(self, digest: str, job_id: str) -> EncodedImage:
         from gateway.protocol.errors import GatewayError
 
-        assert self._cache is not None
-        hit = await self._cache.get(self.fingerprint, digest)
-        if hit is None:
+        assert self._client is not None
+        key = vision_key(self.fingerprint, digest)
+        try:  # one key, read here: a failure elsewhere in Redis is no reason to miss it
+            raw = await self._client.getex(key, px=int(self._vision_ttl_s * 1000))
+        except REDIS_FAILURES as exc:  # Redis failed after the job was done: a retry hits
+            log.warning("encoder.tokens_unavailable", job_id=job_id, error=repr(exc))
+            raise GatewayError("busy", "the vision cache is unavailable; retry shortly") from None
+        if raw is None:
             raise GatewayError(
                 "internal_error",
-                f"encode job {job_id} finished but its tokens are "
-                "not in the vision cache (evicted, or Redis failed)",
+                f"encode job {job_id} finished but its tokens are not in the vision cache "
+                "(evicted at once: the cache's memory limit is too small for its traffic)",
             )
         try:
-            image = unpack_encoded(hit.payload)
+            image = unpack_encoded(read_redis_value(raw))
         except ValueError as exc:
             raise GatewayError("internal_error", f"corrupt vision-cache entry: {exc}") from None
         if image.fingerprint != self.fingerprint or image.digest != digest:
@@ -373,9 +377,6 @@ class RedisEncoder:
             self._republish.cancel()
             await asyncio.wait([self._republish], timeout=10)
             self._republish = None
-        if self._cache is not None:
-            await self._cache.aclose()
-            self._cache = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None

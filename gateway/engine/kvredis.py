@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import struct
 import threading
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import structlog
@@ -31,6 +33,9 @@ from gateway.engine.prompt import ImageSpan
 __all__ = ("KVHeader", "RedisKVStore", "decode_entry", "encode_entry")
 
 log = structlog.get_logger(__name__)
+
+# after a failed connect, the next attempt waits this long (a miss meanwhile)
+RECONNECT_S = 5.0
 
 _MAGIC = b"VGKV"
 _LEN = struct.Struct("<I")
@@ -146,7 +151,14 @@ class RedisKVStore:
         from encoder_worker.redis_conn import sync_client
 
         self.memory = MemoryKVStore(budget_bytes)
-        self._redis = sync_client(url, socket_timeout=socket_timeout_s)
+        # built on first use: a cluster client connects as it is made, and an unreachable Redis
+        # at start must cost this store misses, not the engine's start
+        self._connect = lambda: sync_client(
+            url, socket_connect_timeout=min(socket_timeout_s, 2.0), socket_timeout=socket_timeout_s
+        )
+        self._redis: Any = None
+        self._redis_lock = threading.Lock()
+        self._retry_at = 0.0
         self._seed = seed
         self._ttl_s = ttl_s
         self._prefix = f"{namespace}:{seed.hex()[:16]}:"
@@ -159,6 +171,24 @@ class RedisKVStore:
             target=self._write_loop, name="kv-redis-writer", daemon=True
         )
         self._writer.start()
+
+    def _client(self) -> Any:
+        """The Redis client, made on first use; after a failed attempt, the next is made no
+        sooner than `RECONNECT_S` later (meanwhile each call fails at once: a miss)."""
+        from redis.exceptions import ConnectionError as RedisConnectionError
+
+        from encoder_worker.redis_conn import REDIS_FAILURES
+
+        with self._redis_lock:
+            if self._redis is None:
+                if time.monotonic() < self._retry_at:
+                    raise RedisConnectionError("Redis was unreachable moments ago")
+                try:
+                    self._redis = self._connect()
+                except REDIS_FAILURES:
+                    self._retry_at = time.monotonic() + RECONNECT_S
+                    raise
+            return self._redis
 
     def redis_key(self, key: str) -> str:
         return self._prefix + key
@@ -183,7 +213,7 @@ class RedisKVStore:
         from encoder_worker.redis_conn import REDIS_FAILURES
 
         try:
-            raw = self._redis.get(self.redis_key(key))
+            raw = self._client().get(self.redis_key(key))
         except REDIS_FAILURES as exc:
             log.warning("kv.redis_unavailable", key=key, error=str(exc))
             return None
@@ -225,10 +255,10 @@ class RedisKVStore:
                 self._writing += 1
             try:
                 if entry is None:
-                    self._redis.delete(self.redis_key(key))
+                    self._client().delete(self.redis_key(key))
                 else:
                     raw = encode_entry(entry, self._seed)
-                    self._redis.set(self.redis_key(key), raw, ex=self._ttl_s)
+                    self._client().set(self.redis_key(key), raw, ex=self._ttl_s)
                     log.debug("kv.redis_written", key=key, nbytes=len(raw))
             except REDIS_FAILURES as exc:
                 log.warning("kv.redis_write_failed", key=key, error=str(exc))
@@ -251,4 +281,5 @@ class RedisKVStore:
             self._cond.notify_all()
         self._writer.join(timeout=30.0)
         self.memory.close()
-        self._redis.close()
+        if self._redis is not None:
+            self._redis.close()

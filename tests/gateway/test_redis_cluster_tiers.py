@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from encoder_worker.redis_conn import sync_client
 from encoder_worker.storage import image_key, owner_key, vision_key
 from gateway.caching import MemoryImageStore, MemoryVisionCache, RedisImageStore, TieredVisionCache
 from gateway.protocol.errors import GatewayError
@@ -105,8 +106,52 @@ async def test_an_unreachable_cluster_is_a_cache_miss_not_an_error(unused_tcp_po
     assert images.redis_errors >= 1
     limiter = RedisRateLimiter(1, url)
     await limiter.acquire("owner-a")  # fails open while Redis is away, as on one node
+    from gateway.engine.kvredis import RedisKVStore
+
+    kv = RedisKVStore(url, 1 << 20, seed=b"s" * 16)  # made without a connection: starts anyway
+    assert kv.get("session-1") is None
+    kv.close()
     for closable in (images, vision, limiter):
         await closable.aclose()
+
+
+@pytest.mark.slow
+async def test_a_hung_master_costs_a_rate_limit_seconds_not_minutes() -> None:
+    """With one master frozen (SIGSTOP: no reply, no reset), a counter on it fails open within
+    its deadline, and counters on the other masters keep counting."""
+    import signal
+
+    from tests.conftest import redis_cluster
+
+    with redis_cluster() as (url, masters):
+        if time.time() % 60 > 45:  # the counters' keys must not change minute mid-test
+            await asyncio.sleep(61 - time.time() % 60)
+        limiter = RedisRateLimiter(100, url)
+        probe = sync_client(url)
+        owners = [f"owner-{i}" for i in range(40)]
+        for owner in owners:  # warm: the client knows every master
+            await limiter.acquire(owner)
+        frozen = masters[0]
+        frozen_port = int(frozen.args[frozen.args.index("--port") + 1])
+        window = int(time.time() // 60)
+
+        def on_frozen(owner: str) -> bool:
+            return probe.get_node_from_key(f"vg:rate:{owner}:{window}").port == frozen_port
+
+        stuck = next(o for o in owners if on_frozen(o))
+        fine = next(o for o in owners if not on_frozen(o))
+        frozen.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            await limiter.acquire(stuck)
+            assert time.monotonic() - started < 5.0
+            started = time.monotonic()
+            await limiter.acquire(fine)
+            assert time.monotonic() - started < 1.0
+        finally:
+            frozen.send_signal(signal.SIGCONT)
+        await limiter.aclose()
+        probe.close()
 
 
 @pytest.fixture

@@ -46,13 +46,32 @@ def test_bad_urls_say_what_is_wrong(url: str, says: str) -> None:
         parse_redis_url(url)
 
 
+def test_query_options_and_ipv6_seeds_survive_parsing() -> None:
+    target = parse_redis_url(
+        "rediss+cluster://h:7000?ssl_cert_reqs=required&ssl_ca_certs=/etc/ca.pem"
+    )
+    assert target.url.endswith("?ssl_cert_reqs=required&ssl_ca_certs=/etc/ca.pem")
+    import redis.asyncio
+
+    assert isinstance(async_client("redis+cluster://[::1]:7000"), redis.asyncio.RedisCluster)
+    unencoded = parse_redis_url("redis+cluster://u:s3cr/et?x@10.0.0.1:7000,h2:7001")
+    assert unencoded.password == "s3cr/et?x" and unencoded.nodes[0] == ("10.0.0.1", 7000)
+
+
 def test_passwords_never_reach_messages() -> None:
     assert redacted("redis://user:hunter2@h:1/0") == "redis://user:***@h:1/0"
     assert redacted("redis+cluster://:hunter2@a:1,b:2") == "redis+cluster://:***@a:1,b:2"
     assert redacted("redis://h:1/0") == "redis://h:1/0"
-    with pytest.raises(ValueError) as info:
-        parse_redis_url("http://user:hunter2@h:1")
-    assert "hunter2" not in str(info.value)
+    assert redacted("redis://u:pa/ss@h:1/0") == "redis://u:***@h:1/0"
+    for url in (
+        "http://user:hunter2@h:1",
+        "redis://user:hun/ter2@host",
+        "redis+cluster://u:hunter2@h:notaport",
+        "redis+cluster://u:hun/ter2@h:7000/5",
+    ):
+        with pytest.raises(ValueError) as info:
+            parse_redis_url(url)
+        assert "hun" not in str(info.value) and "ter2" not in str(info.value), str(info.value)
 
 
 def test_settings_take_cluster_urls_and_refuse_bad_ones() -> None:
