@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt 2>/
 # pip prints a warning per package for local index paths that do not exist; keep the output readable
 QUIET  := 2>&1 | sed '/^WARNING: Location/d'
 
-.PHONY: install lint demo test test-fast test-unit bench clean system-deps
+.PHONY: install lint demo test test-fast test-unit bench gpu-check clean system-deps
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ test-fast: install system-deps
 
 bench: install
 	$(PY) -m bench.encoder --out bench/out
+
+# the prepared GPU check (bounded, about 7 minutes at most): device, every gpu-marked test, and
+# bench.gpu -> bench/out/gpu/gpu.json + gpu.png; without CUDA the CUDA parts are skipped
+gpu-check: install
+	scripts/gpu-check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -49,7 +49,7 @@ from encoder_worker.pipeline import EncoderPipeline
 from encoder_worker.pruning import prune
 from encoder_worker.tower import SYNTHETIC_SHAPES, _synthetic_model
 
-__all__ = ("main",)
+__all__ = ("Baseline", "main", "photo_bytes", "throughput")
 
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry")
 STAGES = ("decode", "preprocess", "vision", "prune", "project", "quantize")
@@ -75,9 +75,17 @@ class Baseline:
 
             cls = SiglipVisionModel if pipe.tower.kind == "siglip" else CLIPVisionModel
             self.model = cls.from_pretrained(cfg.tower, local_files_only=True, use_safetensors=True)
-        self.model.eval().requires_grad_(False)
+        # same device and dtype as the optimized pipeline: on CUDA the classic path runs its
+        # tower there too, so the comparison is of the pipelines, not of the devices
+        self.device, self.dtype = pipe.device, pipe.dtype
+        self.model.to(self.device, self.dtype).eval().requires_grad_(False)
         self.spec, self.projector = pipe.spec, pipe.projector
         self.feature_layer, self.has_cls = cfg.feature_layer, pipe.tower.has_cls
+
+    def _lap(self, t: float) -> tuple[float, float]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return _lap(t)
 
     @torch.inference_mode()
     def encode_batch(
@@ -86,18 +94,48 @@ class Baseline:
         ms: dict[str, float] = {}
         t = time.perf_counter()
         arrs = [np.asarray(Image.open(io.BytesIO(d)).convert("RGB")) for d in datas]
-        ms["decode"], t = _lap(t)
+        ms["decode"], t = self._lap(t)
         pixels = torch.from_numpy(np.stack([pil_preprocess(a, self.spec) for a in arrs]))
-        ms["preprocess"], t = _lap(t)
+        pixels = pixels.to(self.device, self.dtype)
+        ms["preprocess"], t = self._lap(t)
         out = self.model(pixel_values=pixels, output_hidden_states=True)
         feats = out.hidden_states[self.feature_layer][:, 1 if self.has_cls else 0 :]  # [B, N, D]
-        ms["vision"], t = _lap(t)
+        ms["vision"], t = self._lap(t)
         ms["prune"] = 0.0
-        embeds = [self.projector(f) for f in feats]  # all tokens
-        ms["project"], t = _lap(t)
+        embeds = [self.projector(f).float().cpu() for f in feats]  # all tokens
+        ms["project"], t = self._lap(t)
         sizes = [len(e.numpy().astype(np.float32).tobytes()) for e in embeds]
-        ms["quantize"], t = _lap(t)  # here: serializing fp32
+        ms["quantize"], t = self._lap(t)  # here: serializing fp32
         return embeds, sizes, {k: v / len(datas) for k, v in ms.items()}
+
+
+def throughput(
+    base: Baseline,
+    pipe: EncoderPipeline,
+    datas: list[bytes],
+    batch: int,
+    repeats: int,
+    warmup: int = 0,
+) -> dict[str, list[float]]:
+    """images/s of each pipeline on `batch` images (the photos repeated), one value per round.
+
+    Runs alternate between the two so machine noise hits both alike; `warmup` untimed rounds
+    first (CUDA: kernels compiled and tuned for this batch shape). Both `encode_batch` methods
+    wait for the device before they return, so wall time is the whole work.
+    """
+    images = (datas * -(-batch // len(datas)))[:batch]
+    for _ in range(warmup):
+        base.encode_batch(images)
+        pipe.encode_batch(images)
+    rates: dict[str, list[float]] = {"baseline": [], "optimized": []}
+    for _ in tqdm(range(repeats), desc=f"batch {batch}", unit="round"):
+        t = time.perf_counter()
+        base.encode_batch(images)
+        rates["baseline"].append(batch / (time.perf_counter() - t))
+        t = time.perf_counter()
+        pipe.encode_batch(images)
+        rates["optimized"].append(batch / (time.perf_counter() - t))
+    return rates
 
 
 def _lap(t: float) -> tuple[float, float]:
@@ -183,15 +221,7 @@ def run(args: argparse.Namespace) -> dict:
             if len(fid_pooled) < len(names):
                 fid_pooled.append(_cos(r.embeds().mean(0), b_emb[0].mean(0)))
 
-    batch8 = {"baseline": [], "optimized": []}
-    datas8 = (datas * 2)[:8]
-    for _ in tqdm(range(args.repeats), desc="batch 8", unit="round"):
-        t = time.perf_counter()
-        base.encode_batch(datas8)
-        batch8["baseline"].append(8 / (time.perf_counter() - t))
-        t = time.perf_counter()
-        pipe.encode_batch(datas8)
-        batch8["optimized"].append(8 / (time.perf_counter() - t))
+    batch8 = throughput(base, pipe, datas, 8, args.repeats)
 
     print("measuring fidelity of every pruning mode ...", flush=True)
     fid = fidelity(pipe, cfg, photos)
