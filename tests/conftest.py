@@ -36,28 +36,9 @@ def _wait_for_port(port: int, timeout: float = 10.0) -> None:
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[str]:
     """A real redis-server on a free port, private to this test session; yields its URL."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server is not installed (apt-get install redis-server)")
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="visiongate-redis-")
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = start_redis(port, workdir)
     try:
         _wait_for_port(port)
         yield f"redis://127.0.0.1:{port}/0"
@@ -88,7 +69,8 @@ def raw_redis(redis_url: str):
     client.close()
 
 
-def _start_redis(port: int, workdir: str, *extra: str) -> subprocess.Popen:
+def start_redis(port: int, workdir: str, *extra: str) -> subprocess.Popen:
+    """A redis-server on `port` keeping nothing on disk (its files in `workdir`)."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("redis-server is not installed (apt-get install redis-server)")
@@ -129,7 +111,7 @@ def redis_cluster(masters: int = 3) -> Iterator[tuple[str, list[subprocess.Popen
             node_dir = Path(workdir, str(port))
             node_dir.mkdir()
             procs.append(
-                _start_redis(
+                start_redis(
                     port,
                     str(node_dir),
                     "--cluster-enabled",

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import _wait_for_port, free_port
+from tests.conftest import _wait_for_port, free_port, start_redis
 
 
 def sha(data: bytes) -> str:
@@ -33,25 +33,7 @@ class RedisProcess:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        binary = shutil.which("redis-server")
-        assert binary is not None, "redis-server is not installed"
-        self._proc = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                self._dir,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        self._proc = start_redis(self.port, self._dir)
         _wait_for_port(self.port)
 
     def stop(self) -> None:
