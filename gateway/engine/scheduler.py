@@ -96,9 +96,17 @@ log = structlog.get_logger(__name__)
 SERVED_HALF_LIFE_S = 10.0
 # a key counts as heavy once its recent prefill passes this many full steps' budget
 HEAVY_PREFILL_STEPS = 4
+# ... or at once, while its prompts in the batch still need more than this many steps' budget
+HEAVY_DEMAND_STEPS = 2
+# beside a light key, the heavy keys together feed prefill_chunk_tokens // this a step
+HEAVY_TOKENS_DIVISOR = 16
 
 _owner = attrgetter("owner")
 _order = attrgetter("order")
+
+
+def _longest_held(s: Sequence) -> tuple[int, int]:
+    return (-s.held, s.order)
 
 
 class Scheduler:
@@ -153,6 +161,7 @@ class Scheduler:
         self._order = 0
         self._steps = 0
         self._served = RecentService(SERVED_HALF_LIFE_S)  # prefill tokens by owner, fading
+        self._heavy: set[str | None] = set()  # keys counted as heavy now (`_heavy_keys`)
         self._preemptions = 0
         self._last_batch = 0
         self._last_tokens = 0
@@ -447,36 +456,59 @@ class Scheduler:
 
     def _plan(self) -> list[tuple[Sequence, int, int]]:
         """(sequence, start, length) for this step: decodes first, then prefill chunks, the
-        budget shared fairly between owners and each owner's share given oldest first."""
+        budget shared fairly between owners and each owner's share given oldest first.
+
+        While a light key has a sequence in the batch, the heavy keys (`_heavy_keys`) together
+        feed at most `prefill_chunk_tokens // HEAVY_TOKENS_DIVISOR` positions a step, decodes
+        and prefill alike: on a CPU a step costs about its positions, so the light key's tokens
+        (and its next request's wait for the step under way) cost about what they would alone.
+        Their decoding sequences then take turns, the longest held first, with at least a
+        quarter of that room left to their prefill so a long prompt still advances."""
         plan: list[tuple[Sequence, int, int]] = []
-        decoding = [s for s in self._running if s.known - s.fed == 1]
-        for s in decoding:
-            plan.append((s, s.fed, 1))
-        budget = max(self.cfg.prefill_chunk_tokens - len(decoding), 0)
+        chunk = self.cfg.prefill_chunk_tokens
+        served = self._served.now()
         lines: dict[str | None, list[Sequence]] = {}  # owners by their oldest prompt
         for s in sorted((s for s in self._running if s.known - s.fed > 1), key=_order):
             lines.setdefault(s.owner, []).append(s)
         demands = [sum(s.known - s.fed for s in line) for line in lines.values()]
-        served = self._served.now()
+        heavy_keys = self._heavy_keys(served, dict(zip(lines, demands, strict=True)))
+        light_in_batch = any(s.owner not in heavy_keys for s in self._running)
+        decoding = [s for s in self._running if s.known - s.fed == 1]
+        heavy_room = 0
+        if light_in_batch and heavy_keys:
+            heavy_room = max(chunk // HEAVY_TOKENS_DIVISOR, 1)
+            waiting = [s for s in decoding if s.owner in heavy_keys]
+            if waiting:
+                waiting.sort(key=_longest_held)
+                turns = max(heavy_room - heavy_room // 4, 1)
+                for s in waiting[turns:]:
+                    s.held += 1
+                for s in waiting[:turns]:
+                    s.held = 0
+                held = set(waiting[turns:])
+                decoding = [s for s in decoding if s not in held]
+                heavy_room = max(heavy_room - len(waiting[:turns]), 0)
+        for s in decoding:
+            plan.append((s, s.fed, 1))
+        budget = max(chunk - len(decoding), 0)
         recent = [served.get(owner, 0.0) for owner in lines]
         grants = share_budget_least_served(demands, recent, budget)
-        # while a light key (little prefill lately) has a sequence in the batch, the heavy keys'
-        # prefill together takes a small slice of each step: their long prompts then cannot
-        # stretch every step, which is the light key's time to first token and between tokens
-        # (an eighth; half while one was served lately but has nothing in the batch, so that
-        # the step under way when its next request comes is short too)
-        heavy = HEAVY_PREFILL_STEPS * self.cfg.prefill_chunk_tokens
-        heavy_lines = [i for i, r in enumerate(recent) if r >= heavy]
+        # the heavy keys' prefill together: what is left of their room while a light key is
+        # in the batch; half the budget while a light key has nothing in the batch but was
+        # served lately (an eighth of a step's budget, fading), so that the step under way when
+        # its next request comes is short too
+        heavy_lines = [i for i, owner in enumerate(lines) if owner in heavy_keys]
         if heavy_lines:
-            if any(served.get(s.owner, 0.0) < heavy for s in self._running):
-                share = self.cfg.prefill_chunk_tokens // 8
-            elif any(r < heavy for r in served.values()):
-                share = self.cfg.prefill_chunk_tokens // 2
+            if light_in_batch:
+                share = heavy_room
+            elif any(a >= chunk / 8 for o, a in served.items() if o not in heavy_keys):
+                share = chunk // 2
             else:
                 share = budget
-            cap = max(share // len(heavy_lines), 1)
-            for i in heavy_lines:
-                grants[i] = min(grants[i], cap)
+            cap = share // len(heavy_lines)
+            extra = share - cap * len(heavy_lines)  # the remainder to the oldest lines
+            for n, i in enumerate(heavy_lines):
+                grants[i] = min(grants[i], cap + (1 if n < extra else 0))
         for owner, grant in zip(lines, grants, strict=True):
             self._served.add(owner, grant)
         for line, grant in zip(lines.values(), grants, strict=True):
@@ -487,6 +519,30 @@ class Scheduler:
                 plan.append((s, s.fed, n))
                 grant -= n
         return plan
+
+    def _heavy_keys(
+        self, served: dict[str | None, float], demands: dict[str | None, int]
+    ) -> set[str | None]:
+        """The keys that count as heavy now, with hysteresis: a key becomes heavy once its
+        recent prefill passes `HEAVY_PREFILL_STEPS` full steps' budget or the prompts it has in
+        the batch still need more than `HEAVY_DEMAND_STEPS` steps' budget, and stays heavy while
+        it still has more than a step of prompt to prefill or its recent prefill stays above
+        an eighth of that. Without the hysteresis the throttle would undo itself: a heavy key
+        held to a few positions a step soon has little recent prefill, counts as light,
+        takes whole steps again, and the light keys' steps swing between short and long."""
+        chunk = self.cfg.prefill_chunk_tokens
+        enter = HEAVY_PREFILL_STEPS * chunk
+        heavy = self._heavy
+        for owner, amount in served.items():
+            if amount >= enter:
+                heavy.add(owner)
+        for owner, demand in demands.items():
+            if demand > HEAVY_DEMAND_STEPS * chunk:  # long prompts in hand: heavy at once
+                heavy.add(owner)
+        for owner in list(heavy):
+            if served.get(owner, 0.0) < enter / 8 and demands.get(owner, 0) <= chunk:
+                heavy.discard(owner)
+        return heavy
 
     def _fit(self, plan: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, int, int]]:
         """Grow buffers for the plan; preempt the newest sequences while over the budget."""

@@ -137,6 +137,7 @@ class Sequence:
     itl: list[float] = field(default_factory=list)
     prefill_chunks: int = 0
     preemptions: int = 0
+    held: int = 0  # steps in a row this decoding sequence waited for lighter keys' tokens
 
     @property
     def request(self) -> GenerationRequest:

@@ -489,3 +489,55 @@ async def test_a_key_with_nothing_running_claims_kv_memory_from_the_largest(
     assert sum(r.preemptions for r in results) >= 1  # a hog made room, and came back
     assert guest.text == solo_hi.text
     assert all(r.text == solo_long.text for r in results)
+
+
+@pytest.mark.slow
+async def test_beside_a_light_key_heavy_keys_feed_a_few_positions_a_step(engine, collect) -> None:
+    """A key with long prompts in the batch counts as heavy at once; while another key's short
+    request is in the batch, the heavy key's sequences together feed at most a sixteenth of the
+    step budget (its decodes taking turns, none left behind), so the short request's steps cost
+    about what they would alone; nobody's greedy answer changes."""
+    chunk = 64
+    twin = engine.replica(max_batch=8, max_queue=16, prefill_chunk_tokens=chunk)
+    await twin.start()
+    sched = twin._scheduler
+    bulk_texts = [f"item{i} " * 60 + "Count them." for i in range(6)]
+    try:
+        _, hi_solo = await collect(twin, ask(HI, 6, "solo-hi"))
+        _, bulk_solo = await collect(twin, ask(bulk_texts[0], 40, "solo-bulk"))
+        steps: list[dict[str, int]] = []
+        plan = sched._plan
+
+        def recording_plan():
+            chosen = plan()
+            fed: dict[str, int] = {}
+            for s, _, n in chosen:
+                fed[s.request.request_id] = fed.get(s.request.request_id, 0) + n
+            steps.append(fed)
+            return chosen
+
+        sched._plan = recording_plan
+        bulk = [
+            asyncio.create_task(collect(twin, ask(text, 40, "bulk", f"bulk-{i}")))
+            for i, text in enumerate(bulk_texts)
+        ]
+        await until(lambda: len(sched._running) == 6 and all(s.generated for s in sched._running))
+        _, hi = await collect(twin, ask(HI, 6, "chat", "chat"))
+        results = await asyncio.gather(*bulk)
+    finally:
+        await twin.aclose()
+    beside = [fed for fed in steps if "chat" in fed]
+    assert beside, steps
+    room = chunk // 16
+    for fed in beside:
+        assert sum(n for rid, n in fed.items() if rid.startswith("bulk")) <= room, fed
+    # the bulk decodes took turns: none sat out more than two steps in a row beside the chat
+    for i in range(6):
+        run = longest = 0
+        for fed in beside:
+            run = 0 if f"bulk-{i}" in fed else run + 1
+            longest = max(longest, run)
+        assert longest <= 2, (i, beside)
+    assert hi.text == hi_solo.text
+    assert results[0][1].text == bulk_solo.text
+    assert all(r.finish_reason in ("stop", "length") for _, r in results)
