@@ -92,7 +92,7 @@ class RedisRateLimiter:
             import structlog
 
             structlog.get_logger("visiongate.ratelimit").warning(
-                "rate_limit_unavailable", error=str(exc)
+                "rate_limit_unavailable", error=repr(exc)
             )
             return
         if int(count) > self.per_minute:
