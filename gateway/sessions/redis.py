@@ -111,9 +111,16 @@ return 1
 )
 
 # KEYS: session key, index. ARGV: the encoded value the caller checked, session id.
-# Deletes only if the value is still the one whose owner was checked.
+# Deletes only if the value is still the one whose owner was checked (0: it changed). A key
+# already gone after the caller read it is 2, a success: a retried send whose first reply
+# was lost (or another deleter that got there first), so delete() stays idempotent.
 _DELETE = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+local value = redis.call('GET', KEYS[1])
+if value == false then
+  redis.call('ZREM', KEYS[2], ARGV[2])
+  return 2
+end
+if value ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[1])
@@ -314,7 +321,7 @@ class RedisSessionStore:
                     keys=self._keys(owner, session_id), args=[raw, self._member(owner, session_id)]
                 ),
             )
-            if deleted:
+            if deleted:  # 1: deleted here, 2: gone since it was read
                 return True
         return False
 

@@ -385,8 +385,8 @@ async def test_factory(redis_url: str) -> None:
 
 async def test_a_replayed_write_counts_as_done(redis_store, raw_redis) -> None:
     """The client resends a script when a connection drops before its reply: the resend must
-    report the write as done, so create() does not call the id taken and update() does not
-    apply its change twice."""
+    report the write as done, so create() does not call the id taken, update() does not apply
+    its change twice, and delete() does not answer that nothing was deleted."""
     store = redis_store()
     session = conversation()
     keys, member = store._keys(ALICE, session.id), f"{ALICE}:{session.id}"
@@ -400,3 +400,8 @@ async def test_a_replayed_write_counts_as_done(redis_store, raw_redis) -> None:
     assert raw_redis.get(keys[0]) == second
     assert await store._replace(keys=keys, args=[first, b"other", 60_000, member]) == 0
     assert await store._create(keys=keys, args=[b"other", 60_000, member]) == 0
+    # a delete resent after its reply was lost finds the key gone: done, not "changed"
+    assert await store._delete(keys=keys, args=[first, member]) == 0  # not the value read
+    for expected in (1, 2):
+        assert await store._delete(keys=keys, args=[second, member]) == expected
+    assert not raw_redis.exists(keys[0]) and raw_redis.zscore(keys[1], member) is None
