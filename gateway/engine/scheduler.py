@@ -67,6 +67,7 @@ from gateway.engine.fair_queue import (
     FairQueue,
     RecentService,
     newest_of_largest,
+    share_budget,
     share_budget_least_served,
 )
 from gateway.engine.grammar import GrammarMasks, TokenVocab
@@ -162,6 +163,9 @@ class Scheduler:
         self._steps = 0
         self._served = RecentService(SERVED_HALF_LIFE_S)  # prefill tokens by owner, fading
         self._heavy: set[str | None] = set()  # keys counted as heavy now (`_heavy_keys`)
+        # heavy keys' decodes are held beside a light key only where a step costs about the
+        # positions it feeds (a CPU); on an accelerator a decode position is nearly free
+        self._hold_decodes = torch.device(weights.device).type == "cpu"
         self._preemptions = 0
         self._last_batch = 0
         self._last_tokens = 0
@@ -459,11 +463,14 @@ class Scheduler:
         budget shared fairly between owners and each owner's share given oldest first.
 
         While a light key has a sequence in the batch, the heavy keys (`_heavy_keys`) together
-        feed at most `prefill_chunk_tokens // HEAVY_TOKENS_DIVISOR` positions a step, decodes
-        and prefill alike: on a CPU a step costs about its positions, so the light key's tokens
-        (and its next request's wait for the step under way) cost about what they would alone.
-        Their decoding sequences then take turns, the longest held first, with at least a
-        quarter of that room left to their prefill so a long prompt still advances."""
+        feed at most `prefill_chunk_tokens // HEAVY_TOKENS_DIVISOR` positions a step: their
+        prefill always, and on a CPU their decodes too, since there a step costs about the
+        positions it feeds, so the light key's tokens (and its next request's wait for the
+        step under way) cost about what they would alone. Held decodes take turns, the longest
+        held first; while a heavy prompt is being prefilled a quarter of the room (at least
+        one position) is kept for it. The heavy keys' prefill room is split between them max-min
+        fairly, remainder rotating, before the budget is shared, so what they cannot use goes
+        to the light keys."""
         plan: list[tuple[Sequence, int, int]] = []
         chunk = self.cfg.prefill_chunk_tokens
         served = self._served.now()
@@ -473,42 +480,45 @@ class Scheduler:
         demands = [sum(s.known - s.fed for s in line) for line in lines.values()]
         heavy_keys = self._heavy_keys(served, dict(zip(lines, demands, strict=True)))
         light_in_batch = any(s.owner not in heavy_keys for s in self._running)
+        heavy_lines = [i for i, owner in enumerate(lines) if owner in heavy_keys]
         decoding = [s for s in self._running if s.known - s.fed == 1]
-        heavy_room = 0
-        if light_in_batch and heavy_keys:
-            heavy_room = max(chunk // HEAVY_TOKENS_DIVISOR, 1)
+        room = max(chunk // HEAVY_TOKENS_DIVISOR, 1)
+        if light_in_batch and heavy_keys and self._hold_decodes:
             waiting = [s for s in decoding if s.owner in heavy_keys]
             if waiting:
                 waiting.sort(key=_longest_held)
-                turns = max(heavy_room - heavy_room // 4, 1)
+                reserve = max(room // 4, 1) if heavy_lines else 0
+                turns = max(room - reserve, 1)
                 for s in waiting[turns:]:
                     s.held += 1
                 for s in waiting[:turns]:
                     s.held = 0
                 held = set(waiting[turns:])
                 decoding = [s for s in decoding if s not in held]
-                heavy_room = max(heavy_room - len(waiting[:turns]), 0)
+                room = max(room - len(waiting[:turns]), 1 if heavy_lines else 0)
+        else:
+            for s in decoding:
+                s.held = 0
         for s in decoding:
             plan.append((s, s.fed, 1))
         budget = max(chunk - len(decoding), 0)
-        recent = [served.get(owner, 0.0) for owner in lines]
-        grants = share_budget_least_served(demands, recent, budget)
         # the heavy keys' prefill together: what is left of their room while a light key is
         # in the batch; half the budget while a light key has nothing in the batch but was
         # served lately (an eighth of a step's budget, fading), so that the step under way when
         # its next request comes is short too
-        heavy_lines = [i for i, owner in enumerate(lines) if owner in heavy_keys]
+        asked = list(demands)
         if heavy_lines:
             if light_in_batch:
-                share = heavy_room
+                share = room
             elif any(a >= chunk / 8 for o, a in served.items() if o not in heavy_keys):
                 share = chunk // 2
             else:
                 share = budget
-            cap = share // len(heavy_lines)
-            extra = share - cap * len(heavy_lines)  # the remainder to the oldest lines
-            for n, i in enumerate(heavy_lines):
-                grants[i] = min(grants[i], cap + (1 if n < extra else 0))
+            caps = share_budget([demands[i] for i in heavy_lines], share, start=self._steps)
+            for i, cap in zip(heavy_lines, caps, strict=True):
+                asked[i] = cap
+        recent = [served.get(owner, 0.0) for owner in lines]
+        grants = share_budget_least_served(asked, recent, budget)
         for owner, grant in zip(lines, grants, strict=True):
             self._served.add(owner, grant)
         for line, grant in zip(lines.values(), grants, strict=True):
@@ -566,6 +576,7 @@ class Scheduler:
         self._running.remove(seq)
         self._publish(seq)
         seq.kv, seq.fed = None, 0
+        seq.held = 0
         seq.preemptions += 1
         self._preemptions += 1
         with self._cond:

@@ -509,11 +509,12 @@ async def test_beside_a_light_key_heavy_keys_feed_a_few_positions_a_step(engine,
         plan = sched._plan
 
         def recording_plan():
+            running = {s.request.request_id for s in sched._running}
             chosen = plan()
             fed: dict[str, int] = {}
             for s, _, n in chosen:
                 fed[s.request.request_id] = fed.get(s.request.request_id, 0) + n
-            steps.append(fed)
+            steps.append((fed, running))
             return chosen
 
         sched._plan = recording_plan
@@ -526,18 +527,75 @@ async def test_beside_a_light_key_heavy_keys_feed_a_few_positions_a_step(engine,
         results = await asyncio.gather(*bulk)
     finally:
         await twin.aclose()
-    beside = [fed for fed in steps if "chat" in fed]
+    beside = [(fed, running) for fed, running in steps if "chat" in fed]
     assert beside, steps
     room = chunk // 16
-    for fed in beside:
+    for fed, _ in beside:
         assert sum(n for rid, n in fed.items() if rid.startswith("bulk")) <= room, fed
     # the bulk decodes took turns: none sat out more than two steps in a row beside the chat
+    # (counting only the steps it was running in: one may finish early)
+    assert sum(f"bulk-{i}" in beside[0][1] for i in range(6)) > room  # more than the room
     for i in range(6):
         run = longest = 0
-        for fed in beside:
-            run = 0 if f"bulk-{i}" in fed else run + 1
-            longest = max(longest, run)
+        for fed, running in beside:
+            if f"bulk-{i}" in running:
+                run = 0 if f"bulk-{i}" in fed else run + 1
+                longest = max(longest, run)
         assert longest <= 2, (i, beside)
     assert hi.text == hi_solo.text
     assert results[0][1].text == bulk_solo.text
     assert all(r.finish_reason in ("stop", "length") for _, r in results)
+
+
+class _Seq:
+    """What `Scheduler._plan` reads of a sequence."""
+
+    def __init__(self, owner: str, order: int, known: int, fed: int) -> None:
+        self.owner, self.order, self.known, self.fed, self.held = owner, order, known, fed, 0
+
+
+def _planner(chunk: int, running: list[_Seq], served: dict[str, float]):
+    from types import SimpleNamespace
+
+    from gateway.engine.fair_queue import RecentService
+    from gateway.engine.scheduler import Scheduler
+
+    now = [0.0]
+    sched = Scheduler.__new__(Scheduler)
+    sched.cfg = SimpleNamespace(prefill_chunk_tokens=chunk)
+    sched._running, sched._heavy, sched._hold_decodes, sched._steps = running, set(), True, 0
+    sched._served = RecentService(10.0, clock=lambda: now[0])
+    for owner, amount in served.items():
+        sched._served.add(owner, amount)
+    return sched
+
+
+def test_a_light_prompt_gets_what_the_heavy_keys_cannot_use() -> None:
+    # a key with a long prompt in hand is heavy at once, though served less than the light key
+    # lately: its cut must not be taken from the budget the light key's prompt could use
+    heavy = _Seq("bulk", 0, known=10_000, fed=0)
+    light = _Seq("chat", 1, known=200, fed=0)
+    plan = _planner(256, [heavy, light], {"chat": 500.0})._plan()
+    fed = {s.owner: n for s, _, n in plan}
+    assert fed == {"bulk": 16, "chat": 200}
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 48, 64, 256])
+def test_a_heavy_prompt_advances_beside_a_light_key_whatever_the_chunk(chunk: int) -> None:
+    decoders = [_Seq("bulk", i, known=50, fed=49) for i in range(20)]
+    prompts = [_Seq(f"other-{i}", 100 + i, known=5_000, fed=0) for i in range(3)]
+    light = _Seq("chat", 200, known=31, fed=30)
+    sched = _planner(chunk, [*decoders, *prompts, light], {"bulk": 5_000.0})
+    for step in range(6):
+        sched._steps = step
+        plan = sched._plan()
+        heavy_fed = sum(n for s, _, n in plan if s.owner != "chat")
+        assert heavy_fed <= max(chunk // 16, 1) + 1, (chunk, plan)
+        assert any(s.owner.startswith("other") and n > 0 for s, _, n in plan), (chunk, step)
+        assert any(s.owner == "chat" for s, _, n in plan)
+        for s, start, n in plan:
+            s.fed = start + n
+            if s.fed == s.known:
+                s.known += 1  # a token was sampled: the next position is known
+    # the prefill room rotates between the heavy keys rather than feeding one of them
+    assert all(p.fed > 0 for p in prompts), [p.fed for p in prompts]
