@@ -162,6 +162,18 @@ _decoder = msgspec.msgpack.Decoder(Session)
 _FAILURES = REDIS_FAILURES
 
 
+def store_client(redis_url: str) -> Any:
+    """The client of a Redis-backed store (sessions, response records): bytes values, two
+    retries with short backoff, a socket timeout long enough for a large session."""
+    return async_client(
+        redis_url,
+        socket_connect_timeout=2.0,
+        socket_timeout=5.0,
+        decode_responses=False,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
+    )
+
+
 BUCKETS = 128  # hash-tagged buckets; enough to spread over any cluster's shards, few to count
 
 
@@ -208,13 +220,7 @@ class RedisSessionStore:
         self.index_keys = tuple(
             f"{namespace}:sessions:{{{bucket:02x}}}" for bucket in range(BUCKETS)
         )
-        self._client = async_client(
-            redis_url,
-            socket_connect_timeout=2.0,
-            socket_timeout=5.0,
-            decode_responses=False,
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
-        )
+        self._client = store_client(redis_url)
         self._save: AsyncScript = self._client.register_script(_SAVE)
         self._create: AsyncScript = self._client.register_script(_CREATE)
         self._replace: AsyncScript = self._client.register_script(_REPLACE)

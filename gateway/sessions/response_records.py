@@ -161,21 +161,12 @@ class RedisResponseStore:
     def __init__(self, redis_url: str, ttl_s: float, namespace: str = "vg") -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        from redis.asyncio.retry import Retry
-        from redis.backoff import ExponentialBackoff
-
-        from encoder_worker.redis_conn import async_client
+        from gateway.sessions.redis import store_client
 
         self.ttl_s = ttl_s
         self.namespace = namespace
         self._ttl_ms = max(1, int(ttl_s * 1000))
-        self._client = async_client(
-            redis_url,
-            socket_connect_timeout=2.0,
-            socket_timeout=5.0,
-            decode_responses=False,
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
-        )
+        self._client = store_client(redis_url)
         self._delete: AsyncScript = self._client.register_script(_DELETE)
 
     def key(self, owner: str, response_id: str) -> str:
