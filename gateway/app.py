@@ -26,7 +26,7 @@ from gateway import __version__ as VERSION
 from gateway.auth import Authenticator
 from gateway.caching import make_image_store, make_vision_cache
 from gateway.chat_service import ChatService
-from gateway.engine.interface import Engine
+from gateway.engine.interface import Engine, image_input_of
 from gateway.http import http_route_handlers
 from gateway.http.bodies import BoundedRequest
 from gateway.http.routes import routing_error_handler
@@ -65,6 +65,10 @@ def engine_threads(settings: Settings) -> int:
 
 
 def build_engine(settings: Settings) -> Engine:
+    if settings.engine == "openai":  # generation on OpenAI-compatible upstream replicas
+        from gateway.engine.upstream import OpenAIEngine
+
+        return OpenAIEngine.from_settings(settings)
     from gateway.engine.local import LocalEngine
 
     return LocalEngine(
@@ -115,6 +119,10 @@ def encoder_config(settings: Settings) -> EncoderConfig:
 
 
 def build_encoder(settings: Settings, engine: Engine) -> Encoder:
+    if image_input_of(engine) == "bytes":  # the engine encodes images itself
+        from gateway.passthrough_encoder import PassThroughEncoder
+
+        return PassThroughEncoder(engine.model_id, engine.hidden_size)
     from encoder_worker.local_encoder import LocalEncoder
 
     config = encoder_config(settings)
@@ -148,6 +156,9 @@ def create_app(
     engine = engine or build_engine(settings)
     telemetry = setup_telemetry(VERSION, log_level=settings.log_level)
     register_secrets(settings.api_keys)  # the keys themselves never reach a log line
+    bind_telemetry = getattr(engine, "bind_telemetry", None)
+    if bind_telemetry is not None:  # an upstream engine's per-replica metrics and spans
+        bind_telemetry(telemetry)
     state = GatewayState(
         settings=settings,
         engine=engine,

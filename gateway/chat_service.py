@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import structlog
 
+from encoder_worker.storage import scoped_digest
 from gateway.chat_events import (
     ChoiceEnd,
     Finished,
@@ -46,7 +47,9 @@ from gateway.engine.interface import (
     Message,
     SamplingParams,
     TextDelta,
+    image_input_of,
 )
+from gateway.image_input import media_type
 from gateway.protocol.errors import ERROR_CODES, GatewayError
 from gateway.response_trace import ResponseTrace
 from gateway.sessions.session import Session, SessionStore, StoredItem, StoredPart
@@ -162,10 +165,16 @@ class ChatService:
             await self.sessions.update(session.id, session.owner, place)
         yield Started(options.response_id, options.item_id)
 
-        # 1. visual tokens for every image the conversation references
+        # 1. visual tokens for every image the conversation references (or, for an engine that
+        # encodes images itself, their original bytes)
         t_enc = time.perf_counter()
+        originals: dict[str, bytes] = {}
         try:
-            images, waited = await self._resolve_images(session, pending, trace, options.cancel)
+            if image_input_of(self.engine) == "bytes":
+                images, waited = {}, False
+                originals = await self._originals(session)
+            else:
+                images, waited = await self._resolve_images(session, pending, trace, options.cancel)
         except GatewayError as exc:
             yield finish(await self._unanswered(session, options, t0, "failed", error=exc))
             return
@@ -182,7 +191,7 @@ class ChatService:
             return
 
         # 2. the prompt, fitted to the model's context
-        messages = self._messages(session, options, images)
+        messages = self._messages(session, options, images, originals)
         sampling = SamplingParams(
             max_output_tokens=min(
                 options.max_output_tokens or session.max_output_tokens, self.max_output_tokens_limit
@@ -495,8 +504,19 @@ class ChatService:
                 return {}, True
         return dict(zip(digests, gathered.result(), strict=True)), waited
 
+    async def _originals(self, session: Session) -> dict[str, bytes]:
+        """The bytes of every image the conversation references, by digest (the session
+        owner's only: any other key's is `image_not_found`)."""
+        digests = session.image_digests
+        found = await asyncio.gather(*(self.vision.original(session.owner, d) for d in digests))
+        return dict(zip(digests, found, strict=True))
+
     def _messages(
-        self, session: Session, options: ResponseOptions, images: dict[str, Resolved]
+        self,
+        session: Session,
+        options: ResponseOptions,
+        images: dict[str, Resolved],
+        originals: dict[str, bytes] | None = None,
     ) -> list[Message]:
         instructions = (
             session.instructions if options.instructions is None else options.instructions
@@ -527,6 +547,20 @@ class ChatService:
                     content.append(part.text or "")
                 elif part.kind == "tool_call":
                     calls.append(ToolCall(part.call_id or "", part.name or "", part.text or ""))
+                elif originals and part.digest in originals:
+                    image = embeds_by_digest.get(part.digest)
+                    if image is None:
+                        data = originals[part.digest]
+                        # the content id an upstream keys its multimodal cache by: the digest,
+                        # or a per-key name when images are not shared across API keys
+                        content_id = (
+                            part.digest
+                            if self.vision.share_across_keys
+                            else scoped_digest(session.owner, part.digest)
+                        )
+                        image = ImageInput(content_id, None, data=data, mime=media_type(data))
+                        embeds_by_digest[part.digest] = image
+                    content.append(image)
                 elif part.digest in images:
                     image = embeds_by_digest.get(part.digest)
                     if image is None:

@@ -19,6 +19,29 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
         "Cluster) for sessions, caches, KV spill and encoder jobs; absent: everything in process",
     )
     g.add_argument(
+        "--engine",
+        help="local (default: the model runs in this process) | openai: generate on "
+        "OpenAI-compatible replicas (--upstream)",
+    )
+    g.add_argument(
+        "--upstream",
+        dest="upstreams",
+        action="append",
+        help="with --engine openai: replica URL[,URL...], each URL[#model=NAME&api_key_env=VAR] "
+        "(repeatable)",
+    )
+    g.add_argument("--upstream-model", help="model name sent upstream (default: each replica's)")
+    g.add_argument(
+        "--upstream-images",
+        help="data_url (default: bytes plus content id) | embeds (pre-encoded by this gateway "
+        "with --model-path, for vLLM --enable-mm-embeds)",
+    )
+    g.add_argument(
+        "--upstream-context-tokens",
+        type=int,
+        help="the upstream model's context (default: what the replicas report, else 8192)",
+    )
+    g.add_argument(
         "--model-path",
         help="local HF checkpoint dir (default: embedded SmolLM2-135M-Instruct); "
         "a LLaVA, SmolVLM/Idefics3 or Qwen2.5-VL checkpoint is also the vision encoder",
@@ -96,6 +119,11 @@ def _overrides(args: argparse.Namespace) -> dict:
         "host",
         "port",
         "redis_url",
+        "engine",
+        "upstreams",
+        "upstream_model",
+        "upstream_images",
+        "upstream_context_tokens",
         "encoder",
         "lm_dtype",
         "model_path",

@@ -36,6 +36,7 @@ __all__ = (
     "RemoteURL",
     "digest_of",
     "fetch_remote_images",
+    "media_type",
     "normalise_url",
     "parse_image_url",
     "sniff_image",
@@ -60,6 +61,27 @@ class ImageBytes(bytes):
 
 def digest_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+# leading bytes of each of ALLOWED_FORMATS -> its media type
+_SIGNATURES: tuple[tuple[bytes, str], ...] = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+    (b"BM", "image/bmp"),
+)
+
+
+def media_type(data: bytes) -> str:
+    """The media type of an image that passed `sniff_image`, from its signature (a data URL
+    sent on names it); "application/octet-stream" for anything else."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    for signature, kind in _SIGNATURES:
+        if data.startswith(signature):
+            return kind
+    return "application/octet-stream"
 
 
 def parse_image_url(

@@ -36,7 +36,20 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_level: str = "info"
     api_keys: list[str] = []  # empty: no authentication, every caller is "anonymous"
     rate_limit_per_minute: int = 0  # responses per minute per API key; 0: no limit
-    # language model
+    # language model: "local" (in this process) or "openai" (streamed chat completions on
+    # OpenAI-compatible upstream replicas: vLLM, SGLang, trtllm-serve, another visiongate)
+    engine: str = "local"
+    # with engine "openai": the replicas, each URL[#model=NAME&api_key_env=VAR]
+    # (gateway.engine.upstream_config); VISIONGATE_UPSTREAMS takes them comma-separated
+    upstreams: list[str] = []
+    upstream_model: str | None = None  # model name sent upstream; None: each replica's first
+    # how images reach the upstream: data_url (the bytes, with the gateway's sha256 content id
+    # in the field the engine keys its multimodal cache by) or embeds (visual tokens from this
+    # gateway's encoder, which must run the upstream's own checkpoint: --model-path)
+    upstream_images: str = "data_url"
+    # prompt and answer positions of the upstream model; 0: what the replicas report
+    # (max_model_len), else 8192
+    upstream_context_tokens: int = 0
     model_path: str | None = (
         None  # a local HF checkpoint dir; None: the embedded SmolLM2-135M-Instruct
     )
@@ -204,6 +217,26 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             f"must be inproc or redis (redis needs {ENV_PREFIX}REDIS_URL), got {self.encoder!r}",
         )
         need(
+            self.engine in ("local", "openai"),
+            "engine",
+            f"must be local or openai, got {self.engine!r}",
+        )
+        if self.engine == "openai":
+            problem = _upstreams_problem(self.upstreams)
+            need(problem is None, "upstreams", problem or "")
+        need(
+            self.upstream_images in ("data_url", "embeds"),
+            "upstream_images",
+            f"must be data_url or embeds, got {self.upstream_images!r}",
+        )
+        need(
+            self.upstream_images != "embeds" or self.model_path is not None,
+            "upstream_images",
+            "embeds needs the upstream's checkpoint as --model-path (its vision tower and "
+            "projector make the embeddings)",
+        )
+        need(self.upstream_context_tokens >= 0, "upstream_context_tokens", "must be >= 0")
+        need(
             self.model_path is None or os.path.isdir(self.model_path),
             "model_path",
             f"{self.model_path!r} is not a directory",
@@ -268,6 +301,17 @@ def _redis_url_problem(url: str | None) -> str | None:
 
     try:
         parse_redis_url(url)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _upstreams_problem(upstreams: list[str]) -> str | None:
+    """What is wrong with the upstream list of engine "openai", or None."""
+    from gateway.engine.upstream_config import parse_upstreams
+
+    try:
+        parse_upstreams(upstreams)
     except ValueError as exc:
         return str(exc)
     return None

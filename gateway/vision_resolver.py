@@ -215,6 +215,17 @@ class VisionResolver:
         hit = await self.cache.get(self.fingerprint, self._name(owner, digest))
         return None if hit is None else self._unpack(hit.payload, digest)
 
+    async def original(self, owner: str, digest: str) -> bytes:
+        """The bytes `owner` sent as `digest` (for an engine that encodes images itself).
+        GatewayError(image_not_found) when `owner` never sent them or they are no longer
+        stored, answered on the same path for both."""
+        if not is_sha256_hex(digest) or await self.owners.state(owner, digest) is None:
+            raise _not_found(digest)
+        data = await self.images.get(digest, scope=self._scope(owner))
+        if data is None:
+            raise _not_found(digest)
+        return data
+
     # ------------------------------------------------------------ admission
 
     async def admit(
@@ -327,7 +338,8 @@ class VisionResolver:
         )
         # a remote worker stored the tokens under the digest and traced its stages; a per-owner
         # name is this gateway's to write
-        if getattr(self.encoder, "remote", False) and name == digest:
+        # an encoder that makes no tokens (the engine encodes the bytes itself) leaves none
+        if (getattr(self.encoder, "remote", False) and name == digest) or not image.tokens_total:
             done = _Encoded(image, None, 0.0, owner)
         else:
             t_put = time.perf_counter()

@@ -28,16 +28,19 @@ __all__ = (
     "GenerationRequest",
     "GenerationResult",
     "ImageInput",
+    "ImageInputKind",
     "Message",
     "SamplingParams",
     "TextDelta",
     "TokenLogprob",
+    "image_input_of",
 )
 
 MAX_TOP_LOGPROBS = 20  # alternatives reported per token at most (as OpenAI's API)
 MAX_CHOICES = 8  # completions per request at most (`SamplingParams.n`)
 
 Role = Literal["system", "user", "assistant"]
+ImageInputKind = Literal["embeds", "bytes"]
 # "slow_reader": the caller stopped taking deltas (more than the engine's unread limit were
 # waiting), so generation stopped for it
 FinishReason = Literal["stop", "length", "cancelled", "slow_reader"]
@@ -45,17 +48,26 @@ FinishReason = Literal["stop", "length", "cancelled", "slow_reader"]
 
 @dataclass(slots=True, frozen=True)
 class ImageInput:
-    """One image as the language model sees it."""
+    """One image as the language model sees it: its visual tokens, or (for an engine whose
+    `image_input` is "bytes") the original image bytes it encodes itself."""
 
-    digest: str  # sha256 hex of the original image bytes: identifies the image in KV block hashes
-    embeds: torch.Tensor  # [N, hidden] visual tokens in the LM's embedding space (any float dtype)
+    # identifies the image: in KV block hashes, and as the content id an upstream engine keys its
+    # multimodal cache by. The sha256 hex of the original bytes, prefixed with the encoder's
+    # fingerprint when `embeds` are given (other tokens are other content), or with the owner's
+    # scope when images are not shared across API keys.
+    digest: str
+    # [N, hidden] visual tokens in the LM's embedding space (any float dtype); None when the
+    # engine takes the bytes instead
+    embeds: torch.Tensor | None
     # Where the rows go for a real VLM checkpoint (its processor's expansion of the image
     # placeholder, M-RoPE positions); None: the embedded default's `<image>...</image>` layout.
     layout: ImageLayout | None = None
+    data: bytes | None = None  # the original image bytes (engines with image_input "bytes")
+    mime: str | None = None  # their media type, e.g. "image/png"
 
     @property
     def num_tokens(self) -> int:
-        return int(self.embeds.shape[0])
+        return 0 if self.embeds is None else int(self.embeds.shape[0])
 
 
 @dataclass(slots=True)
@@ -185,6 +197,10 @@ class Engine(Protocol):
     model_id: str
     hidden_size: int  # width of the visual tokens it accepts
     context_tokens: int  # positions the model takes: prompt and answer together
+    # what it takes for an image: "embeds" (visual tokens from the gateway's encoder; the
+    # in-process engine) or "bytes" (the original image, which it encodes itself; an upstream
+    # engine sent images as data URLs). Engines without the attribute take "embeds".
+    image_input: ImageInputKind
 
     @property
     def ready(self) -> bool: ...
@@ -209,3 +225,8 @@ class Engine(Protocol):
         """Scheduler gauges (running, waiting, KV blocks, preemptions)."""
 
     async def aclose(self) -> None: ...
+
+
+def image_input_of(engine: object) -> ImageInputKind:
+    """What `engine` takes for an image ("embeds" unless it says "bytes")."""
+    return "bytes" if getattr(engine, "image_input", "embeds") == "bytes" else "embeds"

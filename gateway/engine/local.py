@@ -64,6 +64,8 @@ def _no_tensor_whole(_key: str) -> bool:
 class LocalEngine:
     """Engine protocol over a local HF model (default: the embedded SmolLM2-135M-Instruct)."""
 
+    image_input = "embeds"  # visual tokens from the gateway's encoder
+
     def __init__(
         self,
         model_path: str | None = None,

@@ -28,6 +28,9 @@ ERROR_CODES: dict[str, tuple[str, int]] = {
     "busy": ("server_error", 503),
     "answer_not_stored": ("server_error", 503),
     "engine_error": ("server_error", 500),
+    # an upstream replica (--engine openai) failed: an error after the answer began streaming,
+    # a refusal of the gateway's own request (401/403/404), or every replica unreachable
+    "upstream_error": ("server_error", 502),
     "internal_error": ("server_error", 500),
 }
 
