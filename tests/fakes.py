@@ -111,7 +111,7 @@ class FakeEngine:
             raise self.refuse
         # the real engine's refusals (empty prompt, embeds of the wrong width or not finite,
         # sampling out of range, too many stops), with their codes
-        check_request(request, self.hidden_size)
+        check_request(request, self.hidden_size, getattr(self, "image_input", "embeds"))
         input_tokens, image_tokens = self._prompt_tokens(request)
         if input_tokens > self.context_tokens:
             raise EngineError(

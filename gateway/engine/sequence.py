@@ -31,6 +31,7 @@ from gateway.engine.interface import (
     GenerationRequest,
     GenerationResult,
     ImageInput,
+    ImageInputKind,
 )
 from gateway.engine.kvblocks import KVEntry, block_hashes, chain_seed
 from gateway.engine.prompt import ImageSpan, Prompt, embed_positions, render, render_raw
@@ -159,15 +160,22 @@ class Sequence:
         return 1 if self.forked else self.job.request.sampling.n
 
 
-def check_request(req: GenerationRequest, hidden: int) -> None:
-    """Refuse, with a stable code, what would run wrongly or cost every other stream."""
+def check_request(req: GenerationRequest, hidden: int, images: ImageInputKind = "embeds") -> None:
+    """Refuse, with a stable code, what would run wrongly or cost every other stream.
+    `images`: what the engine takes for an image (visual tokens, or the original bytes)."""
     if not req.messages and req.raw_prompt is None:
         raise EngineError("messages must not be empty", code="invalid_request")
     for message in req.messages:
         for part in message.content:
             if not isinstance(part, ImageInput):
                 continue
+            if images == "bytes":
+                if not part.data:
+                    raise EngineError("an image reached the engine without its bytes")
+                continue
             embeds = part.embeds  # [N, hidden]
+            if embeds is None:  # the gateway resolves tokens for an engine that takes them
+                raise EngineError("an image reached the engine without its visual tokens")
             if embeds.ndim != 2 or embeds.shape[1] != hidden:
                 raise EngineError(
                     f"image embeds must be [N, {hidden}], got {tuple(embeds.shape)}",

@@ -1,0 +1,243 @@
+"""Real `visiongate serve` processes on free loopback ports: upstream replicas and the gateway
+in front of them, for the tests and the benchmark that need several gateways at once.
+
+Each `ServeProcess` runs `python -m gateway.cli serve --port P ...` in its own process group,
+with none of the caller's `VISIONGATE_*` variables (only the settings this module passes), its
+stdout and stderr in a log file. `wait_ready` polls `GET /readyz` until it answers 200, and
+fails early, with the log's tail, if the process exits or reports a failed load. `stop` sends
+SIGTERM, then SIGKILL after a grace period; `kill` sends SIGKILL at once (a replica that dies
+mid-conversation); `start` again brings a stopped process back on the same port.
+
+A replica (`replica`) runs the embedded model with one engine thread and one encoder thread and
+a small batch, so that three gateways share a 2-core machine without starving each other;
+`front` is a gateway with `--engine openai` in front of replicas. `prometheus_samples` reads a
+gateway's `/metrics` text into (name, labels, value) rows, to tell which replica served what.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import httpx
+
+__all__ = (
+    "ROOT",
+    "ServeProcess",
+    "front",
+    "prometheus_samples",
+    "replica",
+    "running",
+    "sample_sum",
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV_PREFIX = "VISIONGATE_"
+# three model loads at once on two cores take about three times one load (~30 s)
+READY_TIMEOUT_S = 300.0
+
+
+def _free_port() -> int:
+    from tests.conftest import free_port
+
+    return free_port()
+
+
+class ServeProcess:
+    """One `visiongate serve` child on 127.0.0.1."""
+
+    def __init__(
+        self,
+        name: str,
+        args: Sequence[str],
+        log_dir: Path,
+        *,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+    ) -> None:
+        self.name = name
+        self.args = list(args)
+        self.port = port or _free_port()
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        self.env.update(env or {})
+
+    @property
+    def url(self) -> str:
+        """scheme://host:port, the form `--upstream` takes."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI SDK's base URL for this gateway."""
+        return f"{self.url}/v1"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/realtime"
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> ServeProcess:
+        if self.alive:
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as out:
+            # a process group of its own: a Ctrl-C reaches the test runner, which stops it
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port), *self.args],
+                cwd=ROOT,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        return self
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode} while starting; "
+                    f"{self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                r = httpx.get(f"{self.url}/readyz", timeout=5)
+                if r.status_code == 200:
+                    return
+                if r.json().get("status") == "failed":
+                    raise RuntimeError(f"{self.name} failed to load: {r.text}\n{self.log_tail()}")
+            except (httpx.TransportError, ValueError):
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(
+            f"{self.name} not ready within {timeout_s:.0f} s; {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`; nothing when it is not running."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def kill(self) -> None:
+        """SIGKILL now: the replica vanishes mid-conversation, as a crashed host would."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def metrics(self) -> list[tuple[str, dict[str, str], float]]:
+        r = httpx.get(f"{self.url}/metrics", timeout=10)
+        r.raise_for_status()
+        return prometheus_samples(r.text)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+
+def replica(
+    name: str, log_dir: Path, *extra: str, max_batch: int = 2, threads: int = 1
+) -> ServeProcess:
+    """A gateway running the embedded model, sized to share a small machine with others."""
+    env = {
+        # no flag for these two: the cores this process may take for its model and its encoder
+        f"{ENV_PREFIX}ENGINE_THREADS": str(threads),
+        f"{ENV_PREFIX}ENCODER_THREADS": str(threads),
+        "OMP_NUM_THREADS": str(threads),
+    }
+    args = ["--engine-max-batch", str(max_batch), "--log-level", "info", *extra]
+    return ServeProcess(name, args, log_dir, env=env)
+
+
+def front(
+    name: str, upstreams: Sequence[ServeProcess | str], log_dir: Path, *extra: str
+) -> ServeProcess:
+    """A gateway with `--engine openai` generating on `upstreams` (processes or URLs)."""
+    urls = ",".join(u.url if isinstance(u, ServeProcess) else u for u in upstreams)
+    args = ["--engine", "openai", "--upstream", urls, "--log-level", "info", *extra]
+    return ServeProcess(name, args, log_dir, env={"OMP_NUM_THREADS": "1"})
+
+
+@contextlib.contextmanager
+def running(*procs: ServeProcess, timeout_s: float = READY_TIMEOUT_S) -> Iterator[None]:
+    """Start every process at once (their loads overlap), wait until all are ready, stop them
+    all on the way out (also when a start fails)."""
+    try:
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            proc.wait_ready(max(deadline - time.monotonic(), 1.0))
+        yield
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def prometheus_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of each sample line of Prometheus text exposition."""
+    rows = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, brace, rest = head.partition("{")
+        labels: dict[str, str] = {}
+        if brace:
+            body = rest.rsplit("}", 1)[0]
+            i = 0
+            while i < len(body):
+                eq = body.index("=", i)
+                key = body[i:eq].strip().lstrip(",").strip()
+                j = eq + 2  # past ="
+                chars = []
+                while body[j] != '"':
+                    if body[j] == "\\":
+                        j += 1
+                        chars.append({"n": "\n"}.get(body[j], body[j]))
+                    else:
+                        chars.append(body[j])
+                    j += 1
+                labels[key] = "".join(chars)
+                i = j + 1
+        try:
+            rows.append((name, labels, float(value)))
+        except ValueError:
+            continue
+    return rows
+
+
+def sample_sum(
+    samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str
+) -> float:
+    """Sum of the samples named `name` whose labels include `labels`."""
+    return sum(
+        v
+        for n, lab, v in samples
+        if n == name and all(lab.get(k) == want for k, want in labels.items())
+    )
