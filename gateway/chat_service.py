@@ -293,6 +293,10 @@ class ChatService:
         timings.update(
             queue_ms=result.queue_ms, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms
         )
+        if first_ns is not None:
+            timings["gateway_ms"] = max(
+                ttft_ms - encode_wait_ms - result.queue_ms - result.prefill_ms, 0.0
+            )
         choices: list[ChoiceEnd] = []
         if sampling.n > 1:
             for index in range(sampling.n):

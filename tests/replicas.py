@@ -17,6 +17,7 @@ gateway's `/metrics` text into (name, labels, value) rows, to tell which replica
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -33,8 +35,10 @@ __all__ = (
     "front",
     "prometheus_samples",
     "replica",
+    "responses_served",
     "running",
     "sample_sum",
+    "which_served",
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +98,15 @@ class ServeProcess:
         with self.log_path.open("ab") as out:
             # a process group of its own: a Ctrl-C reaches the test runner, which stops it
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port), *self.args],
+                [
+                    sys.executable,
+                    "-m",
+                    "gateway.cli",
+                    "serve",
+                    "--port",
+                    str(self.port),
+                    *self.args,
+                ],
                 cwd=ROOT,
                 env=self.env,
                 stdout=out,
@@ -150,6 +162,21 @@ class ServeProcess:
         r.raise_for_status()
         return prometheus_samples(r.text)
 
+    def access_log(self) -> list[dict[str, Any]]:
+        """The gateway's access lines so far: one JSON object per finished response (status,
+        usage, timings), oldest first."""
+        rows = []
+        for line in self.log_text().splitlines():
+            if '"event": "response"' not in line:
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if row.get("event") == "response" and row.get("logger") == "visiongate.access":
+                rows.append(row)
+        return rows
+
     def log_text(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")
@@ -171,6 +198,9 @@ def replica(
         "OMP_NUM_THREADS": str(threads),
     }
     args = ["--engine-max-batch", str(max_batch), "--log-level", "info", *extra]
+    cache_dir = os.environ.get(f"{ENV_PREFIX}CACHE_DIR")
+    if cache_dir:  # where this machine keeps the converted model: not a setting under test
+        args += ["--cache-dir", cache_dir]
     return ServeProcess(name, args, log_dir, env=env)
 
 
@@ -232,12 +262,37 @@ def prometheus_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     return rows
 
 
-def sample_sum(
-    samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str
-) -> float:
+def sample_sum(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
     """Sum of the samples named `name` whose labels include `labels`."""
     return sum(
         v
         for n, lab, v in samples
         if n == name and all(lab.get(k) == want for k, want in labels.items())
     )
+
+
+RESPONSES = "visiongate_responses_total"
+
+
+def responses_served(procs: Sequence[ServeProcess], **labels: str) -> list[float]:
+    """Each gateway's responses so far (its `visiongate_responses_total`, with `labels`); a
+    process that is not running counts as 0."""
+    return [sample_sum(p.metrics(), RESPONSES, **labels) if p.alive else 0.0 for p in procs]
+
+
+def which_served(
+    procs: Sequence[ServeProcess], before: Sequence[float], timeout_s: float = 10.0, **labels: str
+) -> int:
+    """The index of the one gateway whose response count grew since `before` (a response is
+    counted as it ends, a moment after its last byte reached the client)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = responses_served(procs, **labels)
+        grew = [i for i, (a, b) in enumerate(zip(before, now, strict=True)) if b > a]
+        if len(grew) == 1:
+            return grew[0]
+        if len(grew) > 1:
+            raise AssertionError(f"several gateways served a response: {before} -> {now}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no gateway counted a response within {timeout_s} s: {now}")
+        time.sleep(0.05)

@@ -20,6 +20,9 @@ class Timings(Struct):
     decode_ms: float = 0.0
     ttft_ms: float = 0.0  # request received -> first text delta sent
     total_ms: float = 0.0
+    # of ttft_ms, the gateway's own part: what neither encode_ms, queue_ms nor prefill_ms (an
+    # upstream engine's: the replica's time to first token) account for
+    gateway_ms: float = 0.0
 
     @classmethod
     def of(cls, finished: Finished) -> Timings:

@@ -10,7 +10,9 @@ Attribute keys become label names the same way (``gen_ai.request.model`` ->
 ``gen_ai_request_model``). Histogram ``le`` labels are written from float bounds (``"2.0"``).
 
 Scheduler gauges read an engine's `SchedulerStats` snapshot at each collection; an engine
-without one (no ``stats()``) exports no scheduler series. KV blocks are split into three states
+without one (no ``stats()``) exports no scheduler series. Upstream series (``visiongate.upstream.*``)
+exist only for an engine on OpenAI-compatible replicas (``--engine openai``): one attempt per
+replica tried, labelled by the replica's ``host:port``. KV blocks are split into three states
 that add up to the pool: ``used`` (held by running requests), ``cached`` (unreferenced but
 holding reusable prefix KV, so allocatable at the cost of the reuse) and ``free`` (empty).
 """
@@ -205,6 +207,18 @@ METRICS: dict[str, tuple[str, str, str]] = {
         "{preemption}",
         "Requests preempted (KV freed, later recomputed)",
     ),
+    "visiongate.upstream.requests": (
+        "counter",
+        "{request}",
+        "Attempts on an upstream replica by outcome (ok/failover/error/cancelled/busy)",
+    ),
+    "visiongate.upstream.time_to_first_token": (
+        "histogram",
+        "s",
+        "From a request sent to an upstream replica to its first text",
+    ),
+    "visiongate.upstream.in_flight": ("gauge", "{request}", "Requests open on each replica"),
+    "visiongate.upstream.healthy": ("gauge", "{replica}", "1 while a replica is up, else 0"),
 }
 
 # OTel instrument name -> the series name Prometheus stores (histograms: add _bucket/_sum/_count).
@@ -232,6 +246,10 @@ PROMETHEUS_NAMES: dict[str, str] = {
     "visiongate.scheduler.step.tokens": "visiongate_scheduler_step_tokens",
     "visiongate.kv.blocks": "visiongate_kv_blocks",
     "visiongate.scheduler.preemptions": "visiongate_scheduler_preemptions_total",
+    "visiongate.upstream.requests": "visiongate_upstream_requests_total",
+    "visiongate.upstream.time_to_first_token": "visiongate_upstream_time_to_first_token_seconds",
+    "visiongate.upstream.in_flight": "visiongate_upstream_in_flight",
+    "visiongate.upstream.healthy": "visiongate_upstream_healthy",
 }
 
 _BUCKETS: dict[str, tuple[float, ...]] = {
@@ -242,6 +260,7 @@ _BUCKETS: dict[str, tuple[float, ...]] = {
     "visiongate.encode.stage.duration": ENCODE_BUCKETS_S,
     "visiongate.encode.queue.duration": ENCODE_BUCKETS_S,
     "visiongate.encode.batch.size": BATCH_SIZE_BUCKETS,
+    "visiongate.upstream.time_to_first_token": TTFT_BUCKETS_S,
 }
 
 
@@ -287,12 +306,13 @@ def _kv_block_states(stats: SchedulerStats) -> dict[str, int]:
 class GatewayMetrics:
     """Records the gateway's metrics on one OTel meter. Thread-safe; never blocks on export."""
 
-    __slots__ = ("_gauge_lock", "_gauges_registered", "_i", "_meter")
+    __slots__ = ("_gauge_lock", "_gauges_registered", "_i", "_meter", "_upstreams_registered")
 
     def __init__(self, meter: Meter) -> None:
         self._meter = meter
         self._gauge_lock = threading.Lock()
         self._gauges_registered = False
+        self._upstreams_registered = False
         i: dict[str, object] = {}
         for name, (kind, unit, description) in METRICS.items():
             if kind == "histogram":
@@ -378,6 +398,46 @@ class GatewayMetrics:
     def record_error(self, *, code: str, api: str) -> None:
         """One error event / HTTP error sent to a client, by its stable ``code``."""
         self._add("visiongate.errors", 1, {"code": code, "api": api})
+
+    def record_upstream_attempt(
+        self, *, upstream: str, outcome: str, ttft_s: float | None = None
+    ) -> None:
+        """One attempt on an upstream replica (``upstream``: its ``host:port``). ``outcome``:
+        ok | failover (failed before any text; the next replica was tried) | error | cancelled |
+        busy (it answered 429). ``ttft_s``: request sent to its first text, when text came."""
+        self._add("visiongate.upstream.requests", 1, {"upstream": upstream, "outcome": outcome})
+        if ttft_s is not None:
+            self._record(
+                "visiongate.upstream.time_to_first_token", max(ttft_s, 0.0), {"upstream": upstream}
+            )
+
+    def observe_upstreams(
+        self,
+        *,
+        in_flight: Callable[[], Mapping[str, int]],
+        healthy: Callable[[], Mapping[str, bool]],
+    ) -> None:
+        """Register the per-replica gauges: requests open on each and whether it is up (both
+        by ``host:port``), read at each collection. Once only, as `observe_gauges`."""
+        with self._gauge_lock:
+            if self._upstreams_registered:
+                raise RuntimeError("observe_upstreams() was already called on these metrics")
+            self._upstreams_registered = True
+
+        def open_requests(_: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(int(n), {"upstream": u}) for u, n in in_flight().items()]
+
+        def up(_: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(1 if ok else 0, {"upstream": u}) for u, ok in healthy().items()]
+
+        for name, callback in (
+            ("visiongate.upstream.in_flight", open_requests),
+            ("visiongate.upstream.healthy", up),
+        ):
+            _, unit, description = METRICS[name]
+            self._meter.create_observable_gauge(
+                name, callbacks=[callback], unit=unit, description=description
+            )
 
     def ws_connection_opened(self) -> None:
         self._i["visiongate.websocket.connections"].add(1)  # type: ignore[attr-defined]
