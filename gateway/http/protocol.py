@@ -297,6 +297,9 @@ class ModelCard(Struct):
     # visiongate extension: what encodes the images, e.g. "synthetic seeded tower, answers not
     # grounded" (the embedded default) or "llava checkpoint: its own vision tower and projector"
     vision: str | None = None
+    # prompt and answer positions together (the field vLLM's model cards carry); None while
+    # the model loads
+    max_model_len: int | None = None
 
 
 class ModelList(Struct):

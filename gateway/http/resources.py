@@ -16,6 +16,7 @@ import structlog
 
 from gateway.chat_requests import RequestLimits, check_image_bytes
 from gateway.chat_service import kv_key_for
+from gateway.engine.interface import image_input_of
 from gateway.http import protocol as p
 from gateway.image_input import REF_PREFIX, digest_of
 from gateway.protocol.errors import GatewayError
@@ -49,6 +50,8 @@ def vision_label(state: GatewayState) -> str:
     from encoder_worker.config import SYNTHETIC_TOWERS, tower_family
 
     settings = state.settings
+    if image_input_of(state.engine) == "bytes":
+        return "the upstream model's own vision encoder (images sent as data URLs)"
     config = getattr(state.serving.encoder, "config", None) if state.serving else None
     tower = config.tower if config is not None else settings.vision_tower
     try:
@@ -76,8 +79,12 @@ class ModelServing:
     def _card(self) -> p.ModelCard:
         if self._vision is None or not self.state.ready:
             self._vision = vision_label(self.state)
+        engine = self.state.engine
         return p.ModelCard(
-            id=self.state.engine.model_id, created=int(self.state.started_at), vision=self._vision
+            id=engine.model_id,
+            created=int(self.state.started_at),
+            vision=self._vision,
+            max_model_len=engine.context_tokens if engine.ready else None,
         )
 
     def list(self) -> p.ModelList:

@@ -191,6 +191,8 @@ def test_models(client: openai.OpenAI, http: httpx.Client) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    # the context, under the name vLLM's model cards use (an upstream gateway reads it)
+    assert http.get(f"/v1/models/{MODEL}").json()["max_model_len"] == 8192
     r = http.get("/v1/models/no-such-model")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     with pytest.raises(openai.NotFoundError):
