@@ -183,9 +183,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "concurrency": [1, 2] if quick else [1, 2, 4, 8, 16],
         "rate_multipliers": [0.5] if quick else list(DEFAULT_MULTIPLIERS),
         "tokens": 8 if quick else 24,
-        "point_s": 6.0 if quick else 20.0,
-        "open_point_s": 6.0 if quick else 30.0,
-        "drain_s": 8.0 if quick else 15.0,
+        "point_s": 4.0 if quick else 20.0,
+        "open_point_s": 4.0 if quick else 30.0,
+        "drain_s": 5.0 if quick else 15.0,
         "typing_s": 0.2 if quick else 0.5,
         "extra_rungs": 0 if quick else 2,
     }

@@ -156,6 +156,10 @@ def create_app(
     engine = engine or build_engine(settings)
     telemetry = setup_telemetry(VERSION, log_level=settings.log_level)
     register_secrets(settings.api_keys)  # the keys themselves never reach a log line
+    if settings.engine == "openai":  # nor do the upstreams' keys
+        from gateway.engine.upstream_config import parse_upstreams
+
+        register_secrets(u.api_key for u in parse_upstreams(settings.upstreams) if u.api_key)
     bind_telemetry = getattr(engine, "bind_telemetry", None)
     if bind_telemetry is not None:  # an upstream engine's per-replica metrics and spans
         bind_telemetry(telemetry)

@@ -210,17 +210,21 @@ async def test_small_kv_budget_preempts_and_answers_stay_identical(
     small_kv_server: ServerThread, gateway_server: ServerThread
 ) -> None:
     questions = [100, 101, 102, 103]
-    reference = [await ask(gateway_server, "", i, max_tokens=96) for i in questions]
+    # the reference runs batched on an ample budget (a batch answers as each request alone
+    # would: test_batch_of_eight_is_token_identical_to_alone)
+    reference = await asyncio.gather(
+        *(ask(gateway_server, "", i, max_tokens=72) for i in questions)
+    )
     engine = gateway_state(small_kv_server).engine
     before = engine.stats().preemptions_total
     constrained = await asyncio.gather(
-        *(ask(small_kv_server, "", i, max_tokens=96) for i in questions)
+        *(ask(small_kv_server, "", i, max_tokens=72) for i in questions)
     )
     assert engine.stats().preemptions_total > before, "the budget never forced a preemption"
     for (text_ref, resp_ref), (text, resp) in zip(reference, constrained, strict=False):
         assert resp["status"] == resp_ref["status"]
         assert text == text_ref
-    assert max(r["usage"]["output_tokens"] for _, r in constrained) > 64
+    assert max(r["usage"]["output_tokens"] for _, r in constrained) > 48
 
 
 def test_stateless_http_conversation_reuses_previous_turns(gateway_server: ServerThread) -> None:

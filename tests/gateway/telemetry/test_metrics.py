@@ -51,6 +51,10 @@ def record_one_of_each(m: GatewayMetrics) -> None:
         cache_bytes=lambda: {"vision": 1024},
         engine_stats=lambda: SCHEDULER,
     )
+    m.record_upstream_attempt(upstream="10.0.0.1:8000", outcome="ok", ttft_s=0.12)
+    m.observe_upstreams(
+        in_flight=lambda: {"10.0.0.1:8000": 2}, healthy=lambda: {"10.0.0.1:8000": True}
+    )
 
 
 def samples(t: Telemetry) -> list[tuple[str, dict[str, str], float]]:
