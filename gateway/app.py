@@ -66,7 +66,7 @@ def engine_threads(settings: Settings) -> int:
 
 def build_engine(settings: Settings) -> Engine:
     if settings.engine == "openai":  # generation on OpenAI-compatible upstream replicas
-        from gateway.engine.upstream import OpenAIEngine
+        from gateway.engine.openai_engine import OpenAIEngine
 
         return OpenAIEngine.from_settings(settings)
     from gateway.engine.local import LocalEngine
@@ -202,8 +202,9 @@ def create_app(
             await readiness.aclose()
             await _close(state)
 
-    @get("/healthz", sync_to_thread=False)
+    @get(["/healthz", "/health"], sync_to_thread=False)
     def healthz() -> dict[str, Any]:
+        # /health as vLLM and SGLang name it, so a gateway in front of this one probes it alike
         return {"status": "ok", "uptime_s": round(time.time() - state.started_at, 3)}
 
     readiness = Readiness(state)

@@ -22,6 +22,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import structlog
+from opentelemetry import context as otel_context
 
 if TYPE_CHECKING:
     from litestar import Litestar
@@ -96,10 +97,17 @@ class RequestIdMiddleware:
             await send(message)
 
         token = _current.set(request_id)
+        # Each request starts from an empty trace context: its spans come from its own
+        # traceparent header or are new roots. The context this task inherited is not clean:
+        # when a large body makes the server pause and resume reading, the connection's read
+        # callback is re-registered from inside that request's task and keeps its context (its
+        # span) for every later request on the connection.
+        otel_token = otel_context.attach(otel_context.Context())
         try:
             with structlog.contextvars.bound_contextvars(request_id=request_id):
                 await self.app(scope, receive, send_with_id)
         finally:
+            otel_context.detach(otel_token)
             _current.reset(token)
 
 

@@ -163,17 +163,22 @@ class ServeProcess:
         return prometheus_samples(r.text)
 
     def access_log(self) -> list[dict[str, Any]]:
-        """The gateway's access lines so far: one JSON object per finished response (status,
-        usage, timings), oldest first."""
+        """The gateway's access lines so far: one per response it finished (status, usage,
+        timings), oldest first."""
+        return self.log_events("response", logger="visiongate.access")
+
+    def log_events(self, event: str, *, logger: str | None = None) -> list[dict[str, Any]]:
+        """The JSON log lines of `event` (from `logger`, when given) so far, oldest first."""
         rows = []
+        needle = json.dumps({"event": event})[1:-1]  # '"event": "<name>"'
         for line in self.log_text().splitlines():
-            if '"event": "response"' not in line:
+            if needle not in line:
                 continue
             try:
                 row = json.loads(line)
             except ValueError:
                 continue
-            if row.get("event") == "response" and row.get("logger") == "visiongate.access":
+            if row.get("event") == event and (logger is None or row.get("logger") == logger):
                 rows.append(row)
         return rows
 
@@ -216,7 +221,9 @@ def front(
 @contextlib.contextmanager
 def running(*procs: ServeProcess, timeout_s: float = READY_TIMEOUT_S) -> Iterator[None]:
     """Start every process at once (their loads overlap), wait until all are ready, stop them
-    all on the way out (also when a start fails)."""
+    all on the way out (also when a start fails). A front gateway goes in a `running` of its
+    own, inside its replicas': it asks them for their model as it starts, and fails to load
+    when none answers yet."""
     try:
         for proc in procs:
             proc.start()

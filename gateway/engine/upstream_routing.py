@@ -11,10 +11,12 @@ Replicas are ordered for a key by rendezvous (highest-random-weight) hashing: ea
 `hash(key, replica)` and the highest wins. Adding or losing a replica moves only the keys that
 scored it highest. Two rules bend the order:
 
-- bounded load: a replica already holding `in_flight >= ceil(load_factor * (total + 1) /
-  healthy)` requests (total: in flight over the healthy replicas) goes after those under the
-  bound, so one hot conversation, or a hash that happens to favour one replica, cannot pile
-  everything on it; when every replica is over, score order stands;
+- bounded load: a replica already holding `in_flight >= max(min_load, ceil(load_factor *
+  (total + 1) / healthy))` requests (total: in flight over the healthy replicas) goes after
+  those under the bound, so one hot conversation, or a hash that happens to favour one
+  replica, cannot pile everything on it; when every replica is over, score order stands. The
+  floor `min_load` keeps a light load where its prefix cache is: a replica batches many
+  requests at once, and moving a conversation costs it a recompute of its whole prefix;
 - health: replicas marked down are left out; when none is up, all are tried in score order
   (one attempt each), since "down" may be stale.
 
@@ -85,15 +87,18 @@ def _score(key: bytes, replica: Replica) -> int:
 class Router:
     """Orders replicas for a route key (see the module docstring)."""
 
-    __slots__ = ("load_factor", "replicas")
+    __slots__ = ("load_factor", "min_load", "replicas")
 
-    def __init__(self, replicas: Sequence[Replica], *, load_factor: float = 1.25) -> None:
+    def __init__(
+        self, replicas: Sequence[Replica], *, load_factor: float = 1.25, min_load: int = 4
+    ) -> None:
         if not replicas:
             raise ValueError("at least one replica is needed")
         if load_factor < 1.0:
             raise ValueError(f"load_factor must be >= 1, got {load_factor}")
         self.replicas = list(replicas)
         self.load_factor = load_factor
+        self.min_load = max(1, min_load)
 
     def by_score(self, key: bytes) -> list[Replica]:
         """Every replica, highest rendezvous score for `key` first."""
@@ -105,7 +110,7 @@ class Router:
         if not healthy:
             return 0
         total = sum(r.in_flight for r in healthy)
-        return math.ceil(self.load_factor * (total + 1) / len(healthy))
+        return max(self.min_load, math.ceil(self.load_factor * (total + 1) / len(healthy)))
 
     def order(self, key: bytes) -> list[Replica]:
         """The replicas to try for `key`, in turn: healthy ones under the load bound by score,

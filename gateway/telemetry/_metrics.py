@@ -10,11 +10,13 @@ Attribute keys become label names the same way (``gen_ai.request.model`` ->
 ``gen_ai_request_model``). Histogram ``le`` labels are written from float bounds (``"2.0"``).
 
 Scheduler gauges read an engine's `SchedulerStats` snapshot at each collection; an engine
-without one (no ``stats()``) exports no scheduler series. Upstream series (``visiongate.upstream.*``)
-exist only for an engine on OpenAI-compatible replicas (``--engine openai``): one attempt per
-replica tried, labelled by the replica's ``host:port``. KV blocks are split into three states
+without one (no ``stats()``) exports no scheduler series. KV blocks are split into three states
 that add up to the pool: ``used`` (held by running requests), ``cached`` (unreferenced but
 holding reusable prefix KV, so allocatable at the cost of the reuse) and ``free`` (empty).
+
+The ``visiongate.upstream.*`` series exist only for an engine on OpenAI-compatible replicas
+(``--engine openai``), labelled by the replica's ``host:port``; a request counts once per
+replica it tried.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from tests.replicas import (
     replica,
     responses_served,
     running,
+    sample_sum,
     which_served,
 )
 
@@ -63,8 +64,11 @@ def _both_up(replicas: list[ServeProcess], front_gw: ServeProcess | None = None)
         proc.start()
     for proc in dead:
         proc.wait_ready()
-    if dead and front_gw is not None:
-        time.sleep(10.0)  # the front's health checks mark it up again
+    if dead and front_gw is not None:  # the front's health checks mark it up again
+        deadline = time.monotonic() + 30.0
+        while sample_sum(front_gw.metrics(), "visiongate_upstream_healthy") < len(replicas):
+            assert time.monotonic() < deadline, "the front gateway never saw the replica again"
+            time.sleep(0.2)
 
 
 def _client(proc: ServeProcess) -> openai.OpenAI:
@@ -81,6 +85,15 @@ def _new_access_row(proc: ServeProcess, seen: int, timeout_s: float = 10.0) -> d
         if time.monotonic() > deadline:
             raise AssertionError(f"{proc.name} logged no new response; log:\n{proc.log_tail()}")
         time.sleep(0.05)
+
+
+def _generations(proc: ServeProcess) -> list[dict[str, Any]]:
+    """What the replica's engine logged at the end of each generation (finish reason, tokens)."""
+    return proc.log_events("engine.generated")
+
+
+def _generations_since(replicas: list[ServeProcess], seen: list[int]) -> list[dict[str, Any]]:
+    return [g for p, n in zip(replicas, seen, strict=True) for g in _generations(p)[n:]]
 
 
 def _image_question(photo: bytes, question: str) -> list[dict[str, Any]]:
@@ -167,38 +180,61 @@ async def test_a_client_cancel_closes_the_upstream_stream(
     _both_up(replicas, front_gw)
     peer = await Peer.open(front_gw.ws_url)
     await peer.add([{"type": "input_text", "text": "Count from one to one hundred in words."}])
-    seen = [len(p.access_log()) for p in replicas]
-    before = responses_served(replicas)
+    seen = [len(_generations(p)) for p in replicas]
     await peer.send({"type": "response.create", "response": {"max_output_tokens": 200}})
     first, _ = await peer.until("response.output_text.delta")
     await peer.send({"type": "response.cancel"})
     done, events = await peer.until("response.done")
     response = done["response"]
     assert response["status"] == "cancelled"
-    assert first["delta"] + deltas(events) == response["output"][0]["content"][0]["text"]
-    # the replica saw its stream end early: its own response stopped, far short of 200 tokens
-    index = which_served(replicas, before)
-    upstream = _new_access_row(replicas[index], seen[index])
-    assert upstream["status"] in ("cancelled", "incomplete"), upstream
-    assert upstream["output_tokens"] < 20, upstream
+    streamed = first["delta"] + deltas(events)
+    assert streamed == response["output"][0]["content"][0]["text"]
+    # the replica's engine saw its stream closed: it stopped the generation, far short of 200
+    # tokens (its access log and response counter leave out an HTTP stream whose client left,
+    # so its engine's own line is what tells)
+    deadline = time.monotonic() + 10.0
+    while not (
+        new := [g for p, n in zip(replicas, seen, strict=True) for g in _generations(p)[n:]]
+    ):
+        assert time.monotonic() < deadline, "no replica's engine finished the generation"
+        time.sleep(0.05)
+    assert len(new) == 1, new
+    assert new[0]["finish_reason"] == "cancelled", new[0]
+    assert new[0]["output_tokens"] < 20, new[0]
     # the session and both gateways carry on
     done, _ = await peer.respond(max_output_tokens=4)
     assert done["response"]["status"] in ("completed", "incomplete")
     await peer.close()
 
 
+def _refusals(proc: ServeProcess, code: str) -> int:
+    return sum(1 for e in proc.log_events("client_error") if e.get("code") == code)
+
+
+@pytest.mark.parametrize(
+    ("text", "counted_by"),
+    [
+        # prose: the front gateway's own estimate (bytes / 3) already exceeds the context
+        ("The quick brown fox jumps over the lazy dog. " * 1400, "front"),
+        # digits are a token each: under the front's estimate, over the replica's own count
+        ("0123456789" * 900, "replica"),
+    ],
+    ids=["estimated-by-front", "counted-by-replica"],
+)
 def test_a_prompt_past_the_context_is_context_length_exceeded(
-    replicas: list[ServeProcess], front_gw: ServeProcess
+    replicas: list[ServeProcess], front_gw: ServeProcess, text: str, counted_by: str
 ) -> None:
     _both_up(replicas, front_gw)
-    text = "The quick brown fox jumps over the lazy dog. " * 1400  # > 8192 tokens
+    before = [_refusals(p, "context_length_exceeded") for p in replicas]
     with pytest.raises(openai.BadRequestError) as caught:
         _client(front_gw).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=8
         )
     assert caught.value.status_code == 400
     assert caught.value.code == "context_length_exceeded"
-    # the front gateway is still serving
+    after = [_refusals(p, "context_length_exceeded") for p in replicas]
+    assert sum(after) - sum(before) == (1 if counted_by == "replica" else 0)
+    # a 400 is the client's: the replica is not marked down, the next request is served
     ok = _client(front_gw).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=4
     )

@@ -281,6 +281,7 @@ def test_readyz_before_and_after_load(make_gateway: GatewayFactory) -> None:
     with httpx.Client(base_url=gateway.http_url, timeout=TIMEOUT) as http:
         try:
             assert http.get("/healthz").status_code == 200  # alive while loading
+            assert http.get("/health").status_code == 200  # the name vLLM and SGLang use
             r = http.get("/readyz")
             assert r.status_code == 503 and r.json()["status"] == "loading"
             r = http.post("/v1/chat/completions", json=body)

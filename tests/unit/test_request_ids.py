@@ -250,3 +250,29 @@ async def test_a_websocket_connection_has_one_id_for_its_upgrade_logs_and_respon
     assert access["request_id"] == "ws-conn-1" and access["api"] == "realtime"
     async with websockets.connect(url) as ws:
         assert NEW_ID.fullmatch(ws.response.headers["x-request-id"])
+
+
+def test_requests_on_one_connection_never_share_a_trace() -> None:
+    """A large body makes the server pause and resume reading the connection from inside that
+    request; the requests after it on the same keep-alive connection still start their own
+    traces (no span of an earlier request becomes their parent)."""
+    from gateway.client import image_data_url
+    from tests.conftest import unique_photo
+
+    settings = unit_settings()
+    app = create_app(settings, engine=FakeEngine(), encoder=FakeEncoder())
+    spans = InMemorySpanExporter()
+    app.state["gateway"].telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    image = {"type": "image_url", "image_url": {"url": image_data_url(unique_photo())}}
+    ids = []
+    with ServerThread(app, settings) as server:
+        server.wait_ready(timeout=30)
+        with httpx.Client(base_url=server.http_url, timeout=10) as client:
+            for content in ([image, {"type": "text", "text": "hi"}], "hi", "and again"):
+                body = {"model": "fake-echo", "messages": [{"role": "user", "content": content}]}
+                r = client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                ids.append(r.json()["id"])
+    traces = [s.context.trace_id for s in spans.get_finished_spans() if s.name == "chat fake-echo"]
+    assert len(traces) == len(ids) == 3
+    assert len(set(traces)) == 3, traces

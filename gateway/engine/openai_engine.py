@@ -1,0 +1,1098 @@
+"""The `openai` engine: generation on N OpenAI-compatible replicas of one model.
+
+`OpenAIEngine` speaks the `Engine` protocol over vLLM, SGLang, `trtllm-serve` or another
+visiongate. Each request is one streamed completion on one replica, chosen by session affinity
+with bounded load (`gateway.engine.upstream_routing`); a replica that fails before the first
+text is replaced by the next in the order, so no text is ever sent twice. The engine keeps no
+KV of its own: each replica's prefix cache holds what it served, and routing sends a
+conversation back to the replica that has it.
+
+The request (`POST {base_url}/v1/chat/completions`, Bearer key when the replica has one)::
+
+    {"model": NAME, "stream": true, "stream_options": {"include_usage": true},
+     "messages": [{"role": "system" | "user" | "assistant", "content": CONTENT}, ...],
+     "max_tokens": M, "max_completion_tokens": M, "temperature": T, "top_p": P, "n": N,
+     "seed": S,                              # when set
+     "stop": [...],                          # when set
+     "logprobs": true, "top_logprobs": K}    # when log-probabilities are asked for
+
+CONTENT is a string (the message's text parts joined by newlines) when a message has no
+image, else a list of parts in order: `{"type": "text", "text": ...}` and, per image,
+
+- bytes mode (`image_input == "bytes"`, settings `upstream_images = "data_url"`)::
+
+    {"type": "image_url", "uuid": DIGEST,
+     "image_url": {"url": "data:<mime>;base64,<bytes>", "content_hash": "sha256:<hex>"}}
+
+  DIGEST is the gateway's content id: vLLM keys its multimodal cache by the part's `uuid`
+  (so a replica that saw the image skips decoding and encoding it); SGLang takes a caller's
+  digest as `image_url.content_hash` ("sha256:" and the 64 hex digits of the bytes, which it
+  checks), so that one is sent only when the content id is the bytes' own sha256 (not when
+  images are private to each API key and the id is a per-key name). Other servers ignore
+  both fields.
+
+- embeds mode (`"embeds"`; vLLM started with `--enable-mm-embeds`)::
+
+    {"type": "image_embeds", "uuid": "<fingerprint16>:<sha256>", "image_embeds": B64}
+
+  B64 is the image's visual tokens [N, hidden] serialized as vLLM's own `tensor2base64`
+  does (`torch.save` of the tensor, base64): the replica loads it with
+  `torch.load(weights_only=True)`. For M-RoPE checkpoints (Qwen2-VL, Qwen2.5-VL) the part is
+  the dict form vLLM documents, `"image_embeds": {"image_embeds": B64, "image_grid_thw":
+  B64([[t, h, w]])}`, the grid in patches before the 2x2 merge. vLLM accepts image embeds in
+  one message per request only; the upstream's 400 says so when a conversation has more.
+
+A plain-text prompt (`raw_prompt`) goes to `/v1/completions` with `prompt` instead of
+`messages` (and `logprobs: K`, the completions form).
+
+The stream's chunks become `TextDelta`s (by choice index, with log-probabilities), then one
+`GenerationResult` per choice: finish reason "stop" or "length" (anything else reads as
+"stop"), prompt / cached / image tokens from the final usage chunk, output tokens from it too
+(split between choices by the chunks each streamed). Timings: `queue_ms` is everything before
+the request went out (routing, failed attempts, connecting), `ttft_ms` = `prefill_ms` the
+upstream's time from the request sent to the first text, `decode_ms` the rest.
+
+Failures: before the first text, a refused or dropped connection, a timeout (connecting past
+`connect_timeout_s`, or no byte for `first_token_timeout_s`, which also bounds a silence
+between chunks) or an HTTP 5xx marks the replica down and tries the next; a 429 tries the next
+without marking it. When every replica answered 429 the engine raises `EngineBusy` (its
+Retry-After passed on), otherwise `EngineError("upstream_error")`. A 400 is the client's:
+"context_length_exceeded" when the upstream says so, else "invalid_request" with its message;
+a 413 is "input_too_large"; 401, 403 and 404 mean the gateway's configuration is wrong
+("upstream_error", logged). After the first text any failure ends the stream with
+`EngineError("upstream_error")`.
+
+Cancellation (`request.cancel`, or closing the iterator) closes the upstream response at once,
+which makes the replica abort the request: the event is checked at every chunk and, while no
+chunk arrives, by one watcher that polls every in-flight request's event every 20 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import io
+import json
+import math
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import msgspec
+import structlog
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from gateway.engine.interface import (
+    Delta,
+    EngineBusy,
+    EngineError,
+    EngineStats,
+    GenerationRequest,
+    GenerationResult,
+    ImageInput,
+    ImageInputKind,
+    TextDelta,
+    TokenLogprob,
+)
+from gateway.engine.upstream_config import Upstream, parse_upstreams
+from gateway.engine.upstream_routing import Replica, Router, route_key
+from gateway.protocol.errors import clip
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span, Tracer
+
+__all__ = ("OpenAIEngine",)
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_CONTEXT_TOKENS = 8192
+START_RETRY_S = 1.0  # between rounds of GET /v1/models while no replica has answered
+CANCEL_POLL_S = 0.02  # how often the watcher looks at cancel events while no chunk arrives
+IMAGE_PART_CACHE_BYTES = 64 << 20  # rendered image parts kept for the next turn
+RENDER_OFF_LOOP_BYTES = 1 << 20  # new images past this are rendered on a worker thread
+# what an upstream's 400 says when the prompt does not fit (vLLM, SGLang, TensorRT-LLM, OpenAI)
+_CONTEXT_MESSAGE = re.compile(
+    r"context[ _-]?(length|window)|maximum (model |context )?length|max_model_len|"
+    r"longer than the (model's )?(maximum|context)|too many tokens",
+    re.IGNORECASE,
+)
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_propagator = TraceContextTextMapPropagator()
+
+
+# ------------------------------------------------------------------------- the wire (SSE)
+
+
+class _Top(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class _TokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[_Top] | None = None
+
+
+class _Logprobs(msgspec.Struct):
+    content: list[_TokenLogprob] | None = None  # chat completions
+    tokens: list[str] | None = None  # completions: parallel lists
+    token_logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[str, float] | None] | None = None
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    index: int = 0
+    delta: _Delta | None = None  # chat completions
+    text: str | None = None  # completions
+    finish_reason: str | None = None
+    logprobs: _Logprobs | None = None
+
+
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+    image_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = 0
+    completion_tokens: int | None = 0
+    prompt_tokens_details: _PromptDetails | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None  # an error reported inside the stream
+    object: str | None = None  # "error" on vLLM's and SGLang's error objects
+    message: str | None = None
+
+
+_chunk_decoder = msgspec.json.Decoder(_Chunk)
+_encoder = msgspec.json.Encoder()
+
+
+class _HTTPStatus(Exception):
+    """A non-200 answer: its status, error text and Retry-After."""
+
+    def __init__(self, status: int, body: bytes, retry_after: float | None) -> None:
+        self.status, self.retry_after = status, retry_after
+        self.code, self.text = _error_of(body)
+        super().__init__(f"HTTP {status}: {clip(self.text)}")
+
+
+class _StreamError(Exception):
+    """The stream broke: an error chunk, bad JSON, or an end before every choice finished."""
+
+
+class _Retry(Exception):
+    """This attempt failed before any text: try the next replica."""
+
+    def __init__(self, reason: str, *, busy_after: float | None = None) -> None:
+        super().__init__(reason)
+        self.busy_after = busy_after  # set for a 429: its Retry-After (or 1 s)
+
+
+_DONE = object()  # the stream said [DONE]
+_EOF = object()  # the body ended without [DONE]: whole only if every choice finished
+_CANCELLED = object()  # request.cancel was set
+
+
+def _error_of(body: bytes) -> tuple[str | None, str]:
+    """(code, message) of an OpenAI-style error body, whatever its nesting."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None, body.decode("utf-8", "replace").strip()
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        data = data["error"]
+    if not isinstance(data, dict):
+        return None, str(data)
+    code = data.get("code") if isinstance(data.get("code"), str) else None
+    message = data.get("message") or data.get("detail") or data.get("error") or ""
+    return code, message if isinstance(message, str) else json.dumps(message)
+
+
+def _retry_after(headers: httpx.Headers) -> float | None:
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(float(value), 0.0)
+    except ValueError:
+        return None  # an HTTP date: rare here, and a default is as good
+
+
+def _token_logprobs(logprobs: _Logprobs | None) -> tuple[TokenLogprob, ...]:
+    if logprobs is None:
+        return ()
+    if logprobs.content is not None:
+        return tuple(
+            TokenLogprob(
+                t.token,
+                t.logprob,
+                bytes(t.bytes) if t.bytes is not None else t.token.encode(),
+                tuple(
+                    (
+                        a.token,
+                        a.logprob,
+                        bytes(a.bytes) if a.bytes is not None else a.token.encode(),
+                    )
+                    for a in t.top_logprobs or ()
+                ),
+            )
+            for t in logprobs.content
+        )
+    tokens = logprobs.tokens or []
+    values = logprobs.token_logprobs or []
+    tops = logprobs.top_logprobs or []
+    out = []
+    for i, token in enumerate(tokens):
+        top = tops[i] if i < len(tops) and tops[i] else {}
+        alternatives = sorted(top.items(), key=lambda kv: kv[1], reverse=True)
+        out.append(
+            TokenLogprob(
+                token,
+                float(values[i]) if i < len(values) and values[i] is not None else 0.0,
+                token.encode(),
+                tuple((t, lp, t.encode()) for t, lp in alternatives),
+            )
+        )
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------ request bodies
+
+
+def _tensor_b64(tensor: Any) -> str:
+    """vLLM's wire form of a tensor: `torch.save` of a compact copy, base64. (The replica
+    loads it with `torch.load(weights_only=True)`; this side only writes.)"""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(tensor.detach().cpu().contiguous().clone(), buf)  # a view would save its base
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _grid_thw(mrope: tuple[int, ...], rows: int) -> list[list[int]] | None:
+    """The [t, h, w] patch grid of an M-RoPE image from its rows' (t, h, w) positions (after
+    the 2x2 merge), or None when rows were dropped (the grid would not match the rows)."""
+    t, h, w = (max(mrope[i::3]) + 1 for i in range(3))
+    if t * h * w != rows:
+        return None
+    return [[t, h * 2, w * 2]]
+
+
+class _ImageParts:
+    """Rendered image parts by content id (base64 is the costly part, and a conversation
+    sends its images again every turn), up to a byte budget, least recently used first out.
+    Thread-safe: large images are rendered off the event loop."""
+
+    __slots__ = ("_budget", "_bytes", "_lock", "_parts")
+
+    def __init__(self, budget: int = IMAGE_PART_CACHE_BYTES) -> None:
+        self._parts: OrderedDict[str, tuple[dict[str, Any], int]] = OrderedDict()
+        self._budget, self._bytes = budget, 0
+        self._lock = threading.Lock()
+
+    def missing_bytes(self, request: GenerationRequest) -> int:
+        """Bytes of the request's images that are not rendered yet."""
+        with self._lock:
+            return sum(
+                len(p.data or b"") + (p.embeds.nbytes if p.embeds is not None else 0)
+                for m in request.messages
+                for p in m.content
+                if isinstance(p, ImageInput) and p.digest not in self._parts
+            )
+
+    def get(self, image: ImageInput, kind: ImageInputKind) -> dict[str, Any]:
+        with self._lock:
+            found = self._parts.get(image.digest)
+            if found is not None:
+                self._parts.move_to_end(image.digest)
+                return found[0]
+        part, size = _render_image(image, kind)
+        if size <= self._budget:
+            with self._lock:
+                if image.digest not in self._parts:
+                    self._parts[image.digest] = (part, size)
+                    self._bytes += size
+                while self._bytes > self._budget:
+                    _, (_, dropped) = self._parts.popitem(last=False)
+                    self._bytes -= dropped
+        return part
+
+
+def _render_image(image: ImageInput, kind: ImageInputKind) -> tuple[dict[str, Any], int]:
+    if kind == "bytes":
+        if image.data is None:
+            raise EngineError("an image reached the upstream engine without its bytes")
+        b64 = base64.b64encode(image.data).decode("ascii")
+        url: dict[str, Any] = {"url": f"data:{image.mime or 'image/jpeg'};base64,{b64}"}
+        if _SHA256_HEX.fullmatch(image.digest) and (
+            hashlib.sha256(image.data).hexdigest() == image.digest
+        ):
+            url["content_hash"] = f"sha256:{image.digest}"
+        return {"type": "image_url", "image_url": url, "uuid": image.digest}, len(b64)
+    if image.embeds is None:
+        raise EngineError("an image reached the upstream engine without its visual tokens")
+    embeds: Any = _tensor_b64(image.embeds)
+    size = len(embeds)
+    layout = image.layout
+    if layout is not None and layout.mrope:
+        grid = _grid_thw(layout.mrope, int(image.embeds.shape[0]))
+        if grid is None:
+            raise EngineError(
+                "an upstream M-RoPE model takes an image's whole grid of visual tokens; run the "
+                "encoder without patch dropping (--pruning none)",
+                code="upstream_error",
+            )
+        import torch
+
+        embeds = {"image_embeds": embeds, "image_grid_thw": _tensor_b64(torch.tensor(grid))}
+    return {"type": "image_embeds", "image_embeds": embeds, "uuid": image.digest}, size
+
+
+# ------------------------------------------------------------------------ one request
+
+
+class _Run:
+    """What one request streamed so far, over its attempts (only the last one streams)."""
+
+    __slots__ = (
+        "cancel",
+        "chunks",
+        "ended",
+        "finish",
+        "first_at",
+        "gaps",
+        "last_at",
+        "n",
+        "queue",
+        "sent_at",
+        "started_at",
+        "texts",
+        "usage",
+    )
+
+    def __init__(self, request: GenerationRequest) -> None:
+        n = max(1, request.sampling.n)
+        self.n = n
+        self.cancel = request.cancel
+        self.started_at = time.perf_counter()
+        self.sent_at: float | None = None
+        self.first_at: float | None = None
+        self.last_at: list[float | None] = [None] * n
+        self.texts: list[list[str]] = [[] for _ in range(n)]
+        self.chunks = [0] * n
+        self.gaps: list[list[float]] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.usage: _Usage | None = None
+        self.ended = False
+        self.queue: asyncio.Queue[Any] | None = None
+
+    @property
+    def emitted(self) -> bool:
+        return self.first_at is not None
+
+    def absorb(self, chunk: _Chunk) -> list[TextDelta]:
+        if chunk.error is not None or chunk.object == "error":
+            error = chunk.error if chunk.error is not None else chunk.message
+            if isinstance(error, dict):
+                error = error.get("message", error)
+            raise _StreamError(f"the upstream reported an error mid-stream: {clip(error)}")
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        out: list[TextDelta] = []
+        now = time.perf_counter()
+        for choice in chunk.choices or ():
+            i = choice.index
+            if not 0 <= i < self.n:
+                continue
+            text = choice.delta.content if choice.delta is not None else choice.text
+            logprobs = _token_logprobs(choice.logprobs)
+            if text or logprobs:
+                text = text or ""
+                if self.first_at is None:
+                    self.first_at = now
+                last = self.last_at[i]
+                if last is not None:
+                    self.gaps[i].append(round((now - last) * 1e3, 3))
+                self.last_at[i] = now
+                self.texts[i].append(text)
+                self.chunks[i] += 1
+                out.append(TextDelta(text, index=i, logprobs=logprobs))
+            if choice.finish_reason is not None:
+                self.finish[i] = choice.finish_reason
+        return out
+
+    def results(self, cancelled: bool = False) -> list[GenerationResult]:
+        now = time.perf_counter()
+        sent = self.sent_at if self.sent_at is not None else now
+        usage = self.usage
+        details = usage.prompt_tokens_details if usage is not None else None
+        streamed = sum(self.chunks)
+        total_out = (usage.completion_tokens or 0) if usage is not None else 0
+        first = self.first_at
+        out = []
+        for i in range(self.n):
+            if usage is None or not total_out:
+                output_tokens = self.chunks[i]
+            elif self.n == 1:
+                output_tokens = total_out
+            else:  # split by the chunks each choice streamed
+                output_tokens = round(total_out * self.chunks[i] / streamed) if streamed else 0
+            reason = self.finish[i]
+            out.append(
+                GenerationResult(
+                    text="".join(self.texts[i]),
+                    finish_reason="cancelled"
+                    if cancelled
+                    else ("length" if reason == "length" else "stop"),
+                    input_tokens=(usage.prompt_tokens or 0) if usage is not None else 0,
+                    image_tokens=(details.image_tokens or 0) if details is not None else 0,
+                    output_tokens=output_tokens,
+                    cached_tokens=(details.cached_tokens or 0) if details is not None else 0,
+                    queue_ms=round((sent - self.started_at) * 1e3, 3),
+                    prefill_ms=round((first - sent) * 1e3, 3) if first is not None else 0.0,
+                    decode_ms=round((now - first) * 1e3, 3) if first is not None else 0.0,
+                    ttft_ms=round((first - sent) * 1e3, 3) if first is not None else 0.0,
+                    itl_ms=tuple(self.gaps[i]),
+                    index=i,
+                )
+            )
+        return out
+
+
+# ------------------------------------------------------------------------ the engine
+
+
+class _Mismatch(Exception):
+    """A replica serves another checkpoint than the gateway's encoder (embeds mode)."""
+
+
+class OpenAIEngine:
+    """`Engine` over OpenAI-compatible replicas of one model (see the module docstring)."""
+
+    def __init__(
+        self,
+        upstreams: Sequence[Upstream],
+        *,
+        image_input: ImageInputKind = "bytes",
+        model_id: str | None = None,
+        context_tokens: int = 0,
+        hidden_size: int = 0,
+        tokenizer_path: str | None = None,
+        checkpoint_name: str | None = None,
+        health_interval_s: float = 2.0,
+        connect_timeout_s: float = 5.0,
+        first_token_timeout_s: float = 120.0,
+        load_factor: float = 1.25,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        if image_input not in ("bytes", "embeds"):
+            raise ValueError(f"image_input must be bytes or embeds, got {image_input!r}")
+        if image_input == "embeds" and not checkpoint_name:
+            raise ValueError("embeds mode needs the checkpoint's name (the encoder's model_path)")
+        self.image_input: ImageInputKind = image_input
+        self._replicas = [Replica(u) for u in upstreams]
+        self._router = Router(self._replicas, load_factor=load_factor)
+        self._model_id_arg = model_id
+        self.model_id = model_id or next((r.model for r in self._replicas if r.model), "upstream")
+        self._context_arg = context_tokens
+        self.context_tokens = context_tokens or DEFAULT_CONTEXT_TOKENS
+        self.hidden_size = hidden_size
+        self._tokenizer_path = tokenizer_path
+        self._tokenizer: Any = None
+        self._checkpoint = checkpoint_name
+        self._health_interval_s = health_interval_s
+        self._start_timeout_s = start_timeout_s  # how long start() waits for a replica
+        self._timeout = httpx.Timeout(
+            connect=connect_timeout_s,
+            read=first_token_timeout_s,
+            write=connect_timeout_s,
+            pool=connect_timeout_s,
+        )
+        self._health_timeout = httpx.Timeout(max(1.0, min(connect_timeout_s, 5.0)))
+        self._client: httpx.AsyncClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runs: set[_Run] = set()
+        self._draining: set[asyncio.Task[None]] = set()  # readers finishing a complete body
+        self._images = _ImageParts()
+        self._started = False
+        self._tracer: Tracer = trace.get_tracer("visiongate.upstream")
+        self._metrics: Any = None
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> OpenAIEngine:
+        upstreams = parse_upstreams(settings.upstreams)
+        if settings.upstream_model:
+            upstreams = [replace(u, model=u.model or settings.upstream_model) for u in upstreams]
+        tokenizer_path = checkpoint_name = None
+        hidden_size = 0
+        if settings.model_path:
+            tokenizer_path = settings.model_path
+            checkpoint_name = os.path.basename(os.path.normpath(settings.model_path))
+            hidden_size = _text_hidden_size(settings.model_path)
+        return cls(
+            upstreams,
+            image_input="embeds" if settings.upstream_images == "embeds" else "bytes",
+            context_tokens=settings.upstream_context_tokens,
+            hidden_size=hidden_size,
+            tokenizer_path=tokenizer_path,
+            checkpoint_name=checkpoint_name,
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self._started and any(r.healthy for r in self._replicas)
+
+    def bind_telemetry(self, telemetry: Any) -> None:
+        """Per-replica metrics (`telemetry.metrics`) and one span per attempt (its tracer)."""
+        self._tracer = telemetry.tracer
+        self._metrics = telemetry.metrics
+        self._metrics.observe_upstreams(
+            in_flight=lambda: {r.name: r.in_flight for r in self._replicas},
+            healthy=lambda: {r.name: r.healthy for r in self._replicas},
+        )
+
+    async def start(self) -> None:
+        """Ask every replica what it serves; at least one must answer within `start_timeout_s`
+        (asked again every second until then). Starts the health loop."""
+        if self._started:
+            return
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                timeout=self._timeout,
+                limits=httpx.Limits(
+                    max_connections=4096, max_keepalive_connections=512, keepalive_expiry=30.0
+                ),
+                trust_env=False,  # replicas are addressed directly, never through a proxy
+            )
+        if self._tokenizer_path:
+            self._tokenizer = await asyncio.to_thread(_load_tokenizer, self._tokenizer_path)
+        else:
+            log.info(
+                "upstream.token_count_estimated",
+                why="no --model-path: prompt tokens are estimated as UTF-8 bytes / 3",
+            )
+        # replicas often start with the gateway: wait for one to answer, up to a deadline
+        deadline = time.monotonic() + self._start_timeout_s
+        while True:
+            outcomes = await asyncio.gather(
+                *(self._describe(r) for r in self._replicas), return_exceptions=True
+            )
+            answered_now = any(o is None or isinstance(o, _Mismatch) for o in outcomes)
+            if answered_now or time.monotonic() >= deadline:
+                break
+            log.info(
+                "upstream.waiting",
+                replicas=[r.name for r in self._replicas],
+                reason=_reason(outcomes[0]),
+                seconds_left=round(deadline - time.monotonic()),
+            )
+            await asyncio.sleep(min(START_RETRY_S, max(deadline - time.monotonic(), 0.0)))
+        mismatched = [
+            f"{r.name}: {o}"
+            for r, o in zip(self._replicas, outcomes, strict=True)
+            if isinstance(o, _Mismatch)
+        ]
+        if mismatched:
+            raise EngineError(
+                "upstream_images=embeds needs every replica to serve the gateway's checkpoint "
+                f"{self._checkpoint!r}; " + "; ".join(mismatched),
+                code="upstream_error",
+            )
+        answered = [r for r, o in zip(self._replicas, outcomes, strict=True) if o is None]
+        if not answered:
+            reasons = "; ".join(
+                f"{r.name}: {_reason(o)}" for r, o in zip(self._replicas, outcomes, strict=True)
+            )
+            raise EngineError(
+                f"no upstream replica answered GET /v1/models ({reasons})", code="upstream_error"
+            )
+        for r, o in zip(self._replicas, outcomes, strict=True):
+            if o is None:
+                self._set_health(r, True)
+            else:  # starts down; the health loop brings it in once it answers
+                log.warning("upstream.down", upstream=r.name, reason=_reason(o))
+        first = answered[0]
+        self.model_id = self._model_id_arg or first.model or self.model_id
+        reported = [r.context_tokens for r in answered if r.context_tokens]
+        if self._context_arg and reported and self._context_arg > min(reported):
+            log.warning(
+                "upstream.context_capped",
+                configured=self._context_arg,
+                replicas_report=min(reported),
+            )
+        limits = [v for v in (self._context_arg, min(reported, default=0)) if v]
+        self.context_tokens = min(limits) if limits else DEFAULT_CONTEXT_TOKENS
+        self._started = True
+        self._tasks = [
+            asyncio.create_task(self._health_loop(), name="upstream health"),
+            asyncio.create_task(self._watch_cancels(), name="upstream cancels"),
+        ]
+        log.info(
+            "upstream.started",
+            model=self.model_id,
+            replicas=[r.name for r in self._replicas],
+            up=[r.name for r in answered],
+            context_tokens=self.context_tokens,
+            image_input=self.image_input,
+        )
+
+    async def aclose(self) -> None:
+        for task in (*self._tasks, *self._draining):
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._draining, return_exceptions=True)
+        self._tasks = []
+        self._started = False
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    # -- what the gateway asks besides generation -------------------------------------------
+
+    def count_tokens(self, text: str) -> int:
+        """The checkpoint's own count with a tokenizer (`tokenizer_path`); else an estimate
+        on the safe side (UTF-8 bytes / 3, rounded up: real tokenizers average more)."""
+        if self._tokenizer is not None:
+            return len(self._tokenizer.encode(text, add_special_tokens=False))
+        return math.ceil(len(text.encode()) / 3)
+
+    def forget(self, kv_key: str) -> None:
+        """Nothing to drop: the replicas' prefix caches age out on their own."""
+
+    def stats(self) -> EngineStats:
+        return EngineStats(running=self._router.in_flight())
+
+    # -- replicas ---------------------------------------------------------------------------
+
+    def _headers(self, replica: Replica) -> dict[str, str]:
+        key = replica.upstream.api_key
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+    async def _describe(self, replica: Replica) -> None:
+        """GET /v1/models: the model name to send, its context, what checkpoint it serves."""
+        assert self._client is not None
+        response = await self._client.get(
+            f"{replica.upstream.base_url}/v1/models",
+            headers=self._headers(replica),
+            timeout=self._health_timeout,
+        )
+        if response.status_code != 200:
+            raise _StreamError(f"GET /v1/models answered HTTP {response.status_code}")
+        entries = response.json().get("data") or []
+        entry = next((e for e in entries if e.get("id") == replica.model), None)
+        if entry is None and replica.model is None:
+            entry = entries[0] if entries else None
+        if replica.model is None:
+            if entry is None:
+                raise _StreamError("GET /v1/models listed no model")
+            replica.model = str(entry["id"])
+        entry = entry or {"id": replica.model}  # a configured name the list does not show
+        replica.context_tokens = int(entry.get("max_model_len") or 0)
+        replica.served = tuple(str(entry[k]) for k in ("id", "root") if entry.get(k))
+        extension = entry.get("visiongate") if isinstance(entry.get("visiongate"), dict) else {}
+        fingerprint = entry.get("encoder_fingerprint") or extension.get("encoder_fingerprint")
+        replica.encoder_fingerprint = str(fingerprint) if fingerprint else None
+        if self.image_input == "embeds":
+            self._check_checkpoint(replica)
+        replica.verified = True
+
+    def _check_checkpoint(self, replica: Replica) -> None:
+        want = (self._checkpoint or "").lower()
+        names = [s.rstrip("/").rsplit("/", 1)[-1].lower() for s in replica.served or ()]
+        if want not in names:
+            raise _Mismatch(
+                f"it serves {', '.join(replica.served) or replica.model or 'an unnamed model'}"
+            )
+
+    def _set_health(self, replica: Replica, ok: bool, reason: str | None = None) -> None:
+        if replica.healthy == ok:
+            return
+        replica.healthy = ok
+        if ok:
+            log.info("upstream.up", upstream=replica.name)
+        else:
+            log.warning("upstream.down", upstream=replica.name, reason=reason)
+
+    async def _probe(self, replica: Replica) -> None:
+        assert self._client is not None
+        try:
+            if not replica.verified:  # never answered /v1/models: learn what it serves first
+                await self._describe(replica)
+                self._set_health(replica, True)
+                return
+            response = await self._client.get(
+                f"{replica.upstream.base_url}/health",
+                headers=self._headers(replica),
+                timeout=self._health_timeout,
+            )
+            if response.status_code in (404, 405):  # no /health: /v1/models says it is up
+                response = await self._client.get(
+                    f"{replica.upstream.base_url}/v1/models",
+                    headers=self._headers(replica),
+                    timeout=self._health_timeout,
+                )
+            ok = response.status_code == 200
+            self._set_health(replica, ok, None if ok else f"HTTP {response.status_code}")
+        except _Mismatch as exc:
+            log.error("upstream.wrong_checkpoint", upstream=replica.name, reason=str(exc))
+            self._set_health(replica, False, "serves another checkpoint")
+        except Exception as exc:
+            self._set_health(replica, False, _reason(exc))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            await asyncio.gather(*(self._probe(r) for r in self._replicas))
+
+    async def _watch_cancels(self) -> None:
+        """Wakes a request waiting for a chunk when its cancel event is set."""
+        while True:
+            await asyncio.sleep(CANCEL_POLL_S)
+            for run in self._runs:
+                if run.cancel.is_set() and run.queue is not None:
+                    run.queue.put_nowait(_CANCELLED)
+
+    # -- generation -------------------------------------------------------------------------
+
+    def _body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
+        """The path and body of `request`, without "model" (one per replica)."""
+        s = request.sampling
+        body: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
+        if request.raw_prompt is not None:
+            path = "/v1/completions"
+            body["prompt"] = request.raw_prompt
+        else:
+            path = "/v1/chat/completions"
+            body["messages"] = [
+                {"role": m.role, "content": self._content(m.content)} for m in request.messages
+            ]
+        body["max_tokens"] = s.max_output_tokens
+        if request.raw_prompt is None:
+            body["max_completion_tokens"] = s.max_output_tokens
+        body["temperature"] = s.temperature
+        body["top_p"] = s.top_p
+        body["n"] = max(1, s.n)
+        if s.seed is not None:
+            body["seed"] = s.seed
+        if s.stop:
+            body["stop"] = list(s.stop)
+        if s.logprobs is not None:
+            if request.raw_prompt is not None:
+                body["logprobs"] = s.logprobs
+            else:
+                body["logprobs"] = True
+                body["top_logprobs"] = s.logprobs
+        return path, body
+
+    def _content(self, parts: Sequence[str | ImageInput]) -> str | list[dict[str, Any]]:
+        if all(isinstance(p, str) for p in parts):
+            return "\n".join(parts)  # type: ignore[arg-type]
+        return [
+            {"type": "text", "text": p}
+            if isinstance(p, str)
+            else self._images.get(p, self.image_input)
+            for p in parts
+        ]
+
+    def _candidates(self, request: GenerationRequest) -> list[Replica]:
+        order = self._router.order(route_key(request))
+        if self.image_input != "embeds":
+            return order
+        prefixes = {
+            p.digest.split(":", 1)[0]
+            for m in request.messages
+            for p in m.content
+            if isinstance(p, ImageInput) and ":" in p.digest
+        }
+        if not prefixes:
+            return order
+        fit = [
+            r
+            for r in order
+            if r.encoder_fingerprint is None
+            or all(r.encoder_fingerprint.startswith(p) for p in prefixes)
+        ]
+        if not fit:
+            raise EngineError(
+                "every upstream replica reports another encoder fingerprint than this gateway's",
+                code="upstream_error",
+            )
+        return fit
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        if request.sampling.grammar is not None:
+            raise EngineError(
+                "constrained output (a grammar, JSON schema or forced tool call) cannot be "
+                "forwarded to an upstream engine",
+                code="invalid_request",
+            )
+        if not self._started or self._client is None:
+            raise EngineError("the upstream engine is not started", code="upstream_error")
+        run = _Run(request)
+        if self._images.missing_bytes(request) > RENDER_OFF_LOOP_BYTES:
+            path, body = await asyncio.to_thread(self._body, request)  # base64 of megabytes
+        else:
+            path, body = self._body(request)
+        order = self._candidates(request)
+        failures: list[str] = []
+        busy_after: list[float] = []
+        self._runs.add(run)
+        try:
+            for attempt, replica in enumerate(order, 1):
+                if run.cancel.is_set():
+                    break
+                last = attempt == len(order)
+                try:
+                    async with contextlib.aclosing(
+                        self._attempt(replica, attempt, path, body, run, last)
+                    ) as stream:
+                        async for delta in stream:
+                            yield delta
+                    break
+                except _Retry as exc:
+                    failures.append(f"{replica.name}: {exc}")
+                    if exc.busy_after is not None:
+                        busy_after.append(exc.busy_after)
+                    if not last:
+                        log.warning(
+                            "upstream.failover",
+                            upstream=replica.name,
+                            attempt=attempt,
+                            reason=str(exc),
+                            request_id=request.request_id,
+                        )
+            else:
+                if len(busy_after) == len(order):
+                    raise EngineBusy(
+                        "every upstream replica is busy (HTTP 429)",
+                        retry_after_s=min(busy_after) if busy_after else 1.0,
+                    )
+                raise EngineError(
+                    "no upstream replica could answer: " + "; ".join(failures),
+                    code="upstream_error",
+                )
+            if run.cancel.is_set() and not run.ended:
+                for result in run.results(cancelled=True):
+                    yield result
+                return
+            for result in run.results():
+                yield result
+        finally:
+            self._runs.discard(run)
+
+    async def _attempt(
+        self,
+        replica: Replica,
+        attempt: int,
+        path: str,
+        body: dict[str, Any],
+        run: _Run,
+        last: bool,
+    ) -> AsyncIterator[TextDelta]:
+        """One try on one replica: its deltas; `_Retry` when it failed before any text."""
+        span = self._tracer.start_span(
+            "upstream.request",
+            kind=SpanKind.CLIENT,
+            attributes={
+                "visiongate.upstream.name": replica.name,
+                "visiongate.upstream.attempt": attempt,
+            },
+        )
+        headers = self._headers(replica)
+        headers["content-type"] = "application/json"
+        _propagator.inject(headers, context=trace.set_span_in_context(span))
+        payload = _encoder.encode({"model": replica.model or self.model_id, **body})
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        run.queue = queue
+        run.sent_at = None
+        replica.in_flight += 1
+        reader = asyncio.create_task(
+            self._read(f"{replica.upstream.base_url}{path}", payload, headers, queue, run, span)
+        )
+        outcome = "error"
+        try:
+            while True:
+                item = await queue.get()
+                if item is _DONE or item is _EOF:
+                    if item is _EOF and not all(run.finish):
+                        raise _StreamError("the stream ended before every choice finished")
+                    run.ended = True
+                    outcome = "ok"
+                    return
+                if item is _CANCELLED or run.cancel.is_set():
+                    outcome = "cancelled"
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                for delta in run.absorb(item):
+                    yield delta
+        except _HTTPStatus as exc:
+            retried = exc.status >= 500 or exc.status == 408
+            outcome = (
+                "busy" if exc.status == 429 else "failover" if retried and not last else "error"
+            )
+            self._on_status(replica, exc)
+        except Exception as exc:  # transport errors, a broken stream, bad JSON
+            if run.emitted:
+                raise EngineError(
+                    f"the upstream replica {replica.name} failed mid-answer: {_reason(exc)}",
+                    code="upstream_error",
+                ) from None
+            self._set_health(replica, False, _reason(exc))
+            outcome = "error" if last else "failover"
+            raise _Retry(_reason(exc)) from None
+        finally:
+            if outcome == "ok" and not reader.done():
+                # it reads the body's last bytes, so the connection goes back to the pool
+                self._draining.add(reader)
+                reader.add_done_callback(self._draining.discard)
+            else:  # closing the response mid-stream makes the replica abort the request
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await reader
+            run.queue = None
+            replica.in_flight -= 1
+            span.set_attribute("visiongate.upstream.outcome", outcome)
+            if outcome in ("error", "failover", "busy"):
+                span.set_status(StatusCode.ERROR, outcome)
+            span.end()
+            if self._metrics is not None:
+                ttft_s = None
+                if outcome == "ok" and run.first_at is not None and run.sent_at is not None:
+                    ttft_s = run.first_at - run.sent_at
+                self._metrics.record_upstream_attempt(
+                    upstream=replica.name, outcome=outcome, ttft_s=ttft_s
+                )
+
+    def _on_status(self, replica: Replica, exc: _HTTPStatus) -> None:
+        """Raise what a non-200 answer means (see the module docstring)."""
+        status = exc.status
+        if status == 429:
+            raise _Retry("HTTP 429", busy_after=exc.retry_after or 1.0)
+        if status >= 500 or status == 408:
+            if status >= 500:
+                self._set_health(replica, False, f"HTTP {status}")
+            raise _Retry(f"HTTP {status}: {clip(exc.text)}")
+        if status in (400, 422):
+            if exc.code == "context_length_exceeded" or _CONTEXT_MESSAGE.search(exc.text):
+                raise EngineError(clip(exc.text, 400), code="context_length_exceeded")
+            raise EngineError(clip(exc.text, 400) or "refused", code="invalid_request")
+        if status == 413:
+            raise EngineError(clip(exc.text, 400) or "too large", code="input_too_large")
+        log.error(
+            "upstream.refused",
+            upstream=replica.name,
+            status=status,
+            message=clip(exc.text),
+            why="the gateway's upstream configuration (URL, model, API key) is wrong",
+        )
+        raise EngineError(
+            f"the upstream replica {replica.name} refused the request (HTTP {status})",
+            code="upstream_error",
+        )
+
+    async def _read(
+        self,
+        url: str,
+        payload: bytes,
+        headers: dict[str, str],
+        queue: asyncio.Queue[Any],
+        run: _Run,
+        span: Span,
+    ) -> None:
+        """Send the request and put its parsed chunks on `queue`, then `_DONE` (or `_EOF`, or
+        the error)."""
+        assert self._client is not None
+
+        async def sent(name: str, _info: Mapping[str, Any]) -> None:
+            if name.endswith("send_request_headers.started"):
+                run.sent_at = time.perf_counter()
+
+        try:
+            request = self._client.build_request(
+                "POST", url, content=payload, headers=headers, extensions={"trace": sent}
+            )
+            response = await self._client.send(request, stream=True)
+            try:
+                span.set_attribute("http.response.status_code", response.status_code)
+                if response.status_code != 200:
+                    body = await response.aread()
+                    raise _HTTPStatus(response.status_code, body, _retry_after(response.headers))
+                decode = _chunk_decoder.decode
+                done = False
+                async for line in response.aiter_lines():
+                    if done or not line.startswith("data:"):
+                        continue  # after [DONE]: read to the end of the body all the same
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        queue.put_nowait(_DONE)
+                        continue
+                    queue.put_nowait(decode(data))
+                if not done:
+                    queue.put_nowait(_EOF)
+            finally:
+                await response.aclose()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            queue.put_nowait(exc)
+
+
+def _reason(exc: object) -> str:
+    """A short reason for logs and errors (never a key: exceptions name host:port at most)."""
+    if isinstance(exc, httpx.ConnectError):
+        return "connection refused or unreachable"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"timed out ({type(exc).__name__})"
+    if isinstance(exc, httpx.TransportError):
+        return f"connection failed ({type(exc).__name__})"
+    if isinstance(exc, BaseException):
+        return clip(str(exc) or type(exc).__name__)
+    return clip(str(exc))
+
+
+def _text_hidden_size(model_path: str) -> int:
+    """The language model's hidden size from a checkpoint's config.json (its text config's,
+    for a VLM); 0 when it does not say (a tokenizer-only directory has no config.json)."""
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        config = json.load(f)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    size = text.get("hidden_size") or config.get("hidden_size")
+    if size:
+        return int(size)
+    from transformers import AutoConfig  # defaults a sparse config.json leaves out
+
+    auto = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    return int(getattr(auto.get_text_config(), "hidden_size", 0) or 0)
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

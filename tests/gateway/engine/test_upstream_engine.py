@@ -1,0 +1,652 @@
+"""`OpenAIEngine` against scripted OpenAI-compatible replicas on loopback ports
+(tests/upstream_fake.py stands in for vLLM / SGLang): request bodies, streaming and usage,
+failover, error mapping, cancellation, start-up checks, metrics and spans, and one request
+through the whole gateway with the official `openai` client."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import io
+import json
+import zipfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from encoder_worker.types import ImageLayout
+from gateway.engine.interface import (
+    EngineBusy,
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    ImageInput,
+    Message,
+    SamplingParams,
+    TextDelta,
+)
+from gateway.engine.openai_engine import OpenAIEngine
+from gateway.engine.upstream_config import Upstream, parse_upstream
+from gateway.engine.upstream_routing import Replica, Router, route_key
+from tests.conftest import free_port, photo_bytes
+from tests.upstream_fake import FakeUpstream, Script, wait_until
+
+
+@asynccontextmanager
+async def started(*fakes: FakeUpstream | str, **options) -> AsyncIterator[OpenAIEngine]:
+    upstreams = [parse_upstream(f if isinstance(f, str) else f.url) for f in fakes]
+    engine = OpenAIEngine(upstreams, **options)
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.aclose()
+
+
+def request(
+    text: str = "What is in the photo?",
+    *,
+    images: tuple[ImageInput, ...] = (),
+    kv_key: str | None = "session-1",
+    **sampling,
+) -> GenerationRequest:
+    return GenerationRequest(
+        request_id="resp_1",
+        messages=[
+            Message("system", ["Be brief."]),
+            Message("user", [text, *images]),
+        ],
+        sampling=SamplingParams(**sampling),
+        kv_key=kv_key,
+        cache_salt="key-1",
+    )
+
+
+async def collect(
+    engine: OpenAIEngine, req: GenerationRequest
+) -> tuple[list[TextDelta], list[GenerationResult]]:
+    deltas, results = [], []
+    async for item in engine.generate(req):
+        (deltas if isinstance(item, TextDelta) else results).append(item)
+    return deltas, results
+
+
+def ranked(fakes: list[FakeUpstream], req: GenerationRequest) -> list[FakeUpstream]:
+    """The fakes in the order the engine tries them for `req` (all healthy)."""
+    replicas = [Replica(parse_upstream(f.url)) for f in fakes]
+    for r in replicas:
+        r.healthy = True
+    by_name = {f.name: f for f in fakes}
+    return [by_name[r.name] for r in Router(replicas).order(route_key(req))]
+
+
+def photo_input(data: bytes, digest: str | None = None) -> ImageInput:
+    return ImageInput(
+        digest or hashlib.sha256(data).hexdigest(), None, data=data, mime="image/jpeg"
+    )
+
+
+# ------------------------------------------------------------------ start-up
+
+
+async def test_start_learns_model_and_context() -> None:
+    with FakeUpstream("org/Some-VLM-7B", max_model_len=32768) as a:
+        async with started(a) as engine:
+            assert engine.ready
+            assert engine.model_id == "org/Some-VLM-7B"
+            assert engine.context_tokens == 32768
+            assert engine.image_input == "bytes"
+        async with started(a, context_tokens=4096, model_id="vlm") as engine:
+            assert engine.context_tokens == 4096  # a configured limit under the replica's
+            assert engine.model_id == "vlm"
+
+
+async def test_start_fails_naming_the_replicas_never_their_keys() -> None:
+    ports = [free_port(), free_port()]
+    env = {"UPSTREAM_KEY": "sk-very-secret-key"}
+    upstreams = [
+        parse_upstream(f"http://127.0.0.1:{p}#api_key_env=UPSTREAM_KEY", env) for p in ports
+    ]
+    engine = OpenAIEngine(upstreams, connect_timeout_s=1.0, start_timeout_s=1.5)
+    with pytest.raises(EngineError) as info:
+        await engine.start()
+    await engine.aclose()
+    message = str(info.value)
+    assert info.value.code == "upstream_error"
+    assert all(f"127.0.0.1:{p}" in message for p in ports)
+    assert "sk-very-secret-key" not in message
+    assert not engine.ready
+
+
+async def test_start_waits_for_a_replica_that_comes_up_later() -> None:
+    """Replicas often start with the gateway: start() asks again until one answers."""
+    port = free_port()
+    engine = OpenAIEngine([parse_upstream(f"http://127.0.0.1:{port}")], start_timeout_s=60)
+    starting = asyncio.create_task(engine.start())
+    await asyncio.sleep(1.5)
+    assert not starting.done() and not engine.ready
+    with FakeUpstream(port=port):
+        await asyncio.wait_for(starting, 30)
+        try:
+            assert engine.ready and engine.model_id
+        finally:
+            await engine.aclose()
+
+
+async def test_bearer_key_sent_to_the_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    with FakeUpstream() as a:
+        up = parse_upstream(f"{a.url}#api_key_env=K&model=served-name", {"K": "sk-abc"})
+        engine = OpenAIEngine([up])
+        await engine.start()
+        try:
+            await collect(engine, request())
+        finally:
+            await engine.aclose()
+        assert {r.headers.get("authorization") for r in a.requests} == {"Bearer sk-abc"}
+        assert a.chat_requests()[0].body["model"] == "served-name"
+
+
+async def test_embeds_mode_refuses_a_replica_serving_another_checkpoint() -> None:
+    with FakeUpstream("Qwen/Qwen2.5-VL-7B-Instruct") as a:
+        engine = OpenAIEngine(
+            [parse_upstream(a.url)], image_input="embeds", checkpoint_name="llava-1.5-7b-hf"
+        )
+        with pytest.raises(EngineError, match="llava-1.5-7b-hf") as info:
+            await engine.start()
+        await engine.aclose()
+        assert "Qwen2.5-VL-7B-Instruct" in str(info.value)
+        # the same checkpoint, served from a local path: its root's last component matches
+        a.models = [{"id": "vlm", "root": "/models/Qwen2.5-VL-7B-Instruct", "max_model_len": 8192}]
+        async with started(
+            a, image_input="embeds", checkpoint_name="Qwen2.5-VL-7B-Instruct"
+        ) as engine:
+            assert engine.ready and engine.model_id == "vlm"
+
+
+def test_from_settings(tmp_path: Path) -> None:
+    from gateway.settings import Settings
+
+    ckpt = tmp_path / "Qwen2.5-VL-3B-Instruct"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 2048}}))
+    settings = Settings(
+        engine="openai",
+        upstreams=["http://127.0.0.1:9001,http://127.0.0.1:9002#model=m2"],
+        upstream_model="m1",
+        upstream_images="embeds",
+        upstream_context_tokens=16384,
+        model_path=str(ckpt),
+    )
+    engine = OpenAIEngine.from_settings(settings)
+    assert engine.image_input == "embeds"
+    assert engine.hidden_size == 2048
+    assert engine.context_tokens == 16384
+    assert [r.model for r in engine._router.replicas] == ["m1", "m2"]
+    assert engine._checkpoint == "Qwen2.5-VL-3B-Instruct"
+    plain = OpenAIEngine.from_settings(
+        Settings(engine="openai", upstreams=["http://127.0.0.1:9001"])
+    )
+    assert plain.image_input == "bytes" and plain.hidden_size == 0
+
+
+def test_token_count_estimate_without_a_tokenizer() -> None:
+    engine = OpenAIEngine([Upstream("http://127.0.0.1:1", name="127.0.0.1:1")])
+    assert engine.count_tokens("abcdefg") == 3  # 7 bytes / 3, rounded up
+    assert engine.count_tokens("é") == 1
+
+
+# ------------------------------------------------------------------ request bodies
+
+
+async def test_chat_body_in_bytes_mode() -> None:
+    photo = photo_bytes("astronaut", size=64)
+    digest = hashlib.sha256(photo).hexdigest()
+    with FakeUpstream() as a:
+        async with started(a) as engine:
+            req = request(
+                images=(photo_input(photo),),
+                max_output_tokens=40,
+                temperature=0.7,
+                top_p=0.9,
+                seed=7,
+                stop=("\n\n",),
+                logprobs=2,
+            )
+            req.messages.append(Message("assistant", ["An astronaut."]))
+            req.messages.append(Message("user", ["And the flag?", "Be precise."]))
+            await collect(engine, req)
+            # a per-key content id (not the bytes' own digest): no content_hash
+            scoped = "f" * 64
+            await collect(engine, request(images=(photo_input(photo, scoped),)))
+    first, second = (r.body for r in a.chat_requests())
+    assert a.chat_requests()[0].path == "/v1/chat/completions"
+    data_url = "data:image/jpeg;base64," + base64.b64encode(photo).decode()
+    assert first == {
+        "model": "fake-vlm",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in the photo?"},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": data_url, "content_hash": f"sha256:{digest}"},
+                        "uuid": digest,
+                    },
+                ],
+            },
+            {"role": "assistant", "content": "An astronaut."},
+            {"role": "user", "content": "And the flag?\nBe precise."},
+        ],
+        "max_tokens": 40,
+        "max_completion_tokens": 40,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "n": 1,
+        "seed": 7,
+        "stop": ["\n\n"],
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    image = second["messages"][1]["content"][1]
+    assert image == {"type": "image_url", "image_url": {"url": data_url}, "uuid": scoped}
+
+
+async def test_large_images_rendered_off_the_loop_and_reused() -> None:
+    big = bytes(range(256)) * (6 * 4096)  # 6 MiB: rendered on a worker thread
+    image = ImageInput(hashlib.sha256(big).hexdigest(), None, data=big, mime="image/png")
+    with FakeUpstream() as a:
+        async with started(a) as engine:
+            for turn in range(2):  # the second turn reuses the rendered part
+                await collect(engine, request(f"turn {turn}", images=(image,)))
+    urls = [r.body["messages"][1]["content"][1]["image_url"]["url"] for r in a.chat_requests()]
+    assert urls == ["data:image/png;base64," + base64.b64encode(big).decode()] * 2
+
+
+def _saved_tensor_bytes(b64: str) -> bytes:
+    """The raw storage of a `torch.save` archive, read as a zip (nothing is unpickled)."""
+    with zipfile.ZipFile(io.BytesIO(base64.b64decode(b64))) as archive:
+        names = archive.namelist()
+        assert any(n.endswith("/data.pkl") for n in names)
+        (storage,) = [n for n in names if n.endswith("/data/0")]
+        return archive.read(storage)
+
+
+async def test_chat_body_in_embeds_mode() -> None:
+    tokens = torch.randn(4, 8)
+    digest = "0123456789abcdef:" + "a" * 64
+    qwen = ImageInput(
+        "fedcba9876543210:" + "b" * 64,
+        torch.randn(4, 8),
+        layout=ImageLayout("<|image_pad|>", (4,), mrope=(0, 0, 0, 0, 0, 1, 0, 1, 0, 0, 1, 1)),
+    )
+    with FakeUpstream(model="llava-1.5-7b-hf") as a:
+        async with started(a, image_input="embeds", checkpoint_name="llava-1.5-7b-hf") as eng:
+            await collect(eng, request(images=(ImageInput(digest, tokens),)))
+            await collect(eng, request(images=(qwen,)))
+    plain, grid = (r.body["messages"][1]["content"][1] for r in a.chat_requests())
+    assert plain["type"] == "image_embeds" and plain["uuid"] == digest
+    assert set(plain) == {"type", "image_embeds", "uuid"}
+    assert _saved_tensor_bytes(plain["image_embeds"]) == tokens.numpy().tobytes()
+    # M-RoPE (Qwen2-VL family): the dict form with the image's patch grid before the 2x2 merge
+    assert grid["uuid"] == qwen.digest
+    assert set(grid["image_embeds"]) == {"image_embeds", "image_grid_thw"}
+    thw = _saved_tensor_bytes(grid["image_embeds"]["image_grid_thw"])
+    assert torch.frombuffer(bytearray(thw), dtype=torch.int64).tolist() == [1, 4, 4]
+
+
+async def test_raw_prompt_uses_completions() -> None:
+    with FakeUpstream() as a:
+        async with started(a) as engine:
+            req = GenerationRequest(
+                "c1",
+                [],
+                sampling=SamplingParams(max_output_tokens=5, logprobs=1),
+                raw_prompt="1+1=",
+            )
+            deltas, (result,) = await collect(engine, req)
+    recorded = a.chat_requests()[0]
+    assert recorded.path == "/v1/completions"
+    assert recorded.body["prompt"] == "1+1=" and "messages" not in recorded.body
+    assert recorded.body["logprobs"] == 1 and "max_completion_tokens" not in recorded.body
+    assert result.text == "Hello, world"
+
+
+async def test_grammar_is_refused_before_any_request() -> None:
+    with FakeUpstream() as a:
+        async with started(a) as engine:
+            with pytest.raises(EngineError) as info:
+                await collect(engine, request(grammar='start: "yes" | "no"'))
+    assert info.value.code == "invalid_request"
+    assert not a.chat_requests()
+
+
+# ------------------------------------------------------------------ streaming and usage
+
+
+async def test_deltas_usage_and_timings() -> None:
+    with FakeUpstream() as a:
+        a.default = Script(chunks=["The", " sky", " is", " blue"], delay_s=0.01)
+        async with started(a) as engine:
+            deltas, (result,) = await collect(engine, request())
+    assert [d.text for d in deltas] == ["The", " sky", " is", " blue"]
+    assert result.text == "The sky is blue" and result.finish_reason == "stop"
+    assert (result.input_tokens, result.cached_tokens, result.output_tokens) == (21, 16, 3)
+    assert result.image_tokens == 0
+    assert result.ttft_ms > 0 and result.ttft_ms == result.prefill_ms
+    assert result.decode_ms > 0 and len(result.itl_ms) == 3
+    assert result.queue_ms >= 0
+
+
+async def test_length_finish_logprobs_and_choices() -> None:
+    with FakeUpstream() as a:
+        a.scripts.append(Script(finish_reason="length", logprobs=True))
+        a.scripts.append(
+            Script(
+                chunks=["a", "b"],
+                n=2,
+                finish_reason="weird",
+                usage={"prompt_tokens": 5, "completion_tokens": 8},
+            )
+        )
+        async with started(a) as engine:
+            deltas, (result,) = await collect(engine, request(logprobs=1))
+            assert result.finish_reason == "length"
+            first = deltas[0].logprobs[0]
+            assert (first.token, first.logprob, first.bytes) == ("Hello", -0.5, b"Hello")
+            assert first.top == (("Hello", -0.5, b"Hello"),)
+            deltas, results = await collect(engine, request(n=2))
+    assert [r.index for r in results] == [0, 1]
+    assert [r.text for r in results] == ["ab", "ab"]
+    assert [r.finish_reason for r in results] == ["stop", "stop"]  # unknown reasons read as stop
+    assert [r.output_tokens for r in results] == [4, 4]  # 8 split by chunks streamed
+    assert {d.index for d in deltas} == {0, 1}
+
+
+# ------------------------------------------------------------------ failover and errors
+
+
+@pytest.mark.parametrize("failure", ["http_503", "refused", "dropped"])
+async def test_failover_before_the_first_token(failure: str) -> None:
+    with FakeUpstream() as a, FakeUpstream() as b:
+        req = request(kv_key="failover-" + failure)
+        first, second = ranked([a, b], req)
+        if failure == "http_503":
+            first.scripts.append(Script(status=503))
+        elif failure == "dropped":
+            first.scripts.append(Script(drop_after=0))  # the role chunk, then nothing
+        async with started(a, b) as engine:
+            if failure == "refused":
+                first.set_listening(False)
+            deltas, (result,) = await collect(engine, req)
+            down = {r.name: r.healthy for r in engine._router.replicas}
+    assert "".join(d.text for d in deltas) == "Hello, world"  # once: nothing duplicated
+    assert result.text == "Hello, world"
+    assert len(second.chat_requests()) == 1
+    assert down[first.name] is False and down[second.name] is True
+
+
+async def test_failure_after_the_first_token_is_an_upstream_error() -> None:
+    with FakeUpstream() as a, FakeUpstream() as b:
+        req = request(kv_key="mid-stream")
+        first, second = ranked([a, b], req)
+        first.scripts.append(Script(chunks=["one", " two", " three"], drop_after=1))
+        async with started(a, b) as engine:
+            deltas = []
+            with pytest.raises(EngineError) as info:
+                async for item in engine.generate(req):
+                    deltas.append(item)
+    assert info.value.code == "upstream_error"
+    assert [d.text for d in deltas] == ["one"]
+    assert not second.chat_requests()  # text was out: no second try
+
+
+async def test_error_in_the_stream_after_text() -> None:
+    with FakeUpstream() as a:
+        a.scripts.append(Script(stream_error="engine died"))
+        async with started(a) as engine:
+            with pytest.raises(EngineError, match="engine died") as info:
+                await collect(engine, request())
+    assert info.value.code == "upstream_error"
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "code"),
+    [
+        (
+            400,
+            {
+                "object": "error",
+                "message": "This model's maximum context length is 4096 tokens. However, "
+                "you requested 5000 tokens.",
+                "code": 400,
+            },
+            "context_length_exceeded",
+        ),
+        (
+            400,
+            {"error": {"message": "top_p must be in (0, 1]", "code": "bad_param"}},
+            "invalid_request",
+        ),
+        (413, {"object": "error", "message": "payload too large"}, "input_too_large"),
+        (401, {"error": {"message": "invalid api key"}}, "upstream_error"),
+        (404, {"error": {"message": "model not found"}}, "upstream_error"),
+    ],
+)
+async def test_client_errors_map_without_failover(status: int, error: dict, code: str) -> None:
+    with FakeUpstream() as a, FakeUpstream() as b:
+        req = request(kv_key=f"status-{status}-{code}")
+        first, second = ranked([a, b], req)
+        first.scripts.append(Script(status=status, error=error))
+        async with started(a, b) as engine:
+            with pytest.raises(EngineError) as info:
+                await collect(engine, req)
+            healthy = all(r.healthy for r in engine._router.replicas)
+    assert info.value.code == code
+    assert not isinstance(info.value, EngineBusy)
+    assert not second.chat_requests()
+    assert healthy  # the replica works; the request (or the configuration) was wrong
+    if code == "invalid_request":
+        assert "top_p must be in (0, 1]" in str(info.value)
+
+
+async def test_429_tries_the_next_replica_then_reports_busy() -> None:
+    with FakeUpstream() as a, FakeUpstream() as b:
+        req = request(kv_key="busy")
+        first, second = ranked([a, b], req)
+        first.scripts.append(Script(status=429, headers={"retry-after": "7"}))
+        async with started(a, b) as engine:
+            deltas, _ = await collect(engine, req)
+            assert "".join(d.text for d in deltas) == "Hello, world"
+            assert all(r.healthy for r in engine._router.replicas)  # 429 is not "down"
+
+            for fake, after in ((first, "7"), (second, "3")):
+                fake.scripts.append(Script(status=429, headers={"retry-after": after}))
+            with pytest.raises(EngineBusy) as info:
+                await collect(engine, req)
+    assert info.value.retry_after_s == 3.0
+
+
+async def test_all_replicas_failing_is_an_upstream_error() -> None:
+    with FakeUpstream() as a, FakeUpstream() as b:
+        a.scripts.append(Script(status=500))
+        b.scripts.append(Script(status=502))
+        async with started(a, b) as engine:
+            with pytest.raises(EngineError) as info:
+                await collect(engine, request())
+    assert info.value.code == "upstream_error" and not isinstance(info.value, EngineBusy)
+    assert a.name in str(info.value) and b.name in str(info.value)
+
+
+# ------------------------------------------------------------------ cancellation
+
+
+async def test_cancel_closes_the_upstream_stream_while_nothing_arrives() -> None:
+    with FakeUpstream() as a:
+        a.default = Script(chunks=["first", " second", " third"], delay_s=60.0)
+        async with started(a) as engine:
+            req = request()
+            stream = engine.generate(req)
+            first = await stream.__anext__()
+            assert isinstance(first, TextDelta) and first.text == "first"
+            req.cancel.set()
+            rest = [item async for item in stream]
+            # the fake sees the client leave long before its next chunk (60 s away)
+            assert await asyncio.to_thread(a.disconnected.wait, 10.0)
+            assert engine.stats().running == 0
+    (result,) = rest
+    assert isinstance(result, GenerationResult)
+    assert result.finish_reason == "cancelled" and result.text == "first"
+    assert a.chunks_sent == 1
+    assert a.disconnects == ["/v1/chat/completions"]
+
+
+async def test_closing_the_iterator_closes_the_upstream_stream() -> None:
+    with FakeUpstream() as a:
+        a.default = Script(chunks=["first", " second"], delay_s=60.0)
+        async with started(a) as engine:
+            stream = engine.generate(request())
+            assert (await stream.__anext__()).text == "first"
+            await stream.aclose()
+            assert await asyncio.to_thread(a.disconnected.wait, 10.0)
+            assert engine.stats().running == 0
+    assert a.chunks_sent == 1
+
+
+async def test_cancel_before_the_first_token() -> None:
+    with FakeUpstream() as a:
+        a.default = Script(first_delay_s=60.0)
+        async with started(a) as engine:
+            req = request()
+            stream = engine.generate(req)
+            task = asyncio.ensure_future(stream.__anext__())
+            await asyncio.to_thread(wait_until, lambda: bool(a.chat_requests()))
+            req.cancel.set()
+            result = await task
+            assert isinstance(result, GenerationResult) and result.finish_reason == "cancelled"
+            assert await asyncio.to_thread(a.disconnected.wait, 10.0)
+            await stream.aclose()
+
+
+# ------------------------------------------------------------------ telemetry
+
+
+async def test_attempt_metrics_and_spans() -> None:
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gateway.telemetry import Telemetry, config_from_env
+
+    telemetry = Telemetry(config_from_env({}), "0.0.0-test", "test")
+    spans = InMemorySpanExporter()
+    telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    try:
+        with FakeUpstream() as a, FakeUpstream() as b:
+            req = request(kv_key="observed")
+            first, second = ranked([a, b], req)
+            first.scripts.append(Script(status=500))
+            upstreams = [parse_upstream(a.url), parse_upstream(b.url)]
+            engine = OpenAIEngine(upstreams, health_interval_s=60.0)
+            engine.bind_telemetry(telemetry)
+            await engine.start()
+            try:
+                await collect(engine, req)
+            finally:
+                await engine.aclose()
+        body, _ = telemetry.prometheus_text()
+        rows = [
+            (s.name, dict(s.labels), s.value)
+            for family in text_string_to_metric_families(body.decode())
+            for s in family.samples
+        ]
+    finally:
+        telemetry.shutdown()
+
+    def value(name: str, **labels: str) -> float:
+        found = [v for n, lab, v in rows if n == name and labels.items() <= lab.items()]
+        assert len(found) == 1, (name, labels, found)
+        return found[0]
+
+    requests = "visiongate_upstream_requests_total"
+    assert value(requests, upstream=first.name, outcome="failover") == 1
+    assert value(requests, upstream=second.name, outcome="ok") == 1
+    ttft = "visiongate_upstream_time_to_first_token_seconds_count"
+    assert value(ttft, upstream=second.name) == 1
+    assert value("visiongate_upstream_healthy", upstream=first.name) == 0
+    assert value("visiongate_upstream_healthy", upstream=second.name) == 1
+    assert value("visiongate_upstream_in_flight", upstream=second.name) == 0
+
+    attempts = [s for s in spans.get_finished_spans() if s.name == "upstream.request"]
+    described = sorted(
+        (
+            s.attributes["visiongate.upstream.attempt"],
+            s.attributes["visiongate.upstream.name"],
+            s.attributes["http.response.status_code"],
+            s.attributes["visiongate.upstream.outcome"],
+        )
+        for s in attempts
+    )
+    assert described == [(1, first.name, 500, "failover"), (2, second.name, 200, "ok")]
+    # each attempt's span context went upstream as a W3C traceparent
+    sent = second.chat_requests()[0].headers["traceparent"]
+    ok_span = next(s for s in attempts if s.attributes["visiongate.upstream.outcome"] == "ok")
+    assert sent.split("-")[1] == format(ok_span.context.trace_id, "032x")
+
+
+# ------------------------------------------------------------------ the whole gateway
+
+
+def test_gateway_streams_an_image_chat_through_an_upstream() -> None:
+    from gateway.app import create_app
+    from gateway.server import ServerThread
+    from gateway.settings import Settings
+
+    photo = photo_bytes("astronaut", size=128)
+    digest = hashlib.sha256(photo).hexdigest()
+    with FakeUpstream("org/Upstream-VLM") as upstream:
+        upstream.default = Script(chunks=["An", " astronaut", "."])
+        settings = Settings(engine="openai", upstreams=[upstream.url], port=free_port())
+        server = ServerThread(create_app(settings), settings, port=settings.port).start()
+        try:
+            server.wait_ready(timeout=60)
+            client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none")
+            stream = client.chat.completions.create(
+                model="org/Upstream-VLM",
+                stream=True,
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "What is this?"},
+                            {
+                                "type": "image_url",
+                                "image_url": {
+                                    "url": "data:image/jpeg;base64,"
+                                    + base64.b64encode(photo).decode()
+                                },
+                            },
+                        ],
+                    }
+                ],
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        finally:
+            server.server.should_exit = True
+            server.thread.join(timeout=30)
+    assert text == "An astronaut."
+    (sent,) = upstream.chat_requests()
+    user = next(m for m in sent.body["messages"] if m["role"] == "user")
+    image = next(p for p in user["content"] if p["type"] == "image_url")
+    assert image["image_url"]["url"] == "data:image/jpeg;base64," + base64.b64encode(photo).decode()
+    assert image["uuid"] == digest
+    assert image["image_url"]["content_hash"] == f"sha256:{digest}"
+    assert sent.body["stream"] is True and sent.body["model"] == "org/Upstream-VLM"
