@@ -122,8 +122,22 @@ class ChatService:
         finally:
             if not finished:  # the consumer went away before the end
                 trace.root.set_attribute("visiongate.abandoned", True)
-                trace.root.end()
                 options.cancel.set()
+                # logged and counted as a cancelled response (an HTTP stream whose client left,
+                # a gateway in front closing its upstream stream), with the text sent so far
+                gone = Finished(
+                    options.response_id,
+                    options.item_id,
+                    "cancelled",
+                    "".join(partial),
+                    reason="client_disconnected",
+                    timings={"total_ms": _ms(t0)},
+                )
+                try:
+                    trace.finish(gone)
+                except Exception:
+                    log.exception("abandoned_trace_failed", response_id=options.response_id)
+                    trace.root.end()
                 # close the engine's stream now, not when the generator is collected
                 with contextlib.suppress(BaseException):
                     await inner.aclose()

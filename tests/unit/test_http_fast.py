@@ -343,6 +343,36 @@ async def test_a_client_gone_before_the_answer_cancels_it(make_gateway: GatewayF
     assert len(answer["content"][0]["text"].split()) < 400
 
 
+def responses_counted(gateway: FakeGateway, status: str) -> float:
+    with httpx.Client(base_url=gateway.http_url, timeout=TIMEOUT) as http:
+        lines = http.get("/metrics").text.splitlines()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith("visiongate_responses_total{") and f'status="{status}"' in line
+    )
+
+
+async def test_a_stream_closed_by_its_client_is_counted_as_cancelled(
+    make_gateway: GatewayFactory,
+) -> None:
+    """A client (or a gateway in front) that closes a stream mid-answer: generation stops, and
+    the response is still logged and counted, as cancelled."""
+    engine = FakeEngine(delay_s=0.2)
+    gateway = make_gateway(engine=engine)
+    words = " ".join(f"w{i}" for i in range(400))
+    body = {"model": MODEL, "messages": [{"role": "user", "content": words}], "stream": True}
+    async with (
+        httpx.AsyncClient(base_url=gateway.http_url, timeout=TIMEOUT) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        async for line in response.aiter_lines():
+            if '"content"' in line:
+                break  # the first text: the client goes away
+    await eventually(lambda: bool(engine.requests) and engine.requests[-1].cancel.is_set())
+    await eventually(lambda: responses_counted(gateway, "cancelled") >= 1)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("where", ["gateway", "engine"])
 def test_a_prompt_past_the_context_is_400(
