@@ -202,16 +202,16 @@ def create_app(
             await readiness.aclose()
             await _close(state)
 
-    @get(["/healthz", "/health"], sync_to_thread=False)
+    @get("/healthz", sync_to_thread=False)
     def healthz() -> dict[str, Any]:
-        # /health as vLLM and SGLang name it, so a gateway in front of this one probes it alike
         return {"status": "ok", "uptime_s": round(time.time() - state.started_at, 3)}
 
     readiness = Readiness(state)
 
-    @get("/readyz")
+    @get(["/readyz", "/health"])
     async def readyz() -> Response[dict[str, Any]]:
-        """200 once the gateway can serve, else 503 naming what is missing (readiness.py)."""
+        """200 once the gateway can serve, else 503 naming what is missing (readiness.py).
+        Also `/health`, as vLLM and SGLang name theirs: what a gateway in front probes."""
         status, body = await readiness.check()
         return Response(body, status_code=status)
 

@@ -53,6 +53,8 @@ class ResponseOptions:
     tools_prompt: str | None = None
     # the answer may hold tool calls: it is stored as text and tool-call parts
     tools: bool = False
+    # narrows the API key's prefix-cache namespace (HTTP `cache_salt`); None: the key's own
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

@@ -46,6 +46,7 @@ __all__ = (
     "RequestLimits",
     "add_inline_images",
     "admit_encodes",
+    "check_cache_salt",
     "check_conversation_size",
     "check_image_bytes",
     "check_image_count",
@@ -284,6 +285,16 @@ def check_image_count(images: Iterable[str], limits: RequestLimits, param: str |
             f"a conversation holds at most {limits.max_images_per_session} images",
             param=param,
         )
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(value: str | None, param: str = "cache_salt") -> str | None:
+    """A client's prefix-cache salt: 1..256 characters, or None."""
+    if value is not None and not 1 <= len(value) <= MAX_CACHE_SALT_CHARS:
+        raise _invalid(f"cache_salt is 1..{MAX_CACHE_SALT_CHARS} characters", param)
+    return value
 
 
 def response_options(

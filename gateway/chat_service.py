@@ -237,7 +237,9 @@ class ChatService:
             sampling=sampling,
             kv_key=kv_key,
             cancel=options.cancel,
-            cache_salt=session.owner,
+            cache_salt=session.owner
+            if options.cache_salt is None
+            else f"{session.owner}\0salt:{options.cache_salt}",
         )
 
         # 3. generate
@@ -369,6 +371,9 @@ class ChatService:
         Token counts are upper bounds (template overhead included), taken off the event loop."""
         context = self.engine.context_tokens
         room = context - min(max_output_tokens, context // 4)
+        # an image sent as bytes has no tokens here yet: the engine's estimate of what it
+        # becomes upstream (0 when it gives none)
+        per_image = int(getattr(self.engine, "image_tokens_estimate", 0) or 0)
 
         def cost(message: Message, count: Callable[[str], int]) -> int:
             n = MESSAGE_OVERHEAD_TOKENS
@@ -376,7 +381,8 @@ class ChatService:
                 if isinstance(part, str):
                     n += count(part) if part else 0
                 else:
-                    n += part.num_tokens + IMAGE_OVERHEAD_TOKENS
+                    tokens = part.num_tokens if part.embeds is not None else per_image
+                    n += tokens + IMAGE_OVERHEAD_TOKENS
             return n
 
         # a byte-level tokenizer never makes more tokens than the text has UTF-8 bytes: most

@@ -65,6 +65,8 @@ class Readiness:
         workers: int | None = None
         if not state.ready:
             missing.append("model")
+        elif not state.engine.ready:  # an upstream engine with no healthy replica
+            missing.append("upstreams" if settings.engine == "openai" else "model")
         if settings.redis_url is not None:
             redis_up, workers = await self._ask_redis(settings.redis_url)
             if not redis_up:

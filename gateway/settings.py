@@ -50,6 +50,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # prompt and answer positions of the upstream model; 0: what the replicas report
     # (max_model_len), else 8192
     upstream_context_tokens: int = 0
+    # what one image sent as a data URL is counted as when a prompt is fitted to the upstream's
+    # context (the replica's vision tower makes its tokens; models differ: ~576 for LLaVA-1.5,
+    # ~1000-1300 for a 1-megapixel photo on Qwen2.5-VL)
+    upstream_image_tokens: int = 1024
+    # send each API key's hash as vLLM's `cache_salt`, so replicas share prefix-cache entries
+    # only within a key (as the local engine does); off for servers that refuse unknown fields
+    upstream_cache_salt: bool = True
     model_path: str | None = (
         None  # a local HF checkpoint dir; None: the embedded SmolLM2-135M-Instruct
     )
@@ -236,6 +243,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "projector make the embeddings)",
         )
         need(self.upstream_context_tokens >= 0, "upstream_context_tokens", "must be >= 0")
+        need(self.upstream_image_tokens >= 0, "upstream_image_tokens", "must be >= 0")
         need(
             self.model_path is None or os.path.isdir(self.model_path),
             "model_path",

@@ -56,6 +56,7 @@ class Script:
     )
     logprobs: bool = False  # attach a chat-form logprob to every chunk
     stream_error: str | None = None  # an error object instead of the end
+    stream_error_code: int = 500  # its `code` (vLLM sends the HTTP status there)
 
 
 @dataclass
@@ -265,7 +266,8 @@ class FakeUpstream:
             if gone.done():
                 return await self._left(path, gone)
             if script.stream_error is not None:
-                await event({"error": {"message": script.stream_error, "code": 500}})
+                error = {"message": script.stream_error, "code": script.stream_error_code}
+                await event({"error": error})
             else:
                 finals = [choice(i, None, script.finish_reason) for i in range(script.n)]
                 await event({"choices": finals})

@@ -118,6 +118,9 @@ log = structlog.get_logger(__name__)
 DEFAULT_CONTEXT_TOKENS = 8192
 START_RETRY_S = 1.0  # between rounds of GET /v1/models while no replica has answered
 CANCEL_POLL_S = 0.02  # how often the watcher looks at cancel events while no chunk arrives
+MAX_SSE_LINE_BYTES = 16 << 20  # one event line of the upstream's stream at most
+MAX_RETRY_AFTER_S = 60.0  # an upstream's Retry-After passed on to clients, at most
+DRAIN_S = 2.0  # reading a finished answer's body to its end, at most (then the connection goes)
 IMAGE_PART_CACHE_BYTES = 64 << 20  # rendered image parts kept for the next turn
 RENDER_OFF_LOOP_BYTES = 1 << 20  # new images past this are rendered on a worker thread
 # what an upstream's 400 says when the prompt does not fit (vLLM, SGLang, TensorRT-LLM, OpenAI)
@@ -182,6 +185,7 @@ class _Chunk(msgspec.Struct):
     error: Any = None  # an error reported inside the stream
     object: str | None = None  # "error" on vLLM's and SGLang's error objects
     message: str | None = None
+    code: Any = None  # a top-level error object's HTTP status
 
 
 _chunk_decoder = msgspec.json.Decoder(_Chunk)
@@ -209,6 +213,9 @@ class _Retry(Exception):
         self.busy_after = busy_after  # set for a 429: its Retry-After (or 1 s)
 
 
+_OVERRUN = "visiongate:overrun"  # a choice's finish when the upstream ignored max_tokens
+# finish reasons of a whole answer; any other (vLLM's "abort") is a failure upstream
+_FINISHED = frozenset({"stop", "length", "tool_calls", "function_call", "eos", _OVERRUN})
 _DONE = object()  # the stream said [DONE]
 _EOF = object()  # the body ended without [DONE]: whole only if every choice finished
 _CANCELLED = object()  # request.cancel was set
@@ -229,14 +236,29 @@ def _error_of(body: bytes) -> tuple[str | None, str]:
     return code, message if isinstance(message, str) else json.dumps(message)
 
 
+def _status_of(error: Any, chunk: Any) -> int | None:
+    """The HTTP status an in-stream error object names (its `code` or `status`), or None."""
+    for value in (
+        error.get("code") if isinstance(error, dict) else None,
+        error.get("status") if isinstance(error, dict) else None,
+        getattr(chunk, "code", None),
+    ):
+        if isinstance(value, int) and 400 <= value <= 599:
+            return value
+    return None
+
+
 def _retry_after(headers: httpx.Headers) -> float | None:
     value = headers.get("retry-after")
     if value is None:
         return None
     try:
-        return max(float(value), 0.0)
+        seconds = float(value)
     except ValueError:
         return None  # an HTTP date: rare here, and a default is as good
+    if not math.isfinite(seconds):
+        return None  # "inf", "nan", "1e400": no usable hint
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
 
 
 def _token_logprobs(logprobs: _Logprobs | None) -> tuple[TokenLogprob, ...]:
@@ -383,6 +405,7 @@ class _Run:
         "first_at",
         "gaps",
         "last_at",
+        "max_tokens",
         "n",
         "queue",
         "sent_at",
@@ -394,6 +417,7 @@ class _Run:
     def __init__(self, request: GenerationRequest) -> None:
         n = max(1, request.sampling.n)
         self.n = n
+        self.max_tokens = request.sampling.max_output_tokens
         self.cancel = request.cancel
         self.started_at = time.perf_counter()
         self.sent_at: float | None = None
@@ -411,9 +435,22 @@ class _Run:
     def emitted(self) -> bool:
         return self.first_at is not None
 
+    @property
+    def overrun(self) -> bool:
+        """Every choice has ended, one of them because the upstream went past max_tokens."""
+        return _OVERRUN in self.finish and all(self.finish)
+
+    def aborted(self) -> str | None:
+        """A finish reason that means the answer was cut short upstream (vLLM's "abort")."""
+        return next((r for r in self.finish if r and r not in _FINISHED), None)
+
     def absorb(self, chunk: _Chunk) -> list[TextDelta]:
         if chunk.error is not None or chunk.object == "error":
             error = chunk.error if chunk.error is not None else chunk.message
+            status = _status_of(error, chunk)
+            if status is not None:  # an HTTP-style error sent in the stream (vLLM does)
+                body = {"error": error} if isinstance(error, dict) else {"message": error}
+                raise _HTTPStatus(status, json.dumps(body).encode(), None)
             if isinstance(error, dict):
                 error = error.get("message", error)
             raise _StreamError(f"the upstream reported an error mid-stream: {clip(error)}")
@@ -423,10 +460,15 @@ class _Run:
         now = time.perf_counter()
         for choice in chunk.choices or ():
             i = choice.index
-            if not 0 <= i < self.n:
+            if not 0 <= i < self.n or self.finish[i] == _OVERRUN:
                 continue
             text = choice.delta.content if choice.delta is not None else choice.text
             logprobs = _token_logprobs(choice.logprobs)
+            if (text or logprobs) and self.chunks[i] >= self.max_tokens:
+                # more text chunks than tokens allowed (each holds one at least): the upstream
+                # ignores max_tokens, so the answer is cut here
+                self.finish[i] = _OVERRUN
+                continue
             if text or logprobs:
                 text = text or ""
                 if self.first_at is None:
@@ -464,7 +506,7 @@ class _Run:
                     text="".join(self.texts[i]),
                     finish_reason="cancelled"
                     if cancelled
-                    else ("length" if reason == "length" else "stop"),
+                    else ("length" if reason in ("length", _OVERRUN) else "stop"),
                     input_tokens=(usage.prompt_tokens or 0) if usage is not None else 0,
                     image_tokens=(details.image_tokens or 0) if details is not None else 0,
                     output_tokens=output_tokens,
@@ -505,6 +547,8 @@ class OpenAIEngine:
         first_token_timeout_s: float = 120.0,
         load_factor: float = 1.25,
         start_timeout_s: float = 120.0,
+        image_tokens_estimate: int = 1024,
+        cache_salt: bool = True,
     ) -> None:
         if image_input not in ("bytes", "embeds"):
             raise ValueError(f"image_input must be bytes or embeds, got {image_input!r}")
@@ -523,6 +567,9 @@ class OpenAIEngine:
         self._checkpoint = checkpoint_name
         self._health_interval_s = health_interval_s
         self._start_timeout_s = start_timeout_s  # how long start() waits for a replica
+        # what the gateway counts an image sent as bytes as, fitting a prompt to the context
+        self.image_tokens_estimate = image_tokens_estimate if image_input == "bytes" else 0
+        self._cache_salt = cache_salt
         self._timeout = httpx.Timeout(
             connect=connect_timeout_s,
             read=first_token_timeout_s,
@@ -554,6 +601,8 @@ class OpenAIEngine:
             upstreams,
             image_input="embeds" if settings.upstream_images == "embeds" else "bytes",
             context_tokens=settings.upstream_context_tokens,
+            image_tokens_estimate=settings.upstream_image_tokens,
+            cache_salt=settings.upstream_cache_salt,
             hidden_size=hidden_size,
             tokenizer_path=tokenizer_path,
             checkpoint_name=checkpoint_name,
@@ -636,15 +685,7 @@ class OpenAIEngine:
                 log.warning("upstream.down", upstream=r.name, reason=_reason(o))
         first = answered[0]
         self.model_id = self._model_id_arg or first.model or self.model_id
-        reported = [r.context_tokens for r in answered if r.context_tokens]
-        if self._context_arg and reported and self._context_arg > min(reported):
-            log.warning(
-                "upstream.context_capped",
-                configured=self._context_arg,
-                replicas_report=min(reported),
-            )
-        limits = [v for v in (self._context_arg, min(reported, default=0)) if v]
-        self.context_tokens = min(limits) if limits else DEFAULT_CONTEXT_TOKENS
+        self._fit_context()
         self._started = True
         self._tasks = [
             asyncio.create_task(self._health_loop(), name="upstream health"),
@@ -658,6 +699,19 @@ class OpenAIEngine:
             context_tokens=self.context_tokens,
             image_input=self.image_input,
         )
+
+    def _fit_context(self) -> None:
+        """The context every replica that answered can take (the smallest reported, under the
+        configured one); again whenever a replica first answers, which may report less."""
+        reported = [r.context_tokens for r in self._replicas if r.verified and r.context_tokens]
+        if self._context_arg and reported and self._context_arg > min(reported):
+            log.warning(
+                "upstream.context_capped",
+                configured=self._context_arg,
+                replicas_report=min(reported),
+            )
+        limits = [v for v in (self._context_arg, min(reported, default=0)) if v]
+        self.context_tokens = min(limits) if limits else DEFAULT_CONTEXT_TOKENS
 
     async def aclose(self) -> None:
         for task in (*self._tasks, *self._draining):
@@ -740,6 +794,7 @@ class OpenAIEngine:
         try:
             if not replica.verified:  # never answered /v1/models: learn what it serves first
                 await self._describe(replica)
+                self._fit_context()
                 self._set_health(replica, True)
                 return
             response = await self._client.get(
@@ -788,6 +843,10 @@ class OpenAIEngine:
             body["messages"] = [
                 {"role": m.role, "content": self._content(m.content)} for m in request.messages
             ]
+        if self._cache_salt and request.cache_salt is not None:
+            # vLLM's prefix-cache namespace: blocks are shared only between requests of one
+            # API key (a hash of the key's owner id, which itself names no key)
+            body["cache_salt"] = _salt_of(request.cache_salt)
         body["max_tokens"] = s.max_output_tokens
         if request.raw_prompt is None:
             body["max_completion_tokens"] = s.max_output_tokens
@@ -889,14 +948,27 @@ class OpenAIEngine:
                         "every upstream replica is busy (HTTP 429)",
                         retry_after_s=min(busy_after) if busy_after else 1.0,
                     )
+                log.error(
+                    "upstream.unanswered",
+                    request_id=request.request_id,
+                    attempts=len(failures),
+                    failures=failures,
+                )
+                # the replicas' names and their error bodies stay in the log
                 raise EngineError(
-                    "no upstream replica could answer: " + "; ".join(failures),
+                    f"no upstream replica could answer ({len(failures)} tried)",
                     code="upstream_error",
                 )
             if run.cancel.is_set() and not run.ended:
                 for result in run.results(cancelled=True):
                     yield result
                 return
+            aborted = run.aborted()
+            if aborted is not None:
+                raise EngineError(
+                    f"the upstream replica cut the answer short (finish reason {clip(aborted)})",
+                    code="upstream_error",
+                )
             for result in run.results():
                 yield result
         finally:
@@ -936,7 +1008,7 @@ class OpenAIEngine:
             while True:
                 item = await queue.get()
                 if item is _DONE or item is _EOF:
-                    if item is _EOF and not all(run.finish):
+                    if not all(run.finish):
                         raise _StreamError("the stream ended before every choice finished")
                     run.ended = True
                     outcome = "ok"
@@ -948,7 +1020,21 @@ class OpenAIEngine:
                     raise item
                 for delta in run.absorb(item):
                     yield delta
+                if run.overrun:  # past max_tokens: the upstream's stream is closed here
+                    run.ended = True
+                    outcome = "ok"
+                    return
+        except (GeneratorExit, asyncio.CancelledError):
+            outcome = "cancelled"  # the caller went away
+            raise
         except _HTTPStatus as exc:
+            if run.emitted:
+                log.warning(
+                    "upstream.failed_mid_answer", upstream=replica.name, reason=_reason(exc)
+                )
+                raise EngineError(
+                    "the upstream replica failed mid-answer", code="upstream_error"
+                ) from None
             retried = exc.status >= 500 or exc.status == 408
             outcome = (
                 "busy" if exc.status == 429 else "failover" if retried and not last else "error"
@@ -956,18 +1042,24 @@ class OpenAIEngine:
             self._on_status(replica, exc)
         except Exception as exc:  # transport errors, a broken stream, bad JSON
             if run.emitted:
+                log.warning(
+                    "upstream.failed_mid_answer", upstream=replica.name, reason=_reason(exc)
+                )
                 raise EngineError(
-                    f"the upstream replica {replica.name} failed mid-answer: {_reason(exc)}",
-                    code="upstream_error",
+                    "the upstream replica failed mid-answer", code="upstream_error"
                 ) from None
             self._set_health(replica, False, _reason(exc))
             outcome = "error" if last else "failover"
             raise _Retry(_reason(exc)) from None
         finally:
-            if outcome == "ok" and not reader.done():
-                # it reads the body's last bytes, so the connection goes back to the pool
-                self._draining.add(reader)
-                reader.add_done_callback(self._draining.discard)
+            if outcome == "error" and run.cancel.is_set():
+                outcome = "cancelled"
+            if outcome == "ok" and not reader.done() and not run.overrun:
+                # it reads the body's last bytes, so the connection goes back to the pool;
+                # a body that does not end soon is cut (its connection closed)
+                drain = asyncio.create_task(_drain(reader))
+                self._draining.add(drain)
+                drain.add_done_callback(self._draining.discard)
             else:  # closing the response mid-stream makes the replica abort the request
                 reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -1009,7 +1101,7 @@ class OpenAIEngine:
             why="the gateway's upstream configuration (URL, model, API key) is wrong",
         )
         raise EngineError(
-            f"the upstream replica {replica.name} refused the request (HTTP {status})",
+            f"the upstream replica refused the gateway's request (HTTP {status})",
             code="upstream_error",
         )
 
@@ -1042,15 +1134,42 @@ class OpenAIEngine:
                     raise _HTTPStatus(response.status_code, body, _retry_after(response.headers))
                 decode = _chunk_decoder.decode
                 done = False
-                async for line in response.aiter_lines():
-                    if done or not line.startswith("data:"):
+                # server-sent events split into lines by hand, on bytes (msgspec decodes each
+                # `data:` line's bytes directly). `partial` holds an unfinished line; only new
+                # bytes are searched for its end, so a long line costs linear time.
+                partial = bytearray()
+                async for piece in response.aiter_bytes():
+                    if done:
                         continue  # after [DONE]: read to the end of the body all the same
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    cut = piece.rfind(b"\n")
+                    if cut < 0:
+                        partial += piece
+                        if len(partial) > MAX_SSE_LINE_BYTES:
+                            raise _StreamError("an upstream event line is too long")
+                        continue
+                    head, rest = piece[: cut + 1], piece[cut + 1 :]
+                    if partial:
+                        partial += head
+                        head = bytes(partial)
+                        partial.clear()
+                    partial += rest
+                    for line in head.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue  # blank separators, comments, event names
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            done = True
+                            queue.put_nowait(_DONE)
+                            break
+                        queue.put_nowait(decode(data))
+                last = bytes(partial).strip()
+                if not done and last.startswith(b"data:"):  # a last line without its newline
+                    data = last[5:].strip()
+                    if data == b"[DONE]":
                         done = True
                         queue.put_nowait(_DONE)
-                        continue
-                    queue.put_nowait(decode(data))
+                    elif data:
+                        queue.put_nowait(decode(data))
                 if not done:
                     queue.put_nowait(_EOF)
             finally:
@@ -1059,6 +1178,16 @@ class OpenAIEngine:
             raise
         except Exception as exc:
             queue.put_nowait(exc)
+
+
+def _salt_of(owner: str) -> str:
+    return hashlib.sha256(f"visiongate-cache-salt\0{owner}".encode()).hexdigest()
+
+
+async def _drain(reader: asyncio.Task[None]) -> None:
+    """Let `reader` finish a body whose answer is complete, for at most DRAIN_S."""
+    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
+        await asyncio.wait_for(reader, DRAIN_S)
 
 
 def _reason(exc: object) -> str:

@@ -31,6 +31,7 @@ from gateway.chat_requests import (
     RequestLimits,
     add_inline_images,
     admit_encodes,
+    check_cache_salt,
     check_choices,
     check_image_count,
     check_item_count,
@@ -403,6 +404,7 @@ def _options(request: p.ChatCompletionRequest, limits: RequestLimits) -> Respons
     )
     options.n = check_choices(request.n)
     options.logprobs = check_logprobs(request.logprobs, request.top_logprobs)
+    options.cache_salt = check_cache_salt(request.cache_salt)
     text_grammar = response_format_grammar(request.response_format)
     plan = plan_tools(
         tools_from_chat(request.tools),

@@ -139,6 +139,9 @@ class ChatCompletionRequest(Struct):
     # visiongate extension: a conversation longer than the context is refused ("disabled", the
     # default, as OpenAI does) or sent without its oldest turns ("auto")
     truncation: Literal["auto", "disabled"] = "disabled"
+    # as vLLM's: prefix-cache entries are shared only between requests with the same salt,
+    # within the API key's own (a gateway in front keeps its tenants apart on this one)
+    cache_salt: str | None = None
 
 
 # ---------------------------------------------------------------- response

@@ -16,7 +16,6 @@ import structlog
 
 from gateway.chat_requests import RequestLimits, check_image_bytes
 from gateway.chat_service import kv_key_for
-from gateway.engine.interface import image_input_of
 from gateway.http import protocol as p
 from gateway.image_input import REF_PREFIX, digest_of
 from gateway.protocol.errors import GatewayError
@@ -50,7 +49,7 @@ def vision_label(state: GatewayState) -> str:
     from encoder_worker.config import SYNTHETIC_TOWERS, tower_family
 
     settings = state.settings
-    if image_input_of(state.engine) == "bytes":
+    if settings.engine == "openai" and settings.upstream_images == "data_url":
         return "the upstream model's own vision encoder (images sent as data URLs)"
     config = getattr(state.serving.encoder, "config", None) if state.serving else None
     tower = config.tower if config is not None else settings.vision_tower

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ("EXCLUDED_PATHS", "litestar_plugin", "redact_url", "span_details")
 
-EXCLUDED_PATHS: tuple[str, ...] = ("/v1/realtime", "/metrics", "/healthz", "/readyz")
+EXCLUDED_PATHS: tuple[str, ...] = ("/v1/realtime", "/metrics", "/healthz", "/readyz", "/health")
 MAX_ATTRIBUTE_CHARS = 200
 REDACTED = "[redacted]"
 # request attributes the ASGI instrumentation copies from the client (old and new conventions)

@@ -184,6 +184,10 @@ def configure_logging(
     handler._visiongate = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(numeric)
+    # the HTTP client's line per request (health probes of upstream replicas every 2 s, each
+    # request sent upstream) is noise at info; the gateway logs what matters itself
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(max(numeric, logging.WARNING))
 
     structlog.configure(
         processors=[

@@ -259,6 +259,29 @@ def test_a_model_the_replicas_do_not_serve_is_upstream_error(
     assert caught.value.code == "upstream_error"
 
 
+def test_api_keys_do_not_share_a_replicas_prefix_cache(
+    replicas: list[ServeProcess], logs: Path
+) -> None:
+    """Two API keys on one front gateway, one replica's prefix cache: a key's repeated prompt
+    is served from the cache, another key's identical prompt is not (the front sends each
+    key's salt as `cache_salt`), so `cached_tokens` tells no key what another sent."""
+    _both_up(replicas)
+    keyed = front("front-keys", replicas[:1], logs)  # one replica: both keys meet its cache
+    keyed.env["VISIONGATE_API_KEYS"] = "key-a-0001,key-b-0002"
+    prompt = "Summarise in five words: " + " ".join(f"fact{i} is true." for i in range(60))
+    messages = [{"role": "user", "content": prompt}]
+
+    def cached(key: str) -> int:
+        client = openai.OpenAI(base_url=keyed.base_url, api_key=key, max_retries=0, timeout=120)
+        done = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+        return done.usage.prompt_tokens_details.cached_tokens
+
+    with running(keyed):
+        first, again, other = cached("key-a-0001"), cached("key-a-0001"), cached("key-b-0002")
+    assert first == 0 and again > 100, (first, again)
+    assert other == 0, other
+
+
 # ---------------------------------------------------------------- replicas dying (last)
 
 

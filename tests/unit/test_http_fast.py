@@ -281,9 +281,10 @@ def test_readyz_before_and_after_load(make_gateway: GatewayFactory) -> None:
     with httpx.Client(base_url=gateway.http_url, timeout=TIMEOUT) as http:
         try:
             assert http.get("/healthz").status_code == 200  # alive while loading
-            assert http.get("/health").status_code == 200  # the name vLLM and SGLang use
             r = http.get("/readyz")
             assert r.status_code == 503 and r.json()["status"] == "loading"
+            # the name vLLM and SGLang use: a gateway in front probes it before sending work
+            assert http.get("/health").status_code == 503
             r = http.post("/v1/chat/completions", json=body)
             assert r.status_code == 503 and r.json()["error"]["code"] == "busy"
             r = http.post("/v1/images", content=photo_bytes("coffee", size=32))
@@ -293,6 +294,7 @@ def test_readyz_before_and_after_load(make_gateway: GatewayFactory) -> None:
         gateway.server.wait_ready(timeout=TIMEOUT)
         r = http.get("/readyz")
         assert r.status_code == 200 and r.json() == {"status": "ready", "model": MODEL}
+        assert http.get("/health").status_code == 200
         assert http.post("/v1/chat/completions", json=body).status_code == 200
 
 
@@ -397,3 +399,23 @@ def test_a_prompt_past_the_context_is_400(
     assert caught.value.code == "context_length_exceeded"
     # a 400 is not retried by the SDK (a 500 would have been, twice)
     assert len(engine.requests) == (0 if where == "gateway" else 1)
+
+
+def test_cache_salt_narrows_the_keys_prefix_cache_namespace(make_gateway: GatewayFactory) -> None:
+    """vLLM's `cache_salt`: a gateway in front of this one keeps its tenants apart with it."""
+    gateway = make_gateway(settings={"api_keys": ["key-a"]})
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    auth = {"Authorization": "Bearer key-a"}
+    with httpx.Client(base_url=gateway.http_url, timeout=TIMEOUT, headers=auth) as http:
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+        plain = gateway.engine.requests[-1].cache_salt
+        salted = []
+        for salt in ("tenant-1", "tenant-2"):
+            r = http.post("/v1/chat/completions", json={**body, "cache_salt": salt})
+            assert r.status_code == 200
+            salted.append(gateway.engine.requests[-1].cache_salt)
+        r = http.post("/v1/chat/completions", json={**body, "cache_salt": "x" * 257})
+    owner = gateway.state.auth.owner({"authorization": "Bearer key-a"})
+    assert plain == owner  # the key's own namespace
+    assert len({plain, *salted}) == 3 and all(s.startswith(owner) for s in salted)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"

@@ -10,11 +10,13 @@ import base64
 import hashlib
 import io
 import json
+import re
 import zipfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -246,6 +248,8 @@ async def test_chat_body_in_bytes_mode() -> None:
             {"role": "assistant", "content": "An astronaut."},
             {"role": "user", "content": "And the flag?\nBe precise."},
         ],
+        # vLLM's prefix-cache namespace: a hash of the API key's owner id ("key-1")
+        "cache_salt": hashlib.sha256(b"visiongate-cache-salt\0key-1").hexdigest(),
         "max_tokens": 40,
         "max_completion_tokens": 40,
         "temperature": 0.7,
@@ -353,10 +357,12 @@ async def test_length_finish_logprobs_and_choices() -> None:
             Script(
                 chunks=["a", "b"],
                 n=2,
-                finish_reason="weird",
+                finish_reason="tool_calls",
                 usage={"prompt_tokens": 5, "completion_tokens": 8},
             )
         )
+        # vLLM's "abort" (and any reason that is not an end) is the answer cut short upstream
+        a.scripts.append(Script(chunks=["cut"], finish_reason="abort"))
         async with started(a) as engine:
             deltas, (result,) = await collect(engine, request(logprobs=1))
             assert result.finish_reason == "length"
@@ -364,9 +370,12 @@ async def test_length_finish_logprobs_and_choices() -> None:
             assert (first.token, first.logprob, first.bytes) == ("Hello", -0.5, b"Hello")
             assert first.top == (("Hello", -0.5, b"Hello"),)
             deltas, results = await collect(engine, request(n=2))
+            with pytest.raises(EngineError) as aborted:
+                await collect(engine, request())
+    assert aborted.value.code == "upstream_error" and "abort" in str(aborted.value)
     assert [r.index for r in results] == [0, 1]
     assert [r.text for r in results] == ["ab", "ab"]
-    assert [r.finish_reason for r in results] == ["stop", "stop"]  # unknown reasons read as stop
+    assert [r.finish_reason for r in results] == ["stop", "stop"]  # a whole answer: stop
     assert [r.output_tokens for r in results] == [4, 4]  # 8 split by chunks streamed
     assert {d.index for d in deltas} == {0, 1}
 
@@ -411,11 +420,12 @@ async def test_failure_after_the_first_token_is_an_upstream_error() -> None:
 
 async def test_error_in_the_stream_after_text() -> None:
     with FakeUpstream() as a:
-        a.scripts.append(Script(stream_error="engine died"))
+        a.scripts.append(Script(stream_error="engine died at /opt/internal/path.py"))
         async with started(a) as engine:
-            with pytest.raises(EngineError, match="engine died") as info:
+            with pytest.raises(EngineError) as info:
                 await collect(engine, request())
     assert info.value.code == "upstream_error"
+    assert "/opt/internal" not in str(info.value)  # the upstream's own words stay in the log
 
 
 @pytest.mark.parametrize(
@@ -483,7 +493,9 @@ async def test_all_replicas_failing_is_an_upstream_error() -> None:
             with pytest.raises(EngineError) as info:
                 await collect(engine, request())
     assert info.value.code == "upstream_error" and not isinstance(info.value, EngineBusy)
-    assert a.name in str(info.value) and b.name in str(info.value)
+    # the replicas' addresses and error bodies are the operator's, in the log, not the client's
+    assert a.name not in str(info.value) and b.name not in str(info.value)
+    assert "2 tried" in str(info.value)
 
 
 # ------------------------------------------------------------------ cancellation
@@ -639,10 +651,15 @@ def test_gateway_streams_an_image_chat_through_an_upstream() -> None:
                 ],
             )
             text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+            # the replica goes away: the health loop marks it down and /readyz says so
+            upstream.set_listening(False)
+            assert wait_until(lambda: httpx.get(f"{server.http_url}/readyz").status_code == 503)
+            body = httpx.get(f"{server.http_url}/readyz").json()
         finally:
             server.server.should_exit = True
             server.thread.join(timeout=30)
     assert text == "An astronaut."
+    assert body["missing"] == ["upstreams"] and body["status"] == "not_ready"
     (sent,) = upstream.chat_requests()
     user = next(m for m in sent.body["messages"] if m["role"] == "user")
     image = next(p for p in user["content"] if p["type"] == "image_url")
@@ -650,3 +667,161 @@ def test_gateway_streams_an_image_chat_through_an_upstream() -> None:
     assert image["uuid"] == digest
     assert image["image_url"]["content_hash"] == f"sha256:{digest}"
     assert sent.body["stream"] is True and sent.body["model"] == "org/Upstream-VLM"
+
+
+# ------------------------------------------------------------------ the event stream's framing
+
+
+@asynccontextmanager
+async def raw_replica(pieces: list[bytes]) -> AsyncIterator[str]:
+    """A replica written byte by byte on a loopback socket: /v1/models answers, and a chat
+    completion answers `pieces` as the chunks of a chunked body (each flushed on its own), so
+    events can be cut anywhere. Stands in for an upstream whose writes split lines oddly."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"content-length: (\d+)", head.lower())
+                if length is not None:
+                    await reader.readexactly(int(length.group(1)))
+                if head.startswith(b"GET"):
+                    body = b'{"object":"list","data":[{"id":"raw","object":"model"}]}'
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+                    )
+                    await writer.drain()
+                    continue
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n"
+                )
+                for piece in pieces:
+                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    await writer.drain()
+                    await asyncio.sleep(0.01)
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+def _event(text: str | None, finish: str | None = None) -> bytes:
+    chunk = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {} if text is None else {"content": text}}],
+    }
+    if finish:
+        chunk["choices"][0]["finish_reason"] = finish
+        chunk["usage"] = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    return b"data: " + json.dumps(chunk).encode() + b"\r\n\r\n"
+
+
+async def test_events_cut_anywhere_are_read_whole() -> None:
+    stream = b": a comment\n\n" + _event("Hel") + _event("lo") + _event(None, "stop")
+    stream += b"data: [DONE]\n\n"
+    pieces = [stream[i : i + 7] for i in range(0, len(stream), 7)]  # lines cut mid-way
+    async with raw_replica(pieces) as url, started(url, start_timeout_s=5) as engine:
+        deltas, results = await collect(engine, request())
+    assert "".join(d.text for d in deltas) == "Hello"
+    assert results[0].finish_reason == "stop" and results[0].output_tokens == 2
+
+
+async def test_an_endless_event_line_fails_the_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gateway.engine.openai_engine as module
+
+    monkeypatch.setattr(module, "MAX_SSE_LINE_BYTES", 4096)
+    pieces = [b"data: " + b"x" * 1024] * 8  # never a newline
+    async with raw_replica(pieces) as url, started(url, start_timeout_s=5) as engine:
+        with pytest.raises(EngineError) as caught:
+            await collect(engine, request())
+    assert caught.value.code == "upstream_error"
+
+
+# ------------------------------------------------------------------ upstreams that misbehave
+
+
+async def test_an_error_in_the_stream_before_text_is_the_clients_when_it_says_so() -> None:
+    """vLLM reports a refusal found after its response began (a prompt too long once its
+    images are expanded) as an error object in the stream: the client's error, one attempt,
+    and no replica marked down."""
+    with FakeUpstream() as a, FakeUpstream() as b:
+        for fake in (a, b):
+            fake.scripts.append(
+                Script(
+                    chunks=[],
+                    stream_error="This model's maximum context length is 4096 tokens",
+                    stream_error_code=400,
+                )
+            )
+        async with started(a, b) as engine:
+            with pytest.raises(EngineError) as info:
+                await collect(engine, request())
+            assert all(r.healthy for r in engine._replicas)
+    assert info.value.code == "context_length_exceeded"
+    assert len(a.chat_requests()) + len(b.chat_requests()) == 1
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e400", "99999999999"])
+async def test_an_odd_retry_after_is_bounded(value: str) -> None:
+    with FakeUpstream() as a:
+        a.scripts.append(Script(status=429, headers={"retry-after": value}))
+        async with started(a) as engine:
+            with pytest.raises(EngineBusy) as info:
+                await collect(engine, request())
+    assert 0 < info.value.retry_after_s <= 60
+
+
+async def test_an_upstream_ignoring_max_tokens_is_stopped_there() -> None:
+    with FakeUpstream() as a:
+        a.scripts.append(Script(chunks=[f" w{i}" for i in range(200)], delay_s=0.005))
+        async with started(a) as engine:
+            deltas, (result,) = await collect(engine, request(max_output_tokens=5))
+            assert engine.stats().running == 0
+    assert len(deltas) == 5 and result.finish_reason == "length"
+
+
+async def test_an_upstream_ignoring_n_is_a_failure_not_empty_answers() -> None:
+    with FakeUpstream() as a:
+        a.scripts.append(Script(chunks=["only", " one"], n=1))
+        async with started(a) as engine:
+            with pytest.raises(EngineError) as info:
+                await collect(engine, request(n=2))
+    assert info.value.code == "upstream_error"
+
+
+async def test_a_replica_coming_up_later_with_a_smaller_context_lowers_it() -> None:
+    port = free_port()
+    with FakeUpstream(max_model_len=32768) as a:
+        late = parse_upstream(f"http://127.0.0.1:{port}")
+        engine = OpenAIEngine([parse_upstream(a.url), late], health_interval_s=0.2)
+        await engine.start()
+        try:
+            assert engine.context_tokens == 32768
+            with FakeUpstream(max_model_len=4096, port=port):
+                assert await asyncio.to_thread(
+                    wait_until, lambda: engine.context_tokens == 4096, 10.0
+                )
+        finally:
+            await engine.aclose()
+
+
+async def test_an_answer_of_exactly_max_tokens_keeps_its_usage() -> None:
+    """The last text chunk reaches max_tokens; the finish and usage chunks after it are read."""
+    with FakeUpstream() as a:
+        a.scripts.append(Script(finish_reason="length"))  # three text chunks
+        async with started(a) as engine:
+            deltas, (result,) = await collect(engine, request(max_output_tokens=3))
+    assert len(deltas) == 3 and result.finish_reason == "length"
+    assert (result.input_tokens, result.cached_tokens) == (21, 16)
