@@ -70,23 +70,18 @@ chunk arrives, by one watcher that polls every in-flight request's event every 2
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hashlib
-import io
 import json
 import math
 import os
 import re
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import httpx
-import msgspec
 import structlog
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
@@ -98,14 +93,25 @@ from gateway.engine.interface import (
     EngineError,
     EngineStats,
     GenerationRequest,
-    GenerationResult,
     ImageInput,
     ImageInputKind,
     TextDelta,
-    TokenLogprob,
 )
 from gateway.engine.upstream_config import Upstream, parse_upstreams
 from gateway.engine.upstream_routing import Replica, Router, route_key
+from gateway.engine.upstream_wire import (
+    CANCELLED,
+    DONE,
+    EOF,
+    ImageParts,
+    Retry,
+    Run,
+    StreamBroken,
+    UpstreamStatus,
+    chunk_decoder,
+    json_encoder,
+    retry_after,
+)
 from gateway.protocol.errors import clip
 
 if TYPE_CHECKING:
@@ -119,9 +125,7 @@ DEFAULT_CONTEXT_TOKENS = 8192
 START_RETRY_S = 1.0  # between rounds of GET /v1/models while no replica has answered
 CANCEL_POLL_S = 0.02  # how often the watcher looks at cancel events while no chunk arrives
 MAX_SSE_LINE_BYTES = 16 << 20  # one event line of the upstream's stream at most
-MAX_RETRY_AFTER_S = 60.0  # an upstream's Retry-After passed on to clients, at most
 DRAIN_S = 2.0  # reading a finished answer's body to its end, at most (then the connection goes)
-IMAGE_PART_CACHE_BYTES = 64 << 20  # rendered image parts kept for the next turn
 RENDER_OFF_LOOP_BYTES = 1 << 20  # new images past this are rendered on a worker thread
 # what an upstream's 400 says when the prompt does not fit (vLLM, SGLang, TensorRT-LLM, OpenAI)
 _CONTEXT_MESSAGE = re.compile(
@@ -129,397 +133,7 @@ _CONTEXT_MESSAGE = re.compile(
     r"longer than the (model's )?(maximum|context)|too many tokens",
     re.IGNORECASE,
 )
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _propagator = TraceContextTextMapPropagator()
-
-
-# ------------------------------------------------------------------------- the wire (SSE)
-
-
-class _Top(msgspec.Struct):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class _TokenLogprob(msgspec.Struct):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[_Top] | None = None
-
-
-class _Logprobs(msgspec.Struct):
-    content: list[_TokenLogprob] | None = None  # chat completions
-    tokens: list[str] | None = None  # completions: parallel lists
-    token_logprobs: list[float | None] | None = None
-    top_logprobs: list[dict[str, float] | None] | None = None
-
-
-class _Delta(msgspec.Struct):
-    content: str | None = None
-
-
-class _Choice(msgspec.Struct):
-    index: int = 0
-    delta: _Delta | None = None  # chat completions
-    text: str | None = None  # completions
-    finish_reason: str | None = None
-    logprobs: _Logprobs | None = None
-
-
-class _PromptDetails(msgspec.Struct):
-    cached_tokens: int | None = None
-    image_tokens: int | None = None
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = 0
-    completion_tokens: int | None = 0
-    prompt_tokens_details: _PromptDetails | None = None
-
-
-class _Chunk(msgspec.Struct):
-    choices: list[_Choice] | None = None
-    usage: _Usage | None = None
-    error: Any = None  # an error reported inside the stream
-    object: str | None = None  # "error" on vLLM's and SGLang's error objects
-    message: str | None = None
-    code: Any = None  # a top-level error object's HTTP status
-
-
-_chunk_decoder = msgspec.json.Decoder(_Chunk)
-_encoder = msgspec.json.Encoder()
-
-
-class _HTTPStatus(Exception):
-    """A non-200 answer: its status, error text and Retry-After."""
-
-    def __init__(self, status: int, body: bytes, retry_after: float | None) -> None:
-        self.status, self.retry_after = status, retry_after
-        self.code, self.text = _error_of(body)
-        super().__init__(f"HTTP {status}: {clip(self.text)}")
-
-
-class _StreamError(Exception):
-    """The stream broke: an error chunk, bad JSON, or an end before every choice finished."""
-
-
-class _Retry(Exception):
-    """This attempt failed before any text: try the next replica."""
-
-    def __init__(self, reason: str, *, busy_after: float | None = None) -> None:
-        super().__init__(reason)
-        self.busy_after = busy_after  # set for a 429: its Retry-After (or 1 s)
-
-
-_OVERRUN = "visiongate:overrun"  # a choice's finish when the upstream ignored max_tokens
-# finish reasons of a whole answer; any other (vLLM's "abort") is a failure upstream
-_FINISHED = frozenset({"stop", "length", "tool_calls", "function_call", "eos", _OVERRUN})
-_DONE = object()  # the stream said [DONE]
-_EOF = object()  # the body ended without [DONE]: whole only if every choice finished
-_CANCELLED = object()  # request.cancel was set
-
-
-def _error_of(body: bytes) -> tuple[str | None, str]:
-    """(code, message) of an OpenAI-style error body, whatever its nesting."""
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None, body.decode("utf-8", "replace").strip()
-    if isinstance(data, dict) and isinstance(data.get("error"), dict):
-        data = data["error"]
-    if not isinstance(data, dict):
-        return None, str(data)
-    code = data.get("code") if isinstance(data.get("code"), str) else None
-    message = data.get("message") or data.get("detail") or data.get("error") or ""
-    return code, message if isinstance(message, str) else json.dumps(message)
-
-
-def _status_of(error: Any, chunk: Any) -> int | None:
-    """The HTTP status an in-stream error object names (its `code` or `status`), or None."""
-    for value in (
-        error.get("code") if isinstance(error, dict) else None,
-        error.get("status") if isinstance(error, dict) else None,
-        getattr(chunk, "code", None),
-    ):
-        if isinstance(value, int) and 400 <= value <= 599:
-            return value
-    return None
-
-
-def _retry_after(headers: httpx.Headers) -> float | None:
-    value = headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        return None  # an HTTP date: rare here, and a default is as good
-    if not math.isfinite(seconds):
-        return None  # "inf", "nan", "1e400": no usable hint
-    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
-
-
-def _token_logprobs(logprobs: _Logprobs | None) -> tuple[TokenLogprob, ...]:
-    if logprobs is None:
-        return ()
-    if logprobs.content is not None:
-        return tuple(
-            TokenLogprob(
-                t.token,
-                t.logprob,
-                bytes(t.bytes) if t.bytes is not None else t.token.encode(),
-                tuple(
-                    (
-                        a.token,
-                        a.logprob,
-                        bytes(a.bytes) if a.bytes is not None else a.token.encode(),
-                    )
-                    for a in t.top_logprobs or ()
-                ),
-            )
-            for t in logprobs.content
-        )
-    tokens = logprobs.tokens or []
-    values = logprobs.token_logprobs or []
-    tops = logprobs.top_logprobs or []
-    out = []
-    for i, token in enumerate(tokens):
-        top = tops[i] if i < len(tops) and tops[i] else {}
-        alternatives = sorted(top.items(), key=lambda kv: kv[1], reverse=True)
-        out.append(
-            TokenLogprob(
-                token,
-                float(values[i]) if i < len(values) and values[i] is not None else 0.0,
-                token.encode(),
-                tuple((t, lp, t.encode()) for t, lp in alternatives),
-            )
-        )
-    return tuple(out)
-
-
-# ------------------------------------------------------------------------ request bodies
-
-
-def _tensor_b64(tensor: Any) -> str:
-    """vLLM's wire form of a tensor: `torch.save` of a compact copy, base64. (The replica
-    loads it with `torch.load(weights_only=True)`; this side only writes.)"""
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(tensor.detach().cpu().contiguous().clone(), buf)  # a view would save its base
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _grid_thw(mrope: tuple[int, ...], rows: int) -> list[list[int]] | None:
-    """The [t, h, w] patch grid of an M-RoPE image from its rows' (t, h, w) positions (after
-    the 2x2 merge), or None when rows were dropped (the grid would not match the rows)."""
-    t, h, w = (max(mrope[i::3]) + 1 for i in range(3))
-    if t * h * w != rows:
-        return None
-    return [[t, h * 2, w * 2]]
-
-
-class _ImageParts:
-    """Rendered image parts by content id (base64 is the costly part, and a conversation
-    sends its images again every turn), up to a byte budget, least recently used first out.
-    Thread-safe: large images are rendered off the event loop."""
-
-    __slots__ = ("_budget", "_bytes", "_lock", "_parts")
-
-    def __init__(self, budget: int = IMAGE_PART_CACHE_BYTES) -> None:
-        self._parts: OrderedDict[str, tuple[dict[str, Any], int]] = OrderedDict()
-        self._budget, self._bytes = budget, 0
-        self._lock = threading.Lock()
-
-    def missing_bytes(self, request: GenerationRequest) -> int:
-        """Bytes of the request's images that are not rendered yet."""
-        with self._lock:
-            return sum(
-                len(p.data or b"") + (p.embeds.nbytes if p.embeds is not None else 0)
-                for m in request.messages
-                for p in m.content
-                if isinstance(p, ImageInput) and p.digest not in self._parts
-            )
-
-    def get(self, image: ImageInput, kind: ImageInputKind) -> dict[str, Any]:
-        with self._lock:
-            found = self._parts.get(image.digest)
-            if found is not None:
-                self._parts.move_to_end(image.digest)
-                return found[0]
-        part, size = _render_image(image, kind)
-        if size <= self._budget:
-            with self._lock:
-                if image.digest not in self._parts:
-                    self._parts[image.digest] = (part, size)
-                    self._bytes += size
-                while self._bytes > self._budget:
-                    _, (_, dropped) = self._parts.popitem(last=False)
-                    self._bytes -= dropped
-        return part
-
-
-def _render_image(image: ImageInput, kind: ImageInputKind) -> tuple[dict[str, Any], int]:
-    if kind == "bytes":
-        if image.data is None:
-            raise EngineError("an image reached the upstream engine without its bytes")
-        b64 = base64.b64encode(image.data).decode("ascii")
-        url: dict[str, Any] = {"url": f"data:{image.mime or 'image/jpeg'};base64,{b64}"}
-        if _SHA256_HEX.fullmatch(image.digest) and (
-            hashlib.sha256(image.data).hexdigest() == image.digest
-        ):
-            url["content_hash"] = f"sha256:{image.digest}"
-        return {"type": "image_url", "image_url": url, "uuid": image.digest}, len(b64)
-    if image.embeds is None:
-        raise EngineError("an image reached the upstream engine without its visual tokens")
-    embeds: Any = _tensor_b64(image.embeds)
-    size = len(embeds)
-    layout = image.layout
-    if layout is not None and layout.mrope:
-        grid = _grid_thw(layout.mrope, int(image.embeds.shape[0]))
-        if grid is None:
-            raise EngineError(
-                "an upstream M-RoPE model takes an image's whole grid of visual tokens; run the "
-                "encoder without patch dropping (--pruning none)",
-                code="upstream_error",
-            )
-        import torch
-
-        embeds = {"image_embeds": embeds, "image_grid_thw": _tensor_b64(torch.tensor(grid))}
-    return {"type": "image_embeds", "image_embeds": embeds, "uuid": image.digest}, size
-
-
-# ------------------------------------------------------------------------ one request
-
-
-class _Run:
-    """What one request streamed so far, over its attempts (only the last one streams)."""
-
-    __slots__ = (
-        "cancel",
-        "chunks",
-        "ended",
-        "finish",
-        "first_at",
-        "gaps",
-        "last_at",
-        "max_tokens",
-        "n",
-        "queue",
-        "sent_at",
-        "started_at",
-        "texts",
-        "usage",
-    )
-
-    def __init__(self, request: GenerationRequest) -> None:
-        n = max(1, request.sampling.n)
-        self.n = n
-        self.max_tokens = request.sampling.max_output_tokens
-        self.cancel = request.cancel
-        self.started_at = time.perf_counter()
-        self.sent_at: float | None = None
-        self.first_at: float | None = None
-        self.last_at: list[float | None] = [None] * n
-        self.texts: list[list[str]] = [[] for _ in range(n)]
-        self.chunks = [0] * n
-        self.gaps: list[list[float]] = [[] for _ in range(n)]
-        self.finish: list[str | None] = [None] * n
-        self.usage: _Usage | None = None
-        self.ended = False
-        self.queue: asyncio.Queue[Any] | None = None
-
-    @property
-    def emitted(self) -> bool:
-        return self.first_at is not None
-
-    @property
-    def overrun(self) -> bool:
-        """Every choice has ended, one of them because the upstream went past max_tokens."""
-        return _OVERRUN in self.finish and all(self.finish)
-
-    def aborted(self) -> str | None:
-        """A finish reason that means the answer was cut short upstream (vLLM's "abort")."""
-        return next((r for r in self.finish if r and r not in _FINISHED), None)
-
-    def absorb(self, chunk: _Chunk) -> list[TextDelta]:
-        if chunk.error is not None or chunk.object == "error":
-            error = chunk.error if chunk.error is not None else chunk.message
-            status = _status_of(error, chunk)
-            if status is not None:  # an HTTP-style error sent in the stream (vLLM does)
-                body = {"error": error} if isinstance(error, dict) else {"message": error}
-                raise _HTTPStatus(status, json.dumps(body).encode(), None)
-            if isinstance(error, dict):
-                error = error.get("message", error)
-            raise _StreamError(f"the upstream reported an error mid-stream: {clip(error)}")
-        if chunk.usage is not None:
-            self.usage = chunk.usage
-        out: list[TextDelta] = []
-        now = time.perf_counter()
-        for choice in chunk.choices or ():
-            i = choice.index
-            if not 0 <= i < self.n or self.finish[i] == _OVERRUN:
-                continue
-            text = choice.delta.content if choice.delta is not None else choice.text
-            logprobs = _token_logprobs(choice.logprobs)
-            if (text or logprobs) and self.chunks[i] >= self.max_tokens:
-                # more text chunks than tokens allowed (each holds one at least): the upstream
-                # ignores max_tokens, so the answer is cut here
-                self.finish[i] = _OVERRUN
-                continue
-            if text or logprobs:
-                text = text or ""
-                if self.first_at is None:
-                    self.first_at = now
-                last = self.last_at[i]
-                if last is not None:
-                    self.gaps[i].append(round((now - last) * 1e3, 3))
-                self.last_at[i] = now
-                self.texts[i].append(text)
-                self.chunks[i] += 1
-                out.append(TextDelta(text, index=i, logprobs=logprobs))
-            if choice.finish_reason is not None:
-                self.finish[i] = choice.finish_reason
-        return out
-
-    def results(self, cancelled: bool = False) -> list[GenerationResult]:
-        now = time.perf_counter()
-        sent = self.sent_at if self.sent_at is not None else now
-        usage = self.usage
-        details = usage.prompt_tokens_details if usage is not None else None
-        streamed = sum(self.chunks)
-        total_out = (usage.completion_tokens or 0) if usage is not None else 0
-        first = self.first_at
-        out = []
-        for i in range(self.n):
-            if usage is None or not total_out:
-                output_tokens = self.chunks[i]
-            elif self.n == 1:
-                output_tokens = total_out
-            else:  # split by the chunks each choice streamed
-                output_tokens = round(total_out * self.chunks[i] / streamed) if streamed else 0
-            reason = self.finish[i]
-            out.append(
-                GenerationResult(
-                    text="".join(self.texts[i]),
-                    finish_reason="cancelled"
-                    if cancelled
-                    else ("length" if reason in ("length", _OVERRUN) else "stop"),
-                    input_tokens=(usage.prompt_tokens or 0) if usage is not None else 0,
-                    image_tokens=(details.image_tokens or 0) if details is not None else 0,
-                    output_tokens=output_tokens,
-                    cached_tokens=(details.cached_tokens or 0) if details is not None else 0,
-                    queue_ms=round((sent - self.started_at) * 1e3, 3),
-                    prefill_ms=round((first - sent) * 1e3, 3) if first is not None else 0.0,
-                    decode_ms=round((now - first) * 1e3, 3) if first is not None else 0.0,
-                    ttft_ms=round((first - sent) * 1e3, 3) if first is not None else 0.0,
-                    itl_ms=tuple(self.gaps[i]),
-                    index=i,
-                )
-            )
-        return out
 
 
 # ------------------------------------------------------------------------ the engine
@@ -579,9 +193,9 @@ class OpenAIEngine:
         self._health_timeout = httpx.Timeout(max(1.0, min(connect_timeout_s, 5.0)))
         self._client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._runs: set[_Run] = set()
+        self._runs: set[Run] = set()
         self._draining: set[asyncio.Task[None]] = set()  # readers finishing a complete body
-        self._images = _ImageParts()
+        self._images = ImageParts()
         self._started = False
         self._tracer: Tracer = trace.get_tracer("visiongate.upstream")
         self._metrics: Any = None
@@ -753,14 +367,14 @@ class OpenAIEngine:
             timeout=self._health_timeout,
         )
         if response.status_code != 200:
-            raise _StreamError(f"GET /v1/models answered HTTP {response.status_code}")
+            raise StreamBroken(f"GET /v1/models answered HTTP {response.status_code}")
         entries = response.json().get("data") or []
         entry = next((e for e in entries if e.get("id") == replica.model), None)
         if entry is None and replica.model is None:
             entry = entries[0] if entries else None
         if replica.model is None:
             if entry is None:
-                raise _StreamError("GET /v1/models listed no model")
+                raise StreamBroken("GET /v1/models listed no model")
             replica.model = str(entry["id"])
         entry = entry or {"id": replica.model}  # a configured name the list does not show
         replica.context_tokens = int(entry.get("max_model_len") or 0)
@@ -827,7 +441,7 @@ class OpenAIEngine:
             await asyncio.sleep(CANCEL_POLL_S)
             for run in self._runs:
                 if run.cancel.is_set() and run.queue is not None:
-                    run.queue.put_nowait(_CANCELLED)
+                    run.queue.put_nowait(CANCELLED)
 
     # -- generation -------------------------------------------------------------------------
 
@@ -909,7 +523,7 @@ class OpenAIEngine:
             )
         if not self._started or self._client is None:
             raise EngineError("the upstream engine is not started", code="upstream_error")
-        run = _Run(request)
+        run = Run(request)
         if self._images.missing_bytes(request) > RENDER_OFF_LOOP_BYTES:
             path, body = await asyncio.to_thread(self._body, request)  # base64 of megabytes
         else:
@@ -930,7 +544,7 @@ class OpenAIEngine:
                         async for delta in stream:
                             yield delta
                     break
-                except _Retry as exc:
+                except Retry as exc:
                     failures.append(f"{replica.name}: {exc}")
                     if exc.busy_after is not None:
                         busy_after.append(exc.busy_after)
@@ -980,10 +594,10 @@ class OpenAIEngine:
         attempt: int,
         path: str,
         body: dict[str, Any],
-        run: _Run,
+        run: Run,
         last: bool,
     ) -> AsyncIterator[TextDelta]:
-        """One try on one replica: its deltas; `_Retry` when it failed before any text."""
+        """One try on one replica: its deltas; `Retry` when it failed before any text."""
         span = self._tracer.start_span(
             "upstream.request",
             kind=SpanKind.CLIENT,
@@ -995,7 +609,7 @@ class OpenAIEngine:
         headers = self._headers(replica)
         headers["content-type"] = "application/json"
         _propagator.inject(headers, context=trace.set_span_in_context(span))
-        payload = _encoder.encode({"model": replica.model or self.model_id, **body})
+        payload = json_encoder.encode({"model": replica.model or self.model_id, **body})
         queue: asyncio.Queue[Any] = asyncio.Queue()
         run.queue = queue
         run.sent_at = None
@@ -1007,13 +621,13 @@ class OpenAIEngine:
         try:
             while True:
                 item = await queue.get()
-                if item is _DONE or item is _EOF:
+                if item is DONE or item is EOF:
                     if not all(run.finish):
-                        raise _StreamError("the stream ended before every choice finished")
+                        raise StreamBroken("the stream ended before every choice finished")
                     run.ended = True
                     outcome = "ok"
                     return
-                if item is _CANCELLED or run.cancel.is_set():
+                if item is CANCELLED or run.cancel.is_set():
                     outcome = "cancelled"
                     return
                 if isinstance(item, BaseException):
@@ -1027,14 +641,9 @@ class OpenAIEngine:
         except (GeneratorExit, asyncio.CancelledError):
             outcome = "cancelled"  # the caller went away
             raise
-        except _HTTPStatus as exc:
+        except UpstreamStatus as exc:
             if run.emitted:
-                log.warning(
-                    "upstream.failed_mid_answer", upstream=replica.name, reason=_reason(exc)
-                )
-                raise EngineError(
-                    "the upstream replica failed mid-answer", code="upstream_error"
-                ) from None
+                raise _mid_answer(replica, exc) from None
             retried = exc.status >= 500 or exc.status == 408
             outcome = (
                 "busy" if exc.status == 429 else "failover" if retried and not last else "error"
@@ -1042,15 +651,10 @@ class OpenAIEngine:
             self._on_status(replica, exc)
         except Exception as exc:  # transport errors, a broken stream, bad JSON
             if run.emitted:
-                log.warning(
-                    "upstream.failed_mid_answer", upstream=replica.name, reason=_reason(exc)
-                )
-                raise EngineError(
-                    "the upstream replica failed mid-answer", code="upstream_error"
-                ) from None
+                raise _mid_answer(replica, exc) from None
             self._set_health(replica, False, _reason(exc))
             outcome = "error" if last else "failover"
-            raise _Retry(_reason(exc)) from None
+            raise Retry(_reason(exc)) from None
         finally:
             if outcome == "error" and run.cancel.is_set():
                 outcome = "cancelled"
@@ -1078,15 +682,15 @@ class OpenAIEngine:
                     upstream=replica.name, outcome=outcome, ttft_s=ttft_s
                 )
 
-    def _on_status(self, replica: Replica, exc: _HTTPStatus) -> None:
+    def _on_status(self, replica: Replica, exc: UpstreamStatus) -> None:
         """Raise what a non-200 answer means (see the module docstring)."""
         status = exc.status
         if status == 429:
-            raise _Retry("HTTP 429", busy_after=exc.retry_after or 1.0)
+            raise Retry("HTTP 429", busy_after=exc.retry_after or 1.0)
         if status >= 500 or status == 408:
             if status >= 500:
                 self._set_health(replica, False, f"HTTP {status}")
-            raise _Retry(f"HTTP {status}: {clip(exc.text)}")
+            raise Retry(f"HTTP {status}: {clip(exc.text)}")
         if status in (400, 422):
             if exc.code == "context_length_exceeded" or _CONTEXT_MESSAGE.search(exc.text):
                 raise EngineError(clip(exc.text, 400), code="context_length_exceeded")
@@ -1111,10 +715,10 @@ class OpenAIEngine:
         payload: bytes,
         headers: dict[str, str],
         queue: asyncio.Queue[Any],
-        run: _Run,
+        run: Run,
         span: Span,
     ) -> None:
-        """Send the request and put its parsed chunks on `queue`, then `_DONE` (or `_EOF`, or
+        """Send the request and put its parsed chunks on `queue`, then `DONE` (or `EOF`, or
         the error)."""
         assert self._client is not None
 
@@ -1131,8 +735,8 @@ class OpenAIEngine:
                 span.set_attribute("http.response.status_code", response.status_code)
                 if response.status_code != 200:
                     body = await response.aread()
-                    raise _HTTPStatus(response.status_code, body, _retry_after(response.headers))
-                decode = _chunk_decoder.decode
+                    raise UpstreamStatus(response.status_code, body, retry_after(response.headers))
+                decode = chunk_decoder.decode
                 done = False
                 # server-sent events split into lines by hand, on bytes (msgspec decodes each
                 # `data:` line's bytes directly). `partial` holds an unfinished line; only new
@@ -1145,7 +749,7 @@ class OpenAIEngine:
                     if cut < 0:
                         partial += piece
                         if len(partial) > MAX_SSE_LINE_BYTES:
-                            raise _StreamError("an upstream event line is too long")
+                            raise StreamBroken("an upstream event line is too long")
                         continue
                     head, rest = piece[: cut + 1], piece[cut + 1 :]
                     if partial:
@@ -1159,7 +763,7 @@ class OpenAIEngine:
                         data = line[5:].strip()
                         if data == b"[DONE]":
                             done = True
-                            queue.put_nowait(_DONE)
+                            queue.put_nowait(DONE)
                             break
                         queue.put_nowait(decode(data))
                 last = bytes(partial).strip()
@@ -1167,17 +771,23 @@ class OpenAIEngine:
                     data = last[5:].strip()
                     if data == b"[DONE]":
                         done = True
-                        queue.put_nowait(_DONE)
+                        queue.put_nowait(DONE)
                     elif data:
                         queue.put_nowait(decode(data))
                 if not done:
-                    queue.put_nowait(_EOF)
+                    queue.put_nowait(EOF)
             finally:
                 await response.aclose()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             queue.put_nowait(exc)
+
+
+def _mid_answer(replica: Replica, exc: BaseException) -> EngineError:
+    """What a failure after the first text becomes (the replica's words stay in the log)."""
+    log.warning("upstream.failed_mid_answer", upstream=replica.name, reason=_reason(exc))
+    return EngineError("the upstream replica failed mid-answer", code="upstream_error")
 
 
 def _salt_of(owner: str) -> str:
