@@ -45,6 +45,10 @@ SCHED_BATCH = N["visiongate.scheduler.batch.size"]
 SCHED_STEP_TOKENS = N["visiongate.scheduler.step.tokens"]
 KV_BLOCKS = N["visiongate.kv.blocks"]
 PREEMPTIONS = N["visiongate.scheduler.preemptions"]
+UP_REQUESTS = N["visiongate.upstream.requests"]
+UP_TTFT = N["visiongate.upstream.time_to_first_token"]
+UP_IN_FLIGHT = N["visiongate.upstream.in_flight"]
+UP_HEALTHY = N["visiongate.upstream.healthy"]
 ITL_PANEL = "Inter-token latency vs objective"
 
 M = 'gen_ai_request_model=~"$model"'
@@ -199,6 +203,7 @@ def overview_dashboard() -> dict[str, Any]:
         )
     )
     _scheduler_row(lay)
+    _upstream_row(lay)
     variables = [query_variable("model", "Model", f"{TTFT}_count", "gen_ai_request_model")]
     return dashboard(
         DASHBOARD_UIDS[0],
@@ -206,6 +211,49 @@ def overview_dashboard() -> dict[str, Any]:
         "Traffic, latency SLOs, errors and the engine scheduler of all gateways",
         lay,
         variables,
+    )
+
+
+def _upstream_row(lay: Layout) -> None:
+    """Replicas behind `--engine openai` (empty for the local engine): attempts by outcome,
+    each replica's time to first token, its open requests and whether it is up."""
+    lay.add(row("Upstream replicas (--engine openai)"))
+    lay.add(
+        timeseries(
+            "Attempts / s by replica and outcome",
+            [
+                (
+                    f"sum by (upstream, outcome) (rate({UP_REQUESTS}[{R}]))",
+                    "{{upstream}} {{outcome}}",
+                )
+            ],
+            unit="reqps",
+            description="ok: answered; failover: failed before the first token, moved to the "
+            "next replica; error: failed; busy: 429; cancelled: the client went away",
+        ),
+        w=8,
+    )
+    lay.add(
+        timeseries(
+            "Replica time to first token",
+            _quantiles(UP_TTFT, "", by="upstream"),
+            unit="s",
+            description="From the request sent to a replica to its first text, per replica "
+            "(the gateway's own share is the gap to the gateway's TTFT)",
+        ),
+        w=8,
+    )
+    lay.add(
+        timeseries(
+            "Requests in flight / replicas up",
+            [
+                (f"sum by (upstream) ({UP_IN_FLIGHT})", "{{upstream}} in flight"),
+                (f"sum({UP_HEALTHY})", "replicas up"),
+            ],
+            description="Requests open on each replica (session affinity with bounded load "
+            "keeps them near even), and how many replicas pass their health check",
+        ),
+        w=8,
     )
 
 
