@@ -240,6 +240,7 @@ class ChatService:
             cache_salt=session.owner
             if options.cache_salt is None
             else f"{session.owner}\0salt:{options.cache_salt}",
+            owner=session.owner,
         )
 
         # 3. generate

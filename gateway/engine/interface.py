@@ -105,9 +105,12 @@ class GenerationRequest:
     kv_key: str | None = None
     # Set by the caller to stop generation; the engine checks it before every decode step.
     cancel: threading.Event = field(default_factory=threading.Event)
-    # Namespace of automatic prefix caching (the API key's id): KV blocks are shared only
-    # between requests with the same salt. None: the anonymous namespace.
+    # Namespace of automatic prefix caching (the API key's id, maybe narrowed by a client's
+    # salt): KV blocks are shared only between requests with the same salt. None: anonymous.
     cache_salt: str | None = None
+    # Whose share of the engine this is (the API key's owner id: fair share, per-key queue
+    # cap, preemption order); None: the cache salt names the owner too.
+    owner: str | None = None
     # A plain-text prompt (legacy completions): tokenized as is, without the chat template;
     # `messages` are then ignored and may be empty.
     raw_prompt: str | None = None

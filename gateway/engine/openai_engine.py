@@ -578,7 +578,7 @@ class OpenAIEngine:
                     yield result
                 return
             aborted = run.aborted()
-            if aborted is not None:
+            if aborted is not None and not run.cancel.is_set():
                 raise EngineError(
                     f"the upstream replica cut the answer short (finish reason {clip(aborted)})",
                     code="upstream_error",
@@ -745,7 +745,7 @@ class OpenAIEngine:
                 async for piece in response.aiter_bytes():
                     if done:
                         continue  # after [DONE]: read to the end of the body all the same
-                    cut = piece.rfind(b"\n")
+                    cut = max(piece.rfind(b"\n"), piece.rfind(b"\r"))  # \n, \r\n or \r
                     if cut < 0:
                         partial += piece
                         if len(partial) > MAX_SSE_LINE_BYTES:
@@ -757,7 +757,7 @@ class OpenAIEngine:
                         head = bytes(partial)
                         partial.clear()
                     partial += rest
-                    for line in head.split(b"\n"):
+                    for line in head.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"):
                         if not line.startswith(b"data:"):
                             continue  # blank separators, comments, event names
                         data = line[5:].strip()

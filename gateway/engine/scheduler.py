@@ -8,7 +8,7 @@ is therefore spread over several steps while the others keep streaming, and a re
 leaves the batch at any step boundary. Cancelling a request takes it out at the next boundary
 (its KV freed); the others' tokens are untouched.
 
-The engine is shared fairly between owners (API keys, `GenerationRequest.cache_salt`; policy in
+The engine is shared fairly between owners (API keys, `GenerationRequest.owner`; policy in
 `gateway.engine.fair_queue`): admission takes owners in turn, each owner's requests in order;
 an owner with nothing running gets a slot of a full batch at the next step (the newest sequence
 of an owner holding two or more is preempted for it); the prefill budget is split max-min

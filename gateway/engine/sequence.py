@@ -146,8 +146,10 @@ class Sequence:
 
     @property
     def owner(self) -> str | None:
-        """Whose share of the engine this request uses: its API key's owner (None: anonymous)."""
-        return self.job.request.cache_salt
+        """Whose share of the engine this request uses: its API key's owner (None: anonymous).
+        A client's cache salt narrows the prefix cache, never this."""
+        request = self.job.request
+        return request.owner if request.owner is not None else request.cache_salt
 
     @property
     def known(self) -> int:

@@ -119,8 +119,9 @@ class Retry(Exception):
 
 
 OVERRUN = "visiongate:overrun"  # a choice's finish when the upstream ignored max_tokens
-# finish reasons of a whole answer; any other (vLLM's "abort") is a failure upstream
-FINISHED = frozenset({"stop", "length", "tool_calls", "function_call", "eos", OVERRUN})
+# finish reasons that mean the answer was cut short upstream (vLLM's "abort"); any other is an
+# end of the answer (stop, length, tool_calls, content_filter, eos_token, ...)
+FAILED_FINISHES = frozenset({"abort", "error", "cancelled", "canceled"})
 DONE = object()  # the stream said [DONE]
 EOF = object()  # the body ended without [DONE]: whole only if every choice finished
 CANCELLED = object()  # request.cancel was set
@@ -347,7 +348,7 @@ class Run:
 
     def aborted(self) -> str | None:
         """A finish reason that means the answer was cut short upstream (vLLM's "abort")."""
-        return next((r for r in self.finish if r and r not in FINISHED), None)
+        return next((r for r in self.finish if r in FAILED_FINISHES), None)
 
     def absorb(self, chunk: Chunk) -> list[TextDelta]:
         if chunk.error is not None or chunk.object == "error":
@@ -369,7 +370,7 @@ class Run:
                 continue
             text = choice.delta.content if choice.delta is not None else choice.text
             logprobs = token_logprobs(choice.logprobs)
-            if (text or logprobs) and self.chunks[i] >= self.max_tokens:
+            if text and choice.finish_reason is None and self.chunks[i] >= self.max_tokens:
                 # more text chunks than tokens allowed (each holds one at least): the upstream
                 # ignores max_tokens, so the answer is cut here
                 self.finish[i] = OVERRUN

@@ -32,6 +32,7 @@ from msgspec import Struct
 from gateway.chat_events import Finished
 from gateway.chat_requests import (
     RequestLimits,
+    check_cache_salt,
     check_choices,
     check_max_tokens,
     check_model,
@@ -97,6 +98,9 @@ class CompletionRequest(Struct):
     presence_penalty: float | None = None
     logit_bias: dict[str, int] | None = None
     user: str | None = None  # accepted and ignored
+    # as vLLM's: prefix-cache entries are shared only between requests with the same salt,
+    # within the API key's own
+    cache_salt: str | None = None
 
 
 class LegacyLogprobs(Struct):
@@ -253,6 +257,7 @@ class CompletionServing:
             limits.max_output_tokens_limit,
             "max_tokens",
         )
+        check_cache_salt(request.cache_salt)
         sampling = SamplingParams(
             max_output_tokens=max_tokens or DEFAULT_MAX_TOKENS,
             temperature=0.0 if request.temperature is None else request.temperature,
@@ -271,7 +276,11 @@ class CompletionServing:
                 messages=[],
                 sampling=sampling,
                 cancel=cancel,
-                cache_salt=owner,  # the fair share and prefix-cache namespace of the API key
+                # the prefix-cache namespace of the API key (narrowed by a client's salt)
+                cache_salt=owner
+                if request.cache_salt is None
+                else f"{owner}\0salt:{request.cache_salt}",
+                owner=owner,  # the fair share of the API key
                 raw_prompt=prompt,
             )
             for i, prompt in enumerate(prompts)

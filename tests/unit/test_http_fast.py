@@ -414,8 +414,15 @@ def test_cache_salt_narrows_the_keys_prefix_cache_namespace(make_gateway: Gatewa
             r = http.post("/v1/chat/completions", json={**body, "cache_salt": salt})
             assert r.status_code == 200
             salted.append(gateway.engine.requests[-1].cache_salt)
+        owners = [gateway.engine.requests[-1].owner]
         r = http.post("/v1/chat/completions", json={**body, "cache_salt": "x" * 257})
+        legacy = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "cache_salt": "tenant-1"}
+        assert http.post("/v1/completions", json=legacy).status_code == 200
+        completion = gateway.engine.requests[-1]
     owner = gateway.state.auth.owner({"authorization": "Bearer key-a"})
     assert plain == owner  # the key's own namespace
     assert len({plain, *salted}) == 3 and all(s.startswith(owner) for s in salted)
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+    # a salt narrows the cache, never the key's share of the engine (its queue cap, fair share)
+    assert owners == [owner] and completion.owner == owner
+    assert completion.cache_salt == salted[0]

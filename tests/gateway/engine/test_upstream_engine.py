@@ -825,3 +825,37 @@ async def test_an_answer_of_exactly_max_tokens_keeps_its_usage() -> None:
             deltas, (result,) = await collect(engine, request(max_output_tokens=3))
     assert len(deltas) == 3 and result.finish_reason == "length"
     assert (result.input_tokens, result.cached_tokens) == (21, 16)
+
+
+async def test_cr_only_line_ends_are_line_ends() -> None:
+    """The event-stream format allows \\r, \\n or \\r\\n; a \\r\\n may be cut between reads."""
+    stream = (_event("a") + _event("b") + _event(None, "stop") + b"data: [DONE]\n\n").replace(
+        b"\r\n", b"\r"
+    )
+    for pieces in ([stream], [stream[i : i + 5] for i in range(0, len(stream), 5)]):
+        async with raw_replica(pieces) as url, started(url, start_timeout_s=5) as engine:
+            deltas, (result,) = await collect(engine, request())
+        assert "".join(d.text for d in deltas) == "ab" and result.finish_reason == "stop"
+
+
+async def test_the_last_frame_at_max_tokens_keeps_its_finish_reason() -> None:
+    """A replica sends one text frame per token and then a frame with only the finish reason
+    (and the last token's log-probabilities): at exactly max_tokens that is an ordinary end,
+    not an overrun. A filtered or otherwise named end is an end too, not a failure."""
+    last = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+    }
+    stream = _event("a") + _event("b") + b"data: " + json.dumps(last).encode() + b"\n\n"
+    pieces = [stream + b"data: [DONE]\n\n"]
+    async with raw_replica(pieces) as url, started(url, start_timeout_s=5) as engine:
+        deltas, (result,) = await collect(engine, request(max_output_tokens=2))
+    assert "".join(d.text for d in deltas) == "ab"
+    assert (result.finish_reason, result.output_tokens) == ("stop", 2)
+    with FakeUpstream() as a:
+        a.scripts.append(Script(finish_reason="content_filter"))
+        async with started(a) as engine:
+            _, (filtered,) = await collect(engine, request())
+    assert filtered.finish_reason == "stop" and filtered.text == "Hello, world"
