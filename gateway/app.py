@@ -208,12 +208,23 @@ def create_app(
 
     readiness = Readiness(state)
 
-    @get(["/readyz", "/health"])
+    @get("/readyz")
     async def readyz() -> Response[dict[str, Any]]:
-        """200 once the gateway can serve, else 503 naming what is missing (readiness.py).
-        Also `/health`, as vLLM and SGLang name theirs: what a gateway in front probes."""
+        """200 once the gateway can serve, else 503 naming what is missing (readiness.py)."""
         status, body = await readiness.check()
         return Response(body, status_code=status)
+
+    @get("/health", sync_to_thread=False)
+    def health() -> Response[dict[str, Any]]:
+        """As vLLM and SGLang name theirs, what a gateway in front probes: 200 while the model
+        can generate (loaded, and for an upstream engine a replica up). Unlike /readyz it does
+        not ask Redis or encoder workers, so a Redis outage does not take every replica out of
+        a front gateway's rotation: stateless requests still work."""
+        if state.load_error:
+            return Response({"status": "failed"}, status_code=503)
+        if not state.ready or not state.engine.ready:
+            return Response({"status": "not_ready"}, status_code=503)
+        return Response({"status": "ok"}, status_code=200)
 
     @get("/metrics", sync_to_thread=False)
     def prometheus_metrics() -> Response[bytes]:
@@ -230,6 +241,7 @@ def create_app(
         route_handlers=[
             healthz,
             readyz,
+            health,
             prometheus_metrics,
             realtime_route(state),
             *http_route_handlers(state),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -426,3 +427,19 @@ def test_cache_salt_narrows_the_keys_prefix_cache_namespace(make_gateway: Gatewa
     # a salt narrows the cache, never the key's share of the engine (its queue cap, fair share)
     assert owners == [owner] and completion.owner == owner
     assert completion.cache_salt == salted[0]
+
+
+def test_health_is_the_model_while_readyz_also_asks_redis(make_gateway: GatewayFactory) -> None:
+    """`/health` (what a gateway in front probes) stays 200 through a Redis outage, in which
+    stateless requests still work; `/readyz` names the missing Redis."""
+    from tests.conftest import free_port
+
+    gateway = make_gateway(settings={"redis_url": f"redis://127.0.0.1:{free_port()}/0"}, wait=False)
+    with httpx.Client(base_url=gateway.http_url, timeout=TIMEOUT) as http:
+        deadline = time.monotonic() + TIMEOUT
+        while http.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the fake model loads at once; only Redis is missing
+        ready = http.get("/readyz")
+        health = http.get("/health")
+    assert ready.status_code == 503 and "redis" in ready.json()["missing"]
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
