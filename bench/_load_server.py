@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,48 @@ def redacted(settings: dict[str, Any] | str) -> dict[str, Any] | str:
     if isinstance(settings, dict) and "api_keys" in settings:
         return {**settings, "api_keys": f"<{len(settings['api_keys'])} keys>"}
     return settings
+
+
+def wait_for_readyz(
+    proc: subprocess.Popen[bytes],
+    http_url: str,
+    name: str,
+    log_path: Path,
+    tail: Callable[[], str],
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Poll a starting gateway's `/readyz` until it answers 200 (its body); RuntimeError with
+    the log's `tail()` when the process exits or reports a failed load, TimeoutError after
+    `timeout_s`."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"{name} exited with {proc.returncode} during start-up; see {log_path}:\n{tail()}"
+            )
+        try:
+            r = httpx.get(f"{http_url}/readyz", timeout=5)
+            body = r.json()
+            if r.status_code == 200:
+                return body
+            if body.get("status") == "failed":
+                raise RuntimeError(f"{name} failed to load: {body.get('error')}\n{tail()}")
+        except (httpx.TransportError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{name} not ready within {timeout_s:.0f} s; see {log_path}:\n{tail()}")
+
+
+def terminate(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 class GatewayProcess:
@@ -132,41 +175,18 @@ class GatewayProcess:
         return self
 
     def wait_ready(self, timeout_s: float = 600.0) -> dict[str, Any]:
-        import httpx
-
         assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"gateway {self.name!r} exited with {self.proc.returncode} "
-                    f"during start-up; see {self.log_path}:\n{self._tail()}"
-                )
-            try:
-                r = httpx.get(f"{self.http_url}/readyz", timeout=5)
-                body = r.json()
-                if r.status_code == 200:
-                    log.info("gateway_ready", config=self.name, port=self.port)
-                    return body
-                if body.get("status") == "failed":
-                    raise RuntimeError(f"gateway {self.name!r} failed to load: {body.get('error')}")
-            except (httpx.TransportError, ValueError):
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(
-            f"gateway {self.name!r} not ready within {timeout_s:.0f} s; see {self.log_path}"
+        body = wait_for_readyz(
+            self.proc, self.http_url, f"gateway {self.name!r}", self.log_path, self._tail, timeout_s
         )
+        log.info("gateway_ready", config=self.name, port=self.port)
+        return body
 
     def stop(self, grace_s: float = 15.0) -> None:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        terminate(proc, grace_s)
         log.info("gateway_stopped", config=self.name, returncode=proc.returncode)
 
     def _tail(self, lines: int = 20) -> str:

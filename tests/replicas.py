@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from bench._load_server import terminate, wait_for_readyz
 
 __all__ = (
     "ROOT",
@@ -118,37 +119,12 @@ class ServeProcess:
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         assert self.proc is not None, "start() first"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self.proc.returncode} while starting; "
-                    f"{self.log_path}:\n{self.log_tail()}"
-                )
-            try:
-                r = httpx.get(f"{self.url}/readyz", timeout=5)
-                if r.status_code == 200:
-                    return
-                if r.json().get("status") == "failed":
-                    raise RuntimeError(f"{self.name} failed to load: {r.text}\n{self.log_tail()}")
-            except (httpx.TransportError, ValueError):
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(
-            f"{self.name} not ready within {timeout_s:.0f} s; {self.log_path}:\n{self.log_tail()}"
-        )
+        wait_for_readyz(self.proc, self.url, self.name, self.log_path, self.log_tail, timeout_s)
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM, then SIGKILL after `grace_s`; nothing when it is not running."""
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        if self.proc is not None and self.proc.poll() is None:
+            terminate(self.proc, grace_s)
 
     def kill(self) -> None:
         """SIGKILL now: the replica vanishes mid-conversation, as a crashed host would."""
