@@ -29,6 +29,7 @@ from gateway.chat_service import ChatService
 from gateway.engine.interface import Engine, image_input_of
 from gateway.http import http_route_handlers
 from gateway.http.bodies import BoundedRequest
+from gateway.http.body_guard import BodyGuard, RefusedBytes
 from gateway.http.routes import routing_error_handler
 from gateway.ratelimit import make_rate_limiter
 from gateway.readiness import Readiness
@@ -254,6 +255,10 @@ def create_app(
         state=State({"gateway": state}),
         debug=False,
         logging_config=None,
+    )
+    # a key whose large bodies keep being refused is answered from its headers (body_guard.py)
+    app.asgi_handler = BodyGuard(
+        app.asgi_handler, state, RefusedBytes(settings.max_refused_body_bytes_per_minute)
     )
     return with_request_ids(app)  # outermost: every response, routed or not, gets its id
 

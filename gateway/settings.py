@@ -111,6 +111,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # rate_limited (HTTP 429 with Retry-After) and nothing of it is kept; 0: no cap
     max_pending_encodes_per_connection: int = 8
     max_pending_encodes_per_key: int = 16
+    # per API key: once the bodies of its requests refused as too large (HTTP 413) add up to
+    # this many bytes within a minute, its bodies over 1 MiB are refused unread with
+    # rate_limited (HTTP 429, Retry-After) until the minute's total falls below it; 0: off
+    max_refused_body_bytes_per_minute: int = 64 * MiB
     # with encoder=redis: this replica's jobs in the shared job stream at once; more wait in the
     # gateway and enter in turn by API key (the stream itself is first in, first out)
     encoder_max_in_flight: int = 16
@@ -202,6 +206,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self.max_pending_encodes_per_key >= 0,
             "max_pending_encodes_per_key",
             "must be >= 0 (0: no cap)",
+        )
+        need(
+            self.max_refused_body_bytes_per_minute >= 0,
+            "max_refused_body_bytes_per_minute",
+            "must be >= 0 (0: off)",
         )
         need(self.encoder_max_in_flight >= 1, "encoder_max_in_flight", "must be >= 1")
         need(

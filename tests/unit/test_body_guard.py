@@ -1,0 +1,161 @@
+"""A key whose large bodies keep being refused as too large gets its large bodies refused unread
+(gateway/http/body_guard.py), over a real gateway on loopback; other keys are untouched."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+import httpx
+import pytest
+
+from gateway.http.body_guard import SMALL_BODY, RefusedBytes
+from tests.unit.conftest import GatewayFactory, MiB
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_refused_bytes_is_a_sliding_minute_per_owner() -> None:
+    clock = Clock()
+    refused = RefusedBytes(10, clock=clock)
+    refused.add("a", 4)
+    clock.now += 20
+    refused.add("a", 4)
+    assert refused.retry_after("a") is None  # 8 < 10
+    clock.now += 10
+    refused.add("a", 4)
+    refused.add("b", 3)
+    assert refused.total("a") == 12 and refused.total("b") == 3
+    # below the limit again once the first 4 bytes (t=100) leave the window (t=160)
+    assert refused.retry_after("a") == pytest.approx(30.0)
+    assert refused.retry_after("b") is None
+    clock.now += 30
+    assert refused.retry_after("a") is None and refused.total("a") == 8
+    clock.now += 60
+    assert refused.total("a") == 0 and refused.total("b") == 0
+    assert not refused._owners  # an owner's record goes with its last event
+    refused.add("a", 0)
+    assert not refused._owners
+    assert RefusedBytes(0, clock=clock).retry_after("a") is None  # 0: off
+
+
+def _chat_body(model: str, image: bytes, text: str = "what is this?") -> bytes:
+    url = "data:image/jpeg;base64," + base64.b64encode(image).decode()
+    part = {"type": "image_url", "image_url": {"url": url}}
+    return json.dumps(
+        {
+            "model": model,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": text}, part]}],
+        }
+    ).encode()
+
+
+def _rate_limited_count(client: httpx.Client) -> float:
+    text = client.get("/metrics").text
+    found = re.search(r'visiongate_errors_total\{[^}]*code="rate_limited"[^}]*\} ([0-9.e+]+)', text)
+    return float(found.group(1)) if found else 0.0
+
+
+def _post(client: httpx.Client, key: str, body: bytes) -> httpx.Response:
+    return client.post(
+        "/v1/chat/completions",
+        content=body,
+        headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+    )
+
+
+def test_a_key_refused_too_often_is_refused_unread(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(
+        settings=dict(
+            api_keys=["key-a", "key-b"],
+            max_image_bytes=2 * MiB,
+            max_refused_body_bytes_per_minute=5 * MiB,
+        )
+    )
+    model = gateway.engine.model_id
+    too_large = _chat_body(model, b"\xff\xd8\xff\xe0" + bytes(2 * MiB + 1024))  # ~2.8 MB
+    assert len(too_large) > SMALL_BODY
+    with httpx.Client(base_url=gateway.http_url, timeout=30) as client:
+        before = _rate_limited_count(client)
+        # two refusals as too large: 5.6 MB read and refused, past the 5 MiB a minute
+        for _ in range(2):
+            r = _post(client, "key-a", too_large)
+            assert r.status_code == 413 and r.json()["error"]["code"] == "image_too_large"
+        engine_calls = len(gateway.engine.requests)
+        r = _post(client, "key-a", too_large)
+        assert r.status_code == 429, r.text
+        error = r.json()["error"]
+        assert error["code"] == "rate_limited" and error["type"] == "rate_limit_error"
+        assert "key-a" not in r.text
+        assert 1 <= int(r.headers["retry-after"]) <= 60
+        assert r.headers.get("x-request-id", "").startswith("req_")
+        assert r.headers.get("connection") != "close"  # the body was drained: kept alive
+        # a large body that would have been served is refused too: it is not read
+        fine_but_large = _chat_body(model, bytes(1536 * 1024))
+        assert len(fine_but_large) > SMALL_BODY
+        assert _post(client, "key-a", fine_but_large).status_code == 429
+        # small bodies are read and served as before: the key can still chat
+        small = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        r = client.post(
+            "/v1/chat/completions", json=small, headers={"authorization": "Bearer key-a"}
+        )
+        assert r.status_code == 200, r.text
+        assert len(gateway.engine.requests) == engine_calls + 1  # nothing of the 429s ran
+        # another key's large bodies are still read: its own 413, then a served request
+        r = _post(client, "key-b", too_large)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "image_too_large"
+        r = _post(client, "key-b", fine_but_large)
+        assert r.status_code != 429
+        # a refused key's unauthenticated twin is still the app's 401, never the guard's 429
+        r = _post(client, "wrong", too_large)
+        assert r.status_code == 401
+        assert _rate_limited_count(client) == before + 2
+        assert client.get("/healthz").status_code == 200
+
+
+def test_a_chunked_body_of_a_refused_key_is_never_read(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(
+        settings=dict(api_keys=["key-a"], max_refused_body_bytes_per_minute=1 * MiB)
+    )
+    model = gateway.engine.model_id
+    too_large = _chat_body(model, b"\xff\xd8\xff\xe0" + bytes(2 * MiB + 1024))
+    with httpx.Client(base_url=gateway.http_url, timeout=30) as client:
+        assert _post(client, "key-a", too_large).status_code == 413
+        before = _rate_limited_count(client)
+
+        def chunks():  # no Content-Length: its size is unknown until read
+            yield b'{"model": "' + model.encode() + b'", "messages": []}'
+
+        r = client.post(
+            "/v1/chat/completions",
+            content=chunks(),
+            headers={"authorization": "Bearer key-a", "content-type": "application/json"},
+        )
+        assert r.status_code == 429 and r.headers.get("connection") == "close"
+        assert _rate_limited_count(client) == before + 1
+        assert client.get("/healthz").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(api_keys=["key-a"], max_refused_body_bytes_per_minute=0),  # turned off
+        dict(max_refused_body_bytes_per_minute=1 * MiB),  # no keys: one owner, off
+    ],
+    ids=["setting-off", "no-api-keys"],
+)
+def test_the_guard_can_be_off(make_gateway: GatewayFactory, settings: dict) -> None:
+    gateway = make_gateway(settings=settings)
+    too_large = _chat_body(gateway.engine.model_id, b"\xff\xd8\xff\xe0" + bytes(2 * MiB + 1024))
+    with httpx.Client(base_url=gateway.http_url, timeout=30) as client:
+        for _ in range(4):
+            r = _post(client, "key-a", too_large)
+            assert r.status_code == 413, r.text
