@@ -29,9 +29,9 @@ from gateway.chat_service import ChatService
 from gateway.engine.interface import Engine, image_input_of
 from gateway.http import http_route_handlers
 from gateway.http.bodies import BoundedRequest
-from gateway.http.body_guard import BodyGuard, RefusedBytes
+from gateway.http.body_guard import BodyGuard
 from gateway.http.routes import routing_error_handler
-from gateway.ratelimit import make_rate_limiter
+from gateway.ratelimit import RefusedBytes, make_rate_limiter
 from gateway.readiness import Readiness
 from gateway.realtime_connection import realtime_route
 from gateway.request_ids import with_request_ids
@@ -179,6 +179,10 @@ def create_app(
         telemetry=telemetry,
         # with the session store's backend: a record names a session of that store
         responses=make_response_store(settings.redis_url, settings.session_ttl_s),
+        # with no API keys every caller is one owner: one caller's refusals would stop everyone
+        refused=RefusedBytes(
+            settings.max_refused_body_bytes_per_minute if settings.api_keys else 0
+        ),
     )
     gauges = {"sessions": 0, "queue": 0, "vision_cache": 0}
     telemetry.metrics.observe_gauges(
@@ -257,9 +261,7 @@ def create_app(
         logging_config=None,
     )
     # a key whose large bodies keep being refused is answered from its headers (body_guard.py)
-    app.asgi_handler = BodyGuard(
-        app.asgi_handler, state, RefusedBytes(settings.max_refused_body_bytes_per_minute)
-    )
+    app.asgi_handler = BodyGuard(app.asgi_handler, state)
     return with_request_ids(app)  # outermost: every response, routed or not, gets its id
 
 

@@ -12,11 +12,32 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from gateway.protocol.errors import GatewayError
 
-__all__ = ("MemoryRateLimiter", "RateLimiter", "RedisRateLimiter", "make_rate_limiter")
+__all__ = (
+    "SMALL_BODY",
+    "MemoryRateLimiter",
+    "RateLimiter",
+    "RedisRateLimiter",
+    "RefusedBytes",
+    "counts_as_refused",
+    "make_rate_limiter",
+    "refused_error",
+)
+
+# a request body or WebSocket frame up to this size is always read, even from a key whose
+# refused bytes are over `RefusedBytes.limit`
+SMALL_BODY = 1024 * 1024
+
+
+def counts_as_refused(status: int) -> bool:
+    """Whether a request answered with HTTP `status` was refused for what it sent: a 4xx but
+    429 (the same request may well pass later) and 401 (no key, no owner to count for)."""
+    return 400 <= status < 500 and status not in (401, 429)
 
 
 class RateLimiter(Protocol):
@@ -100,6 +121,76 @@ class RedisRateLimiter:
 
     async def aclose(self) -> None:
         await self._redis.aclose()
+
+
+class RefusedBytes:
+    """Per owner, the body bytes of its refused requests over the last `window_s` (gathered a
+    second at a time, so an owner holds at most `window_s` entries however fast it sends)."""
+
+    __slots__ = ("_clock", "_owners", "limit", "window_s")
+
+    def __init__(
+        self, limit: int, *, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self._clock = clock
+        self._owners: dict[str, tuple[deque[tuple[float, int]], list[int]]] = {}
+
+    def _expire(self, owner: str, now: float) -> tuple[deque[tuple[float, int]], list[int]] | None:
+        entry = self._owners.get(owner)
+        if entry is None:
+            return None
+        events, total = entry
+        while events and events[0][0] <= now - self.window_s:
+            total[0] -= events.popleft()[1]
+        if not events:
+            del self._owners[owner]
+            return None
+        return entry
+
+    def add(self, owner: str, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        now = self._clock()
+        entry = self._expire(owner, now) or self._owners.setdefault(owner, (deque(), [0]))
+        events, total = entry
+        if events and now - events[-1][0] < 1.0:  # one entry a second: at most 60 an owner
+            at, before = events.pop()
+            events.append((at, before + nbytes))
+        else:
+            events.append((now, nbytes))
+        total[0] += nbytes
+
+    def total(self, owner: str) -> int:
+        entry = self._expire(owner, self._clock())
+        return entry[1][0] if entry is not None else 0
+
+    def retry_after(self, owner: str) -> float | None:
+        """Seconds until `owner`'s total falls below the limit; None while it is below."""
+        if self.limit <= 0:
+            return None
+        now = self._clock()
+        entry = self._expire(owner, now)
+        if entry is None or entry[1][0] < self.limit:
+            return None
+        events, total = entry
+        left = total[0]
+        for at, nbytes in events:
+            left -= nbytes
+            if left < self.limit:
+                return max(at + self.window_s - now, 0.0)
+        return self.window_s  # unreachable: the last event takes the total to 0
+
+
+def refused_error(limit: int, retry_s: float) -> GatewayError:
+    """The answer to a large body or frame from a key whose refused bytes reached `limit`."""
+    return GatewayError(
+        "rate_limited",
+        f"this API key's refused requests reached {limit / (1024 * 1024):g} MiB in the last "
+        f"minute; its bodies over {SMALL_BODY // 1024} KiB are not read for {retry_s:.0f} s",
+        retry_after_s=retry_s,
+    )
 
 
 def make_rate_limiter(per_minute: int, redis_url: str | None) -> RateLimiter:

@@ -51,6 +51,7 @@ from gateway.chat_requests import (
 from gateway.image_input import REF_PREFIX
 from gateway.protocol import realtime_events as rt
 from gateway.protocol.errors import GatewayError
+from gateway.ratelimit import SMALL_BODY, counts_as_refused, refused_error
 from gateway.sessions.session import Session, StoredItem, new_id
 from gateway.state import not_ready
 from gateway.vision_resolver import EncodeQuota
@@ -279,6 +280,12 @@ class RealtimeConnection:
 
     async def _handle_frame(self, frame: str | bytes) -> None:
         event_id = None
+        refused = self.state.refused  # as for HTTP bodies (gateway/http/body_guard.py)
+        if len(frame) > SMALL_BODY:
+            retry = refused.retry_after(self.owner)
+            if retry is not None:  # not decoded: its event id is unknown
+                await self._send_error(refused_error(refused.limit, retry), None)
+                return
         try:
             event = self.codec.decode(frame)
             event_id = event.event_id
@@ -291,6 +298,8 @@ class RealtimeConnection:
             elif isinstance(event, rt.SessionUpdate):
                 await self._session_update(event)
         except GatewayError as exc:
+            if counts_as_refused(exc.http_status):
+                refused.add(self.owner, len(frame))
             decoded_id = getattr(exc, "event_id", None)
             await self._send_error(exc, decoded_id if decoded_id is not None else event_id)
         except Exception as exc:  # a bug must not take the connection down with it

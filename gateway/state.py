@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.protocol.errors import GatewayError
+from gateway.ratelimit import RefusedBytes
 
 if TYPE_CHECKING:
     from encoder_worker.types import Encoder
@@ -58,6 +59,8 @@ class GatewayState:
     rate_limiter: RateLimiter
     telemetry: Telemetry
     responses: ResponseStore  # stored responses of the Responses API
+    # per key, body bytes of refused requests over the last minute (gateway/http/body_guard.py)
+    refused: RefusedBytes = field(default_factory=lambda: RefusedBytes(0))
     serving: Serving | None = None
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)

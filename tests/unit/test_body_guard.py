@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import re
 
 import httpx
 import pytest
+import websockets
 
-from gateway.http.body_guard import SMALL_BODY, RefusedBytes
+from gateway.ratelimit import SMALL_BODY, RefusedBytes
 from tests.unit.conftest import GatewayFactory, MiB
 
 
@@ -44,6 +46,10 @@ def test_refused_bytes_is_a_sliding_minute_per_owner() -> None:
     refused.add("a", 0)
     assert not refused._owners
     assert RefusedBytes(0, clock=clock).retry_after("a") is None  # 0: off
+    for _ in range(1000):  # a second's refusals are one entry
+        clock.now += 0.0005
+        refused.add("c", 1)
+    assert len(refused._owners["c"][0]) == 1 and refused.total("c") == 1000
 
 
 def _chat_body(model: str, image: bytes, text: str = "what is this?") -> bytes:
@@ -159,3 +165,50 @@ def test_the_guard_can_be_off(make_gateway: GatewayFactory, settings: dict) -> N
         for _ in range(4):
             r = _post(client, "key-a", too_large)
             assert r.status_code == 413, r.text
+
+
+async def test_websocket_frames_count_and_are_refused_undecoded(
+    make_gateway: GatewayFactory,
+) -> None:
+    gateway = make_gateway(
+        settings=dict(
+            api_keys=["key-a", "key-b"],
+            max_image_bytes=2 * MiB,
+            max_refused_body_bytes_per_minute=5 * MiB,
+        )
+    )
+    url = "data:image/jpeg;base64," + base64.b64encode(bytes(2 * MiB + 1024)).decode()
+
+    def item(n: int, content: list[dict]) -> str:
+        event = {"type": "conversation.item.create", "event_id": f"e{n}"}
+        event["item"] = {"type": "message", "role": "user", "content": content}
+        return json.dumps(event)
+
+    too_large = item(0, [{"type": "input_image", "image_url": url}])
+    assert len(too_large) > SMALL_BODY
+    auth = {"Authorization": "Bearer key-a"}
+    async with websockets.connect(gateway.ws_url, additional_headers=auth, max_size=None) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+
+        async def answer() -> dict:
+            while True:
+                event = json.loads(await asyncio.wait_for(ws.recv(), 10))
+                if event["type"] in ("error", "conversation.item.added"):
+                    return event
+
+        for _ in range(2):
+            await ws.send(too_large)
+            error = (await answer())["error"]
+            assert error["code"] == "image_too_large" and error["event_id"] == "e0"
+        await ws.send(too_large)
+        error = (await answer())["error"]
+        assert error["code"] == "rate_limited" and error["event_id"] is None
+        # small frames are decoded as before, on the same connection
+        await ws.send(item(1, [{"type": "input_text", "text": "hello"}]))
+        assert (await answer())["type"] == "conversation.item.added"
+    # HTTP shares the key's count: its large bodies are refused unread too
+    with httpx.Client(base_url=gateway.http_url, timeout=30) as client:
+        r = _post(client, "key-a", _chat_body(gateway.engine.model_id, bytes(1536 * 1024)))
+        assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited"
+        r = _post(client, "key-b", _chat_body("no-such-model", bytes(1536 * 1024)))
+        assert r.status_code == 404  # another key: read, and refused for what it says
