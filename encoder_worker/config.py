@@ -85,6 +85,9 @@ class EncoderConfig(msgspec.Struct, frozen=True, kw_only=True):
     compile: torch.compile the tower (CUDA only), batches padded to fixed shapes.
     max_image_bytes / max_pixels: refused before decoding (`image_too_large`).
     max_batch / max_wait_ms: micro-batching of concurrent `encode` calls.
+    cpu_batch: the batch limit on a CPU, where the tower runs image by image anyway: a bigger
+        batch buys nothing there and makes an image that arrives while it runs wait for all of
+        it (default 1).
     decode_threads: Pillow decodes run on this many threads (Pillow releases the GIL).
     """
 
@@ -105,6 +108,7 @@ class EncoderConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_image_bytes: int = 20 * 1024 * 1024
     max_pixels: int = 40_000_000
     max_batch: int = 8
+    cpu_batch: int = 1
     max_wait_ms: float = 5.0
     decode_threads: int = 2
 
@@ -143,8 +147,10 @@ class EncoderConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_image_bytes <= 0 or self.max_pixels <= 0:
             raise ValueError("max_image_bytes and max_pixels must be positive")
-        if self.max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_batch < 1 or self.cpu_batch < 1:
+            raise ValueError(
+                f"max_batch and cpu_batch must be >= 1, got {self.max_batch}, {self.cpu_batch}"
+            )
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
         if self.decode_threads < 1:

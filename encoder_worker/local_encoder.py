@@ -2,9 +2,11 @@
 
 `encode()` computes nothing on the event loop: it parks the bytes and a future on a queue. One
 batching task takes the first waiting request, gathers whatever else arrives within
-`max_wait_ms` (up to `max_batch`), and hands the batch to `EncoderPipeline.encode_batch` on a
-single worker thread. Each caller gets its own result or its own `ImageError`; if the batch
-call itself fails unexpectedly, the images are retried one by one so only the culprit fails.
+`max_wait_ms` (up to the pipeline's `batch_limit`: `max_batch` on an accelerator, `cpu_batch`,
+default 1, on a CPU, where images run one by one inside a batch anyway), and hands the batch to
+`EncoderPipeline.encode_batch` on a single worker thread. Each caller gets its own result or
+its own `ImageError`; if the batch call itself fails unexpectedly, the images are retried one
+by one so only the culprit fails.
 While a batch runs, new requests queue up and form the next batch.
 
 The queue is fair between owners (`encode(..., owner=)`, an opaque string; the gateway passes
@@ -122,6 +124,7 @@ class LocalEncoder:
         self._queue: FairQueue | None = None
         self._task: asyncio.Task[None] | None = None
         self.batches = 0  # batches run so far (observability and tests)
+        self._batch_limit = config.max_batch  # the pipeline's `batch_limit` once built
 
     async def start(self) -> None:
         """Build the tower and projector off the loop, warm up once, start batching."""
@@ -135,6 +138,7 @@ class LocalEncoder:
             initializer=(lambda: torch.set_num_threads(threads)) if threads else None,
         )
         self.pipeline = await loop.run_in_executor(self._executor, self._build)
+        self._batch_limit = self.pipeline.batch_limit
         self._queue = FairQueue()
         self._task = asyncio.create_task(self._batch_loop(), name="visiongate-encoder-batcher")
 
@@ -165,7 +169,7 @@ class LocalEncoder:
         batch = [await self._queue.get()]
         deadline = loop.time() + self.config.max_wait_ms / 1e3
         try:
-            while len(batch) < self.config.max_batch:
+            while len(batch) < self._batch_limit:
                 if not self._queue.empty():
                     batch.append(self._queue.get_nowait())
                     continue

@@ -233,6 +233,14 @@ class EncoderPipeline:
         )
 
     @property
+    def batch_limit(self) -> int:
+        """Images worth gathering into one batch: `max_batch` on an accelerator, `cpu_batch`
+        (default 1) on a CPU, where the tower runs image by image anyway, so a bigger batch
+        only makes an image that arrives while it runs wait for all of it."""
+        c = self.config
+        return min(c.cpu_batch, c.max_batch) if self.device.type == "cpu" else c.max_batch
+
+    @property
     def tokens_total(self) -> int:
         """Patch tokens per image before dropping (0: it varies per image, VLM checkpoints)."""
         return self.spec.num_patches if self.spec is not None else 0

@@ -13,6 +13,7 @@ STAGES = {"decode", "preprocess", "vision", "prune", "quantize"}
 
 def _config(tiny_clip_dir: str, **kw) -> EncoderConfig:
     kw.setdefault("max_wait_ms", 200.0)
+    kw.setdefault("cpu_batch", 8)  # the batching itself, on this CPU
     return EncoderConfig(tower=tiny_clip_dir, **kw)
 
 
@@ -68,6 +69,19 @@ async def test_max_batch_splits_bursts(tiny_clip_dir, photos):
         await enc.aclose()
 
 
+async def test_on_a_cpu_images_are_encoded_one_at_a_time(tiny_clip_dir, photos):
+    enc = LocalEncoder(_config(tiny_clip_dir, cpu_batch=1), hidden_size=48)
+    await enc.start()
+    try:
+        assert enc.pipeline is not None and enc.pipeline.batch_limit == 1
+        results = await asyncio.gather(*(enc.encode(d) for d in photos.values()))
+        assert enc.batches == len(photos)
+        assert {r.timings_ms["batch_size"] for r in results} == {1}
+    finally:
+        await enc.aclose()
+    assert EncoderConfig().cpu_batch == 1
+
+
 async def test_guards_and_lifecycle(tiny_clip_dir, photos):
     enc = LocalEncoder(_config(tiny_clip_dir, max_image_bytes=1000), hidden_size=48)
     with pytest.raises(RuntimeError):
@@ -101,7 +115,12 @@ def test_fingerprint_tracks_what_shapes_the_tokens(tiny_clip_dir):
     assert len(fps) == len(changed) and fp not in fps
     assert encoder_fingerprint(base, 960, None) != fp  # projector width
     assert encoder_fingerprint(base, 576, 0.02) != fp  # projector output scale
-    same = [EncoderConfig(max_batch=2), EncoderConfig(max_wait_ms=1.0), EncoderConfig(device="cpu")]
+    same = [
+        EncoderConfig(max_batch=2),
+        EncoderConfig(cpu_batch=4),
+        EncoderConfig(max_wait_ms=1.0),
+        EncoderConfig(device="cpu"),
+    ]
     assert {encoder_fingerprint(c, 576, None) for c in same} == {fp}
 
 
@@ -114,6 +133,7 @@ def test_fingerprint_tracks_what_shapes_the_tokens(tiny_clip_dir):
         ({"int4_group_size": 48}, "int4_group_size"),
         ({"tower": "/nonexistent/dir"}, "tower"),
         ({"max_batch": 0}, "max_batch"),
+        ({"cpu_batch": 0}, "cpu_batch"),
         ({"device": "tpu"}, "device"),
         ({"feature_layer": 0}, "feature_layer"),
     ],

@@ -230,6 +230,7 @@ class StubPipeline:
         self.started = 0  # images in batches that have begun
         self.order: list[str] = []  # digests, in encode order
         self.batches: list[int] = []  # batch sizes
+        self.batch_limit = 64  # as many as the encoder's max_batch (an accelerator's)
 
     def encode_batch(self, datas: list[bytes]) -> list[EncodedImage]:
         self.started += len(datas)
@@ -264,6 +265,7 @@ class StubLocalEncoder(LocalEncoder):
     def __init__(self, pipeline: StubPipeline, max_batch: int) -> None:
         config = EncoderConfig(max_batch=max_batch, max_wait_ms=1.0)
         super().__init__(config, hidden_size=pipeline.hidden_size)
+        pipeline.batch_limit = max_batch
         self.stub = pipeline
 
     def _build(self) -> StubPipeline:  # type: ignore[override]
