@@ -11,6 +11,7 @@ GatewayError("rate_limited"), HTTP 429, with the seconds to wait in the message.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -155,11 +156,13 @@ class RefusedBytes:
         now = self._clock()
         entry = self._expire(owner, now) or self._owners.setdefault(owner, (deque(), [0]))
         events, total = entry
-        if events and now - events[-1][0] < 1.0:  # one entry a second: at most 60 an owner
-            at, before = events.pop()
-            events.append((at, before + nbytes))
+        # one entry a clock second (at most 60 an owner), stamped with the second's end: its
+        # bytes leave the window at most a second late, never early
+        stamp = math.floor(now) + 1.0
+        if events and events[-1][0] == stamp:
+            events[-1] = (stamp, events[-1][1] + nbytes)
         else:
-            events.append((now, nbytes))
+            events.append((stamp, nbytes))
         total[0] += nbytes
 
     def total(self, owner: str) -> int:
@@ -188,7 +191,8 @@ def refused_error(limit: int, retry_s: float) -> GatewayError:
     return GatewayError(
         "rate_limited",
         f"this API key's refused requests reached {limit / (1024 * 1024):g} MiB in the last "
-        f"minute; its bodies over {SMALL_BODY // 1024} KiB are not read for {retry_s:.0f} s",
+        f"minute; its bodies over {SMALL_BODY // 1024} KiB are not read for "
+        f"{max(math.ceil(retry_s), 1)} s",
         retry_after_s=retry_s,
     )
 

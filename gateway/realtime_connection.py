@@ -280,8 +280,12 @@ class RealtimeConnection:
 
     async def _handle_frame(self, frame: str | bytes) -> None:
         event_id = None
-        refused = self.state.refused  # as for HTTP bodies (gateway/http/body_guard.py)
-        if len(frame) > SMALL_BODY:
+        # large frames as large HTTP bodies (gateway/http/body_guard.py): counted when refused,
+        # and not decoded while the key's refused bytes are over the limit
+        refused = self.state.refused
+        size = len(frame) if isinstance(frame, bytes) or frame.isascii() else len(frame.encode())
+        large = size > SMALL_BODY
+        if large:
             retry = refused.retry_after(self.owner)
             if retry is not None:  # not decoded: its event id is unknown
                 await self._send_error(refused_error(refused.limit, retry), None)
@@ -298,8 +302,8 @@ class RealtimeConnection:
             elif isinstance(event, rt.SessionUpdate):
                 await self._session_update(event)
         except GatewayError as exc:
-            if counts_as_refused(exc.http_status):
-                refused.add(self.owner, len(frame))
+            if large and counts_as_refused(exc.http_status):
+                refused.add(self.owner, size)
             decoded_id = getattr(exc, "event_id", None)
             await self._send_error(exc, decoded_id if decoded_id is not None else event_id)
         except Exception as exc:  # a bug must not take the connection down with it

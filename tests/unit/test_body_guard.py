@@ -1,4 +1,4 @@
-"""A key whose large bodies keep being refused as too large gets its large bodies refused unread
+"""A key whose large bodies keep being refused gets its large bodies and frames refused unread
 (gateway/http/body_guard.py), over a real gateway on loopback; other keys are untouched."""
 
 from __future__ import annotations
@@ -7,11 +7,13 @@ import asyncio
 import base64
 import json
 import re
+import socket
 
 import httpx
 import pytest
 import websockets
 
+from gateway.http import bodies
 from gateway.ratelimit import SMALL_BODY, RefusedBytes
 from tests.unit.conftest import GatewayFactory, MiB
 
@@ -27,7 +29,7 @@ class Clock:
 def test_refused_bytes_is_a_sliding_minute_per_owner() -> None:
     clock = Clock()
     refused = RefusedBytes(10, clock=clock)
-    refused.add("a", 4)
+    refused.add("a", 4)  # counted in the second ending at 101
     clock.now += 20
     refused.add("a", 4)
     assert refused.retry_after("a") is None  # 8 < 10
@@ -35,18 +37,21 @@ def test_refused_bytes_is_a_sliding_minute_per_owner() -> None:
     refused.add("a", 4)
     refused.add("b", 3)
     assert refused.total("a") == 12 and refused.total("b") == 3
-    # below the limit again once the first 4 bytes (t=100) leave the window (t=160)
-    assert refused.retry_after("a") == pytest.approx(30.0)
+    # below the limit again once the first 4 bytes leave the window (at 101 + 60)
+    assert refused.retry_after("a") == pytest.approx(31.0)
     assert refused.retry_after("b") is None
-    clock.now += 30
+    clock.now += 30.5
+    assert refused.retry_after("a") == pytest.approx(0.5)  # never early
+    clock.now += 0.5
     assert refused.retry_after("a") is None and refused.total("a") == 8
-    clock.now += 60
+    clock.now += 61
     assert refused.total("a") == 0 and refused.total("b") == 0
     assert not refused._owners  # an owner's record goes with its last event
     refused.add("a", 0)
     assert not refused._owners
     assert RefusedBytes(0, clock=clock).retry_after("a") is None  # 0: off
-    for _ in range(1000):  # a second's refusals are one entry
+    clock.now = 500.25
+    for _ in range(1000):  # a clock second's refusals are one entry
         clock.now += 0.0005
         refused.add("c", 1)
     assert len(refused._owners["c"][0]) == 1 and refused.total("c") == 1000
@@ -101,7 +106,7 @@ def test_a_key_refused_too_often_is_refused_unread(make_gateway: GatewayFactory)
         error = r.json()["error"]
         assert error["code"] == "rate_limited" and error["type"] == "rate_limit_error"
         assert "key-a" not in r.text
-        assert 1 <= int(r.headers["retry-after"]) <= 60
+        assert 1 <= int(r.headers["retry-after"]) <= 61  # a minute, counted by whole seconds
         assert r.headers.get("x-request-id", "").startswith("req_")
         assert r.headers.get("connection") != "close"  # the body was drained: kept alive
         # a large body that would have been served is refused too: it is not read
@@ -203,6 +208,9 @@ async def test_websocket_frames_count_and_are_refused_undecoded(
         await ws.send(too_large)
         error = (await answer())["error"]
         assert error["code"] == "rate_limited" and error["event_id"] is None
+        # frames are sized in bytes: 400k three-byte characters are a large frame
+        await ws.send(item(2, [{"type": "input_text", "text": "\u20ac" * 400_000}]))
+        assert (await answer())["error"]["code"] == "rate_limited"
         # small frames are decoded as before, on the same connection
         await ws.send(item(1, [{"type": "input_text", "text": "hello"}]))
         assert (await answer())["type"] == "conversation.item.added"
@@ -212,3 +220,105 @@ async def test_websocket_frames_count_and_are_refused_undecoded(
         assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited"
         r = _post(client, "key-b", _chat_body("no-such-model", bytes(1536 * 1024)))
         assert r.status_code == 404  # another key: read, and refused for what it says
+
+
+def _raw(gateway, head: str, body: bytes = b"") -> bytes:
+    """Send one request as raw bytes; the whole answer (the server closes or it is complete)."""
+    host, port = gateway.http_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.replace("\n", "\r\n").encode() + b"\r\n" + body)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < _length(data):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+
+def _length(data: bytes) -> int:
+    found = re.search(rb"content-length: *(\d+)", data.partition(b"\r\n\r\n")[0], re.I)
+    return int(found.group(1)) if found else 1 << 30
+
+
+def _chunked(body: bytes, size: int = 65536) -> bytes:
+    parts = [
+        b"%x\r\n%s\r\n" % (len(body[i : i + size]), body[i : i + size])
+        for i in range(0, len(body), size)
+    ]
+    return b"".join(parts) + b"0\r\n\r\n"
+
+
+def test_bodies_the_guard_cannot_size_or_authenticate_are_not_decoded(
+    make_gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decoded: list[int] = []  # every JSON body the app reads in full
+    real = bodies.check_json_values
+    monkeypatch.setattr(
+        bodies, "check_json_values", lambda b, *a: (decoded.append(len(b)), real(b, *a))[1]
+    )
+    gateway = make_gateway(
+        settings=dict(
+            api_keys=["key-a", "key-b"],
+            max_image_bytes=2 * MiB,
+            max_refused_body_bytes_per_minute=5 * MiB,
+        )
+    )
+    too_large = _chat_body(gateway.engine.model_id, b"\xff\xd8\xff\xe0" + bytes(2 * MiB + 1024))
+    # no key, or a wrong one: 401 from the headers, the body drained but never decoded
+    with httpx.Client(base_url=gateway.http_url, timeout=30) as client:
+        for key in ("wrong", None):
+            headers = {"content-type": "application/json"}
+            if key:
+                headers["authorization"] = f"Bearer {key}"
+            r = client.post("/v1/chat/completions", content=too_large, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+    assert decoded == []
+    # Content-Length beside chunked framing: the length is unknown, so the body is counted
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\nHost: x\nAuthorization: Bearer key-a\n"
+        "Content-Type: application/json\nContent-Length: 1\nTransfer-Encoding: chunked\n"
+    )
+    for _ in range(2):
+        answer = _raw(gateway, head, _chunked(too_large))
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert gateway.state.refused.total(bodies_owner(gateway, "key-a")) >= 2 * len(too_large)
+    answer = _raw(gateway, head, _chunked(too_large))
+    assert answer.startswith(b"HTTP/1.1 429") and b"connection: close" in answer.lower()
+    # a boxed key that waits for 100 Continue is answered at once, with no invitation to send
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\nHost: x\nAuthorization: Bearer key-a\n"
+        f"Content-Type: application/json\nContent-Length: {len(too_large)}\n"
+        "Expect: 100-continue\n"
+    )
+    answer = _raw(gateway, head)
+    assert answer.startswith(b"HTTP/1.1 429") and b"100 Continue" not in answer
+    assert len(decoded) == 2  # the two counted bodies, nothing else
+
+
+def bodies_owner(gateway, key: str) -> str:
+    return gateway.state.auth.owner({"authorization": f"Bearer {key}"})
+
+
+async def test_a_burst_of_a_refused_keys_bodies_is_read_one_at_a_time(
+    make_gateway: GatewayFactory,
+) -> None:
+    gateway = make_gateway(
+        settings=dict(
+            api_keys=["key-a"], max_image_bytes=2 * MiB, max_refused_body_bytes_per_minute=5 * MiB
+        )
+    )
+    too_large = _chat_body(gateway.engine.model_id, b"\xff\xd8\xff\xe0" + bytes(2 * MiB + 1024))
+    headers = {"authorization": "Bearer key-a", "content-type": "application/json"}
+    async with httpx.AsyncClient(base_url=gateway.http_url, timeout=60) as client:
+        r = await client.post("/v1/chat/completions", content=too_large, headers=headers)
+        assert r.status_code == 413  # one refusal on record: 2.8 of 5 MiB
+        burst = await asyncio.gather(
+            *(
+                client.post("/v1/chat/completions", content=too_large, headers=headers)
+                for _ in range(8)
+            )
+        )
+    codes = sorted(r.status_code for r in burst)
+    # one more is read (the total passes the limit), the other seven are not
+    assert codes == [413] + [429] * 7, codes
