@@ -87,6 +87,10 @@ class PrefixCache:
     def pinned_sessions(self) -> int:
         return len(self._pins)
 
+    def pinned_bytes(self) -> int:
+        """Bytes of the blocks some session pins (what `shrink(unpin=False)` cannot free)."""
+        return sum(b.nbytes for b in self._blocks.values() if b.pins)
+
     def num_blocks(self) -> tuple[int, int]:
         """(blocks, pinned blocks)."""
         return len(self._blocks), sum(1 for b in self._blocks.values() if b.pins)

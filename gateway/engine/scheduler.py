@@ -41,13 +41,18 @@ slow-reader limit of a request is per choice, since its choices share one reader
 
 KV memory: running sequences' buffers and the prefix cache's blocks share one byte budget.
 Admission needs room for the new prompt (cached blocks are evicted, least recently used first,
-then sessions' pins). When decoding sequences outgrow the budget, the most recently admitted
-sequence of the owner holding the most is preempted: its computed blocks go to the prefix
-cache, its buffer is freed, and it goes back to the front of its owner's line with its generated
-tokens and its admission order (so the oldest running sequence is never the one preempted); on
-readmission it recomputes what the cache no longer holds and continues, token-identical for
-greedy decoding (and for seeded sampling, whose generator state it keeps). One sequence alone
-may exceed the budget rather than never run.
+then sessions' pins). A heavy key (or one a new prompt makes heavy) that already has a sequence
+running may not take sessions' pins: its next prompt waits for room (`_spares_pins`) while
+other owners' requests behind it in turn are admitted, and when decoding outgrows the budget
+such a key gives up its newest sequence before any session is unpinned. So one key's long
+prompts cannot evict the KV that lets another key's next turn skip its history. When decoding
+sequences outgrow the budget, the most recently admitted sequence of the owner holding the most
+is preempted: its computed blocks go to the prefix cache, its buffer is freed, and it goes back
+to the front of its owner's line with its generated tokens and its admission order (so the
+oldest running sequence is never the one preempted); on readmission it recomputes what the
+cache no longer holds and continues, token-identical for greedy decoding (and for seeded
+sampling, whose generator state it keeps). One sequence alone may exceed the budget rather than
+never run.
 """
 
 from __future__ import annotations
@@ -311,11 +316,13 @@ class Scheduler:
         now = time.perf_counter()
         for seq in cancelled:
             post_results(seq, "cancelled", now)
+        parked: set[int] = set()  # heavy keys' heads that wait this pass (`_spares_pins`)
         while True:
             with self._cond:
                 slots = self._slots()
                 if slots < self.cfg.max_batch:
-                    seq, victim = self._waiting.peek(), None
+                    seq = next((h for h in self._waiting.heads() if id(h) not in parked), None)
+                    victim = None
                 else:
                     seq, victim = self._slot_claim()
             if seq is None:
@@ -340,6 +347,9 @@ class Scheduler:
                 seq.job.post(EngineError(f"generation failed: {exc}"))
                 continue
             need = self._need(seq)
+            if victim is None and self._spares_pins(seq, need):
+                parked.add(id(seq))  # the next owner in turn may still fit
+                continue
             budget = self.cfg.kv_budget_bytes
             staying = [s for s in self._running if s is not victim]
             room = budget - sum(s.kv.nbytes for s in staying if s.kv is not None)
@@ -366,6 +376,26 @@ class Scheduler:
             except Exception as exc:  # out of the queue, not yet running: fail it here
                 log.exception("engine.admit_failed", request_id=req.request_id)
                 self._fail(seq, EngineError(f"generation failed: {exc}"))
+
+    def _spares_pins(self, seq: Sequence, need: int) -> bool:
+        """Whether `seq` waits rather than take sessions' pinned KV: a heavy key
+        (`_heavy_keys`, or one this prompt makes heavy) that has a sequence running is
+        admitted only into the room that
+        running sequences and the sessions' pinned blocks leave, so its long prompts cannot
+        evict the KV that lets another key's next turn skip its history. With nothing running
+        it may (it must make progress); a light key always may."""
+        mine = [s for s in self._running if s.owner == seq.owner]
+        if not mine:
+            return False
+        # heavy already, or made heavy by this prompt (a burst is admitted before any step)
+        demand = seq.known + sum(s.known - s.fed for s in mine)
+        if (
+            seq.owner not in self._heavy
+            and demand <= HEAVY_DEMAND_STEPS * self.cfg.prefill_chunk_tokens
+        ):
+            return False
+        room = self.cfg.kv_budget_bytes - self._running_bytes() - self.cache.pinned_bytes()
+        return need > room
 
     def _slot_claim(self) -> tuple[Sequence | None, Sequence | None]:
         """With the batch full: the first waiting request, in turn order, of an owner with
@@ -564,11 +594,19 @@ class Scheduler:
             running = self._running_bytes()
             if running + self.cache.nbytes <= budget:
                 return plan
-            self.cache.shrink(max(budget - running, 0), unpin=True)
-            if running + self.cache.nbytes <= budget or len(self._running) <= 1:
+            self.cache.shrink(max(budget - running, 0), unpin=False)
+            if running + self.cache.nbytes <= budget:
                 return plan
             victim = newest_of_largest(self._running, _owner, _order)
             assert victim is not None
+            # a heavy key holding the most gives up a sequence before sessions lose their pins
+            if (
+                victim.owner not in self._heavy
+                or sum(s.owner == victim.owner for s in self._running) < 2
+            ):
+                self.cache.shrink(max(budget - running, 0), unpin=True)
+                if running + self.cache.nbytes <= budget or len(self._running) <= 1:
+                    return plan
             self._preempt(victim, "kv_budget")
             plan = [p for p in plan if p[0] is not victim]
 

@@ -599,3 +599,62 @@ def test_a_heavy_prompt_advances_beside_a_light_key_whatever_the_chunk(chunk: in
                 s.known += 1  # a token was sampled: the next position is known
     # the prefill room rotates between the heavy keys rather than feeding one of them
     assert all(p.fed > 0 for p in prompts), [p.fed for p in prompts]
+
+
+@pytest.mark.slow
+async def test_a_heavy_key_waits_rather_than_evict_another_keys_session_kv(engine, collect) -> None:
+    """A heavy key with a sequence running is admitted only into the room that running
+    sequences and sessions' pinned blocks leave: its next long prompt waits for its first one
+    to end instead of evicting another key's session, whose next turn then reuses its history.
+    (Before, the admission emptied the cache, pins included, and the turn prefilled it all.)"""
+    from gateway.engine.sequence import GROW
+
+    long_texts = [f"part{i} " * 150 + "How many parts?" for i in range(2)]
+    first = GenerationRequest(
+        "chat-1", [Message("user", ["Say hi."])], SamplingParams(max_output_tokens=8)
+    )
+    solo = engine.replica(max_batch=4, max_queue=16, prefill_chunk_tokens=64)
+    await solo.start()
+    pos_bytes = solo._scheduler.pos_bytes
+    try:
+        sizes = []
+        for i, text in enumerate(long_texts):
+            _, r = await collect(solo, ask(text, 8, "solo", f"solo-{i}"))
+            sizes.append(r.input_tokens)
+        hog_solo = [r for _, r in [await collect(solo, ask(t, 8, "solo2")) for t in long_texts]]
+    finally:
+        await solo.aclose()
+    need = [(n + GROW) * pos_bytes for n in sizes]
+    # both long prompts fit beside each other only if the chat's session gives up its KV
+    budget = need[0] + need[1] + 24 * pos_bytes
+    twin = engine.replica(
+        max_batch=4, max_queue=16, prefill_chunk_tokens=64, kv_budget_bytes=budget
+    )
+    await twin.start()
+    sched = twin._scheduler
+    try:
+        first.kv_key, first.owner = "sess-chat", "chat"
+        _, chat_1 = await collect(twin, first)
+        assert await asyncio.to_thread(sched.barrier, 30)  # its KV is in the cache
+        assert sched.cache.pinned_bytes() >= 32 * pos_bytes  # the session's turn, pinned
+        events = record(sched)
+        hogs = [
+            asyncio.create_task(collect(twin, ask(t, 8, "hog", f"hog-{i}")))
+            for i, t in enumerate(long_texts)
+        ]
+        results = [r for _, r in await asyncio.gather(*hogs)]
+        history = [Message("user", ["Say hi."]), Message("assistant", [chat_1.text])]
+        second = GenerationRequest(
+            "chat-2",
+            [*history, Message("user", ["And again?"])],
+            SamplingParams(max_output_tokens=4),
+            kv_key="sess-chat",
+            owner="chat",
+        )
+        _, chat_2 = await collect(twin, second)
+    finally:
+        await twin.aclose()
+    # the second long prompt was admitted after the first ended, not beside it
+    assert events.index(("admit", "hog-1")) > events.index(("finish", "hog-0")), events
+    assert chat_2.cached_tokens >= chat_1.input_tokens, (chat_1, chat_2)
+    assert [r.text for r in results] == [r.text for r in hog_solo]
