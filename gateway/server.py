@@ -8,10 +8,33 @@ import time
 
 import uvicorn
 from litestar import Litestar
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from gateway.settings import Settings
 
-__all__ = ("ServerThread", "serve", "uvicorn_config")
+__all__ = ("RealtimeWSProtocol", "ServerThread", "serve", "uvicorn_config")
+
+_BAD_HANDSHAKE = (
+    b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: 28\r\n"
+    b"Connection: close\r\n\r\ninvalid WebSocket handshake\n"
+)
+
+
+class RealtimeWSProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's websockets-sansio protocol, but an opening handshake that the websockets
+    parser refuses (a request line or header over its 8 KiB line limit, a malformed request)
+    is answered 400 and closed. The stock protocol never looks at that refusal: the connection
+    stayed open, unanswered, until the client gave up (and held the server's shutdown)."""
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if (
+            not self.handshake_initiated
+            and self.conn.handshake_exc is not None
+            and not self.transport.is_closing()
+        ):
+            self.transport.write(_BAD_HANDSHAKE)
+            self.transport.close()
 
 
 def uvicorn_config(
@@ -21,7 +44,7 @@ def uvicorn_config(
         app,
         host=host or settings.host,
         port=port if port is not None else settings.port,
-        ws="websockets-sansio",
+        ws=RealtimeWSProtocol,
         ws_max_size=settings.ws_max_frame_bytes,
         ws_ping_interval=20.0,
         ws_ping_timeout=30.0,
