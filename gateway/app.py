@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import time
 from collections.abc import AsyncIterator
@@ -288,6 +289,14 @@ async def _load_models(state: GatewayState, encoder: Encoder | None) -> None:
             telemetry=state.telemetry,
         )
         state.serving = Serving(encoder=encoder, vision=vision, service=service)
+        if state.freeze_gc:
+            # what is alive now (models, libraries, tables) lives as long as the process: the
+            # cyclic collector's full passes skip it from here on. Without this, a request that
+            # allocates many objects (a body of 160,000 tiny JSON values) pays passes over the
+            # whole heap: about 8x its decoding time on this gateway's heap
+            gc.collect()
+            gc.freeze()
+            log.info("gc.frozen", objects=gc.get_freeze_count())
         log.info(
             "ready",
             model=engine.model_id,

@@ -56,6 +56,10 @@ def uvicorn_config(
 
 
 def serve(app: Litestar, settings: Settings) -> None:
+    """Serve in the foreground: the process is the gateway's own, so once the models are loaded
+    its heap is frozen for the cyclic collector (`gc.freeze`; gateway/app.py). Threads started
+    by the tests and the demo share a process with other work and leave the collector alone."""
+    app.state["gateway"].freeze_gc = True
     uvicorn.Server(uvicorn_config(app, settings)).run()
 
 

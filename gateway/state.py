@@ -61,6 +61,8 @@ class GatewayState:
     responses: ResponseStore  # stored responses of the Responses API
     # per key, body bytes of refused requests over the last minute (gateway/http/body_guard.py)
     refused: RefusedBytes = field(default_factory=lambda: RefusedBytes(0))
+    # set by `gateway.server.serve` (a process of its own): freeze the startup heap once ready
+    freeze_gc: bool = False
     serving: Serving | None = None
     load_error: str | None = None
     started_at: float = field(default_factory=time.time)
