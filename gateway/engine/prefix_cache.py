@@ -78,6 +78,7 @@ class PrefixCache:
         self._pins: OrderedDict[str, list[bytes]] = OrderedDict()  # session -> pinned block keys
         self._clock = 0
         self.nbytes = 0
+        self._pinned_nbytes = 0  # of the blocks with pins > 0
         self.hits = 0  # positions served from the cache, for stats
 
     def __len__(self) -> int:
@@ -89,7 +90,7 @@ class PrefixCache:
 
     def pinned_bytes(self) -> int:
         """Bytes of the blocks some session pins (what `shrink(unpin=False)` cannot free)."""
-        return sum(b.nbytes for b in self._blocks.values() if b.pins)
+        return self._pinned_nbytes
 
     def num_blocks(self) -> tuple[int, int]:
         """(blocks, pinned blocks)."""
@@ -198,6 +199,9 @@ class PrefixCache:
         if self._blocks.pop(block.key, None) is None:
             return
         self.nbytes -= block.nbytes
+        if block.pins:
+            self._pinned_nbytes -= block.nbytes
+            block.pins = 0
         siblings = self._children.get(block.parent)
         if siblings is not None:
             siblings.pop(block.key, None)
@@ -205,8 +209,6 @@ class PrefixCache:
                 del self._children[block.parent]
         # what hangs below it can no longer be reached
         for child in list(self._children.get(block.key, {}).values()):
-            if child.pins:
-                child.pins = 0
             self._remove(child)
 
     # -- sessions ------------------------------------------------------------------------------
@@ -216,6 +218,8 @@ class PrefixCache:
         self.unpin(session)
         blocks = [self._blocks[k] for k in keys if k in self._blocks]
         for b in blocks:
+            if not b.pins:
+                self._pinned_nbytes += b.nbytes
             b.pins += 1
         self._pins[session] = [b.key for b in blocks]
 
@@ -224,6 +228,8 @@ class PrefixCache:
             block = self._blocks.get(key)
             if block is not None and block.pins:
                 block.pins -= 1
+                if not block.pins:
+                    self._pinned_nbytes -= block.nbytes
 
     def touch_session(self, session: str) -> None:
         if session in self._pins:
@@ -261,6 +267,7 @@ class PrefixCache:
         return before - self.nbytes
 
     def clear(self) -> None:
+        self._pinned_nbytes = 0
         self._blocks.clear()
         self._children.clear()
         self._pins.clear()

@@ -378,24 +378,35 @@ class Scheduler:
                 self._fail(seq, EngineError(f"generation failed: {exc}"))
 
     def _spares_pins(self, seq: Sequence, need: int) -> bool:
-        """Whether `seq` waits rather than take sessions' pinned KV: a heavy key
-        (`_heavy_keys`, or one this prompt makes heavy) that has a sequence running is
-        admitted only into the room that
-        running sequences and the sessions' pinned blocks leave, so its long prompts cannot
-        evict the KV that lets another key's next turn skip its history. With nothing running
-        it may (it must make progress); a light key always may."""
+        """Whether `seq` waits rather than take sessions' pinned KV: a heavy key that has a
+        sequence running is admitted only into the room that running sequences and pinned
+        blocks leave, so its long prompts cannot evict the KV that lets another key's next
+        turn skip its history. Heavy: counted so by `_heavy_keys`, or made so by this prompt
+        (a burst is admitted before any step classifies it): what its running prompts and this
+        one still have to prefill, net of cached prefixes, is over `HEAVY_DEMAND_STEPS` steps'
+        budget. With nothing running a key may take pins (it must make progress); a light
+        key always may."""
+        room = self.cfg.kv_budget_bytes - self._running_bytes() - self.cache.pinned_bytes()
+        if need <= room:
+            return False
         mine = [s for s in self._running if s.owner == seq.owner]
         if not mine:
             return False
-        # heavy already, or made heavy by this prompt (a burst is admitted before any step)
-        demand = seq.known + sum(s.known - s.fed for s in mine)
-        if (
-            seq.owner not in self._heavy
-            and demand <= HEAVY_DEMAND_STEPS * self.cfg.prefill_chunk_tokens
-        ):
-            return False
-        room = self.cfg.kv_budget_bytes - self._running_bytes() - self.cache.pinned_bytes()
-        return need > room
+        if seq.owner in self._heavy:
+            return True
+        demand = self._uncached(seq) + sum(s.known - s.fed for s in mine)
+        return demand > HEAVY_DEMAND_STEPS * self.cfg.prefill_chunk_tokens
+
+    def _uncached(self, seq: Sequence) -> int:
+        """Positions of `seq` the prefix cache does not hold (what it would prefill)."""
+        assert seq.prompt is not None
+        tokens = [*seq.prompt.tokens, *seq.generated]
+        keys = position_keys(tokens, seq.prompt.images)
+        hashes = block_hashes(tokens, seq.prompt.images, self.cfg.block_size, seq.seed)
+        hits = self.cache.hits  # a look, not a use: the stats stay as they were
+        found = self.cache.match(seq.seed, keys, hashes, seq.known - 1)
+        self.cache.hits = hits
+        return seq.known - found.length
 
     def _slot_claim(self) -> tuple[Sequence | None, Sequence | None]:
         """With the batch full: the first waiting request, in turn order, of an owner with
@@ -597,22 +608,29 @@ class Scheduler:
             self.cache.shrink(max(budget - running, 0), unpin=False)
             if running + self.cache.nbytes <= budget:
                 return plan
-            victim = newest_of_largest(self._running, _owner, _order)
-            assert victim is not None
-            # a heavy key holding the most gives up a sequence before sessions lose their pins
-            if (
-                victim.owner not in self._heavy
-                or sum(s.owner == victim.owner for s in self._running) < 2
-            ):
+            # a heavy key with two or more sequences gives up its newest before any session
+            # loses its pins; otherwise pins go, then the newest of the owner holding the most
+            victim = self._heavy_victim()
+            if victim is None:
                 self.cache.shrink(max(budget - running, 0), unpin=True)
                 if running + self.cache.nbytes <= budget or len(self._running) <= 1:
                     return plan
+                victim = newest_of_largest(self._running, _owner, _order)
+                assert victim is not None
             self._preempt(victim, "kv_budget")
             plan = [p for p in plan if p[0] is not victim]
 
+    def _heavy_victim(self) -> Sequence | None:
+        """The newest sequence of a heavy key running two or more, if any."""
+        counts: dict[str | None, int] = {}
+        for s in self._running:
+            counts[s.owner] = counts.get(s.owner, 0) + 1
+        heavy = [s for s in self._running if s.owner in self._heavy and counts[s.owner] >= 2]
+        return max(heavy, key=_order) if heavy else None
+
     def _preempt(self, seq: Sequence, reason: str) -> None:
         self._running.remove(seq)
-        self._publish(seq)
+        self._publish(seq, make_room=False)  # the caller frees what it needs, its own way
         seq.kv, seq.fed = None, 0
         seq.held = 0
         seq.preemptions += 1
@@ -760,8 +778,11 @@ class Scheduler:
         seq.kv = None
         seq.job.post(exc)
 
-    def _publish(self, seq: Sequence, *, keep_session: bool = False) -> None:
-        """Give the sequence's computed positions to the prefix cache (and its session)."""
+    def _publish(
+        self, seq: Sequence, *, keep_session: bool = False, make_room: bool = True
+    ) -> None:
+        """Give the sequence's computed positions to the prefix cache (and its session); with
+        `make_room`, then evict (pins too) whatever takes the total over the budget."""
         if seq.kv is None or seq.prompt is None or seq.fed <= 0:
             return
         n = seq.fed
@@ -786,7 +807,7 @@ class Scheduler:
                 self.kv_store.put(kv_key, entry)
         budget = self.cfg.kv_budget_bytes
         over = self._running_bytes() + self.cache.nbytes - budget
-        if over > 0:
+        if make_room and over > 0:
             self.cache.shrink(max(budget - self._running_bytes(), 0), unpin=True)
 
 

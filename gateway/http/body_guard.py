@@ -13,9 +13,11 @@ its answer starts; and once a key's total reaches `max_refused_body_bytes_per_mi
 answers that key's bodies over `SMALL_BODY` (or of unknown length: chunked, or a
 Content-Length beside chunked framing) from the headers alone: 429 `rate_limited` with
 `Retry-After`, the whole seconds until the total falls below the limit again. While a key has
-refusals on record its large bodies are read one at a time, so a burst is counted body by body
-rather than all read before the first refusal lands. A large body without a valid key is
-answered 401 the same way: it could never be served.
+refusals on record its large bodies are read one at a time (`_Turns`: the next one starts when
+the answer starts, or `HANDOFF_S` after the body was read), so a burst is counted body by body
+rather than all read before the first refusal lands. A request whose client went away is not
+counted. A large body without a valid key is answered 401 the same way: it could never be
+served.
 
 Such an answer reads nothing into memory: a body of known length up to `DRAIN_LIMIT` is
 drained first (about a tenth of the cost of decoding it), so the client, which sends its whole
@@ -53,6 +55,7 @@ __all__ = ("DRAIN_LIMIT", "BodyGuard")
 log = structlog.get_logger(__name__)
 
 DRAIN_LIMIT = 64 * 1024 * 1024  # a refused body up to this size is read (and dropped) first
+HANDOFF_S = 0.5  # a key's next large body waits at most this long after the last one was read
 _encode = msgspec.json.Encoder().encode
 
 
@@ -84,36 +87,61 @@ def _body_length(scope: Scope) -> int | None:
     return length if length >= 0 else None
 
 
+class _Line:
+    """One owner's turn-taking: its lock and how many hold or wait for it."""
+
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
+
+
+class _Turn:
+    """A held turn; releasing it twice is a no-op."""
+
+    __slots__ = ("line", "owner", "released")
+
+    def __init__(self, owner: str, line: _Line) -> None:
+        self.owner, self.line, self.released = owner, line, False
+
+
 class _Turns:
     """Per owner, one large body read at a time (while the owner has refusals on record), so
     a burst of concurrent bodies is counted one by one instead of all read before the first
-    refusal lands."""
+    refusal lands. A turn passes on when its answer starts, or `HANDOFF_S` after its body
+    was read, whichever comes first: a refusal lands within that time, and a request that is
+    served (a streamed answer may start only after its images are encoded) holds up the
+    key's next body no longer."""
 
-    __slots__ = ("_locks",)
+    __slots__ = ("_lines",)
 
     def __init__(self) -> None:
-        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}  # owner -> (lock, users)
+        self._lines: dict[str, _Line] = {}
 
-    async def acquire(self, owner: str) -> asyncio.Lock:
-        lock, users = self._locks.setdefault(owner, (asyncio.Lock(), [0]))
-        users[0] += 1
+    async def acquire(self, owner: str) -> _Turn:
+        line = self._lines.get(owner)
+        if line is None:
+            line = self._lines[owner] = _Line()
+        line.users += 1
         try:
-            await lock.acquire()
-        except BaseException:
-            self._leave(owner, users)
+            await line.lock.acquire()
+        except BaseException:  # cancelled while waiting (the client went away)
+            self._leave(owner, line)
             raise
-        return lock
+        return _Turn(owner, line)
 
-    def release(self, owner: str, lock: asyncio.Lock) -> None:
-        lock.release()
-        entry = self._locks.get(owner)
-        if entry is not None:
-            self._leave(owner, entry[1])
+    def release(self, turn: _Turn) -> None:
+        if turn.released:
+            return
+        turn.released = True
+        turn.line.lock.release()
+        self._leave(turn.owner, turn.line)
 
-    def _leave(self, owner: str, users: list[int]) -> None:
-        users[0] -= 1
-        if users[0] <= 0:
-            self._locks.pop(owner, None)
+    def _leave(self, owner: str, line: _Line) -> None:
+        line.users -= 1
+        if line.users <= 0 and self._lines.get(owner) is line:
+            del self._lines[owner]
 
 
 class BodyGuard:
@@ -144,45 +172,51 @@ class BodyGuard:
             await self._answer(scope, receive, send, length, exc)
             return
         refused = self.refused
-        turn: asyncio.Lock | None = None
-        if refused.total(owner) > 0:
+        retry = refused.retry_after(owner)
+        turn: _Turn | None = None
+        if retry is None and refused.total(owner) > 0:
             turn = await self._turns.acquire(owner)
-        try:
-            retry = refused.retry_after(owner)
-            if retry is not None:
-                await self._answer(
-                    scope, receive, send, length, refused_error(refused.limit, retry)
-                )
-                return
-            await self._serve(scope, receive, send, owner, turn)
-            turn = None  # released by _serve
-        finally:
+            retry = refused.retry_after(owner)  # what the turns ahead added
+        if retry is not None:
             if turn is not None:
-                self._turns.release(owner, turn)
+                self._turns.release(turn)
+            await self._answer(scope, receive, send, length, refused_error(refused.limit, retry))
+            return
+        await self._serve(scope, receive, send, owner, turn)
 
     async def _serve(
-        self, scope: Scope, receive: Receive, send: Send, owner: str, turn: asyncio.Lock | None
+        self, scope: Scope, receive: Receive, send: Send, owner: str, turn: _Turn | None
     ) -> None:
-        """Run the app, counting the body's bytes; a refusal is recorded (and the owner's turn
-        passed on) as soon as its answer starts, before the client reads it."""
+        """Run the app, counting the body's bytes. A refusal is recorded as soon as its answer
+        starts, before the client reads it; a request whose client went away is not counted
+        (its 4xx says so, not what it sent). The turn, if any, is always released."""
         read = 0
-        recorded = False
+        recorded = gone = False
+        handoff: asyncio.TimerHandle | None = None
+
+        def pass_turn() -> None:
+            if turn is not None:
+                self._turns.release(turn)
 
         def settle(status: int) -> None:
-            nonlocal recorded, turn
+            nonlocal recorded
             if not recorded:
                 recorded = True
-                if counts_as_refused(status):
+                if counts_as_refused(status) and not gone:
                     self.refused.add(owner, read)
-            if turn is not None:
-                self._turns.release(owner, turn)
-                turn = None
+            if handoff is not None:
+                handoff.cancel()
+            pass_turn()
 
         async def counting_receive() -> Message:
-            nonlocal read
+            nonlocal read, gone, handoff
             message = await receive()
             if message["type"] == "http.request":
                 read += len(message.get("body", b""))
+                if not message.get("more_body", False) and turn is not None and handoff is None:
+                    handoff = asyncio.get_running_loop().call_later(HANDOFF_S, pass_turn)
+            elif message["type"] == "http.disconnect":
+                gone = True
             return message
 
         async def watching_send(message: Message) -> None:

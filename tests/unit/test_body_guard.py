@@ -8,12 +8,15 @@ import base64
 import json
 import re
 import socket
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import websockets
 
+from gateway.auth import Authenticator
 from gateway.http import bodies
+from gateway.http.body_guard import BodyGuard
 from gateway.ratelimit import SMALL_BODY, RefusedBytes
 from tests.unit.conftest import GatewayFactory, MiB
 
@@ -322,3 +325,103 @@ async def test_a_burst_of_a_refused_keys_bodies_is_read_one_at_a_time(
     codes = sorted(r.status_code for r in burst)
     # one more is read (the total passes the limit), the other seven are not
     assert codes == [413] + [429] * 7, codes
+
+
+# -- the guard alone, over stand-in apps (what a real app rarely does: raise, stall, lose its
+# client) ------------------------------------------------------------------------------------
+
+
+class _Metrics:
+    def record_error(self, **_: object) -> None:
+        pass
+
+
+def _guard(app) -> tuple[BodyGuard, str]:
+    auth = Authenticator(["key-a"])
+    state = SimpleNamespace(auth=auth, refused=RefusedBytes(64 * MiB), metrics=_Metrics())
+    owner = auth.owner({"authorization": "Bearer key-a"})
+    state.refused.add(owner, 1)  # a refusal on record: large bodies take turns
+    return BodyGuard(app, state), owner  # type: ignore[arg-type]
+
+
+def _scope() -> dict:
+    headers = [(b"authorization", b"Bearer key-a"), (b"content-length", b"%d" % (2 * MiB))]
+    return {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}
+
+
+def _body_then_disconnect():
+    sent = [{"type": "http.request", "body": bytes(2 * MiB), "more_body": False}]
+
+    async def receive() -> dict:
+        if sent:
+            return sent.pop()
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+async def _nowhere(message: dict) -> None:
+    pass
+
+
+async def test_an_app_that_raises_passes_the_turn_on_once() -> None:
+    started = asyncio.Event()
+
+    async def app(scope, receive, send) -> None:
+        await receive()
+        if scope["path"] == "/late":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            started.set()
+            await asyncio.sleep(0.05)
+        raise ValueError("the app failed")
+
+    guard, _ = _guard(app)
+    with pytest.raises(ValueError):  # not a lock error in its place
+        await guard(_scope(), _body_then_disconnect(), _nowhere)
+    assert not guard._turns._lines
+    # raising after its answer started, while another request waits for the turn
+    first = asyncio.create_task(
+        guard({**_scope(), "path": "/late"}, _body_then_disconnect(), _nowhere)
+    )
+    await started.wait()
+    second = asyncio.create_task(guard(_scope(), _body_then_disconnect(), _nowhere))
+    results = await asyncio.gather(first, second, return_exceptions=True)
+    assert [type(r) for r in results] == [ValueError, ValueError]
+    assert not guard._turns._lines
+
+
+async def test_a_served_request_holds_the_turn_briefly() -> None:
+    entered: list[float] = []
+
+    async def app(scope, receive, send) -> None:
+        entered.append(asyncio.get_running_loop().time())
+        await receive()
+        await asyncio.sleep(2.0)  # encoding, then the first token: the answer starts late
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    guard, _ = _guard(app)
+    await asyncio.gather(*(guard(_scope(), _body_then_disconnect(), _nowhere) for _ in range(2)))
+    assert entered[1] - entered[0] < 1.5  # HANDOFF_S after the first body, not after its answer
+    assert not guard._turns._lines
+
+
+async def test_a_client_that_went_away_is_not_counted() -> None:
+    async def app(scope, receive, send) -> None:
+        await receive()
+        assert (await receive())["type"] == "http.disconnect"
+        await send({"type": "http.response.start", "status": 400, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    guard, owner = _guard(app)
+    messages = [
+        {"type": "http.disconnect"},
+        {"type": "http.request", "body": bytes(2 * MiB), "more_body": False},
+    ]
+
+    async def receive() -> dict:
+        return messages.pop()
+
+    await guard(_scope(), receive, _nowhere)
+    assert guard.refused.total(owner) == 1  # only the refusal on record before

@@ -488,3 +488,4 @@ def test_prefix_cache_books_stay_true_under_random_traffic() -> None:
             for key in session_keys:
                 pins[key] = pins.get(key, 0) + 1
         assert all(b.pins == pins.get(k, 0) for k, b in blocks.items())
+        assert cache.pinned_bytes() == sum(b.nbytes for b in blocks.values() if b.pins)
