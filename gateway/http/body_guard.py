@@ -2,7 +2,7 @@
 
 A request body is read and decoded before the gateway can tell what is wrong with its parts
 (an inline image over `max_image_bytes`, a text over `max_text_chars`, a bad field): a 28 MB
-chat body costs the event loop about 150 ms of CPU before its `image_too_large`, time every
+chat body costs the event loop 120 to 150 ms of CPU before its `image_too_large`, time every
 other key's streams wait for. One key sending such bodies in a loop slows every other key.
 
 The gateway keeps, per API key, the bytes of the bodies over `SMALL_BODY` it read for requests
