@@ -99,9 +99,16 @@ class PrefixCache:
     # -- lookup --------------------------------------------------------------------------------
 
     def match(
-        self, seed: bytes, keys: Sequence[PositionKey], hashes: Sequence[bytes], limit: int
+        self,
+        seed: bytes,
+        keys: Sequence[PositionKey],
+        hashes: Sequence[bytes],
+        limit: int,
+        *,
+        count: bool = True,
     ) -> PrefixMatch:
-        """The longest cached prefix of a sequence (at most `limit` positions)."""
+        """The longest cached prefix of a sequence (at most `limit` positions); `count`: a use
+        of it, added to `hits` (a look ahead of admission is not)."""
         found = PrefixMatch()
         if not self.enabled or limit <= 0:
             return found
@@ -125,7 +132,8 @@ class PrefixCache:
             found.blocks.append((best, best_n))
             found.length += best_n
         self._touch([b for b, _ in found.blocks])
-        self.hits += found.length
+        if count:
+            self.hits += found.length
         return found
 
     def _touch(self, chain: Sequence[CachedBlock]) -> None:

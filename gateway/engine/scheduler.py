@@ -78,7 +78,7 @@ from gateway.engine.fair_queue import (
 from gateway.engine.grammar import GrammarMasks, TokenVocab
 from gateway.engine.interface import EngineError, EngineStats
 from gateway.engine.kvblocks import block_hashes, chain_seed, position_keys
-from gateway.engine.prefix_cache import PrefixCache
+from gateway.engine.prefix_cache import PrefixCache, PrefixMatch
 from gateway.engine.sequence import (
     GROW,
     Job,
@@ -399,14 +399,16 @@ class Scheduler:
 
     def _uncached(self, seq: Sequence) -> int:
         """Positions of `seq` the prefix cache does not hold (what it would prefill)."""
+        return seq.known - self._lookup(seq, use=False)[1].length
+
+    def _lookup(self, seq: Sequence, *, use: bool = True) -> tuple[list[int], PrefixMatch]:
+        """`seq`'s positions and the longest cached prefix of them (at least one position is
+        left to feed: its logits give the next token); `use` counts the match as a cache hit."""
         assert seq.prompt is not None
         tokens = [*seq.prompt.tokens, *seq.generated]
         keys = position_keys(tokens, seq.prompt.images)
         hashes = block_hashes(tokens, seq.prompt.images, self.cfg.block_size, seq.seed)
-        hits = self.cache.hits  # a look, not a use: the stats stay as they were
-        found = self.cache.match(seq.seed, keys, hashes, seq.known - 1)
-        self.cache.hits = hits
-        return seq.known - found.length
+        return tokens, self.cache.match(seq.seed, keys, hashes, seq.known - 1, count=use)
 
     def _slot_claim(self) -> tuple[Sequence | None, Sequence | None]:
         """With the batch full: the first waiting request, in turn order, of an owner with
@@ -464,11 +466,8 @@ class Scheduler:
         """Admit: reuse the longest cached prefix, allocate the buffer, join the batch."""
         assert seq.prompt is not None
         first = seq.order == 0  # preempted, or a choice parked at its fork: admitted before
-        tokens = [*seq.prompt.tokens, *seq.generated]
-        keys = position_keys(tokens, seq.prompt.images)
-        hashes = block_hashes(tokens, seq.prompt.images, self.cfg.block_size, seq.seed)
-        limit = seq.known - 1  # at least one position is fed: its logits give the next token
-        found = self.cache.match(seq.seed, keys, hashes, limit)
+        tokens, found = self._lookup(seq)
+        limit = seq.known - 1
         kv = SeqKV(
             self.num_layers,
             self.kv_heads,
