@@ -33,6 +33,8 @@ __all__ = (
     "SamplingParams",
     "TextDelta",
     "TokenLogprob",
+    "WarmUp",
+    "WarmUpResult",
     "image_input_of",
 )
 
@@ -44,6 +46,11 @@ ImageInputKind = Literal["embeds", "bytes"]
 # "slow_reader": the caller stopped taking deltas (more than the engine's unread limit were
 # waiting), so generation stopped for it
 FinishReason = Literal["stop", "length", "cancelled", "slow_reader"]
+# What a KV warm-up prefills: the prompt through its last message as a finished turn
+# ("message": the next turn starts a new message, as a Realtime item does), or through the last
+# part of its last message, left open ("part": the question follows in the same message, as an
+# HTTP turn sends it)
+WarmUp = Literal["message", "part"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -114,6 +121,10 @@ class GenerationRequest:
     # A plain-text prompt (legacy completions): tokenized as is, without the chat template;
     # `messages` are then ignored and may be empty.
     raw_prompt: str | None = None
+    # A KV warm-up (`LocalEngine.warm_up`): the prompt rendered without a generation prompt,
+    # prefilled into the prefix cache at the lowest priority and pinned for `kv_key` until its
+    # next turn; nothing is generated. None: an ordinary request.
+    warm_up: WarmUp | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -154,6 +165,23 @@ class GenerationResult:
     # tokens whose log-probabilities were not sent with a delta (held back, then dropped by a
     # stop string or the end); only when logprobs were asked for
     logprobs: tuple[TokenLogprob, ...] = ()
+    # of cached_tokens, positions a KV warm-up of this session computed ahead of the request
+    warmed_tokens: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class WarmUpResult:
+    """How a KV warm-up ended. "warmed": its positions are in the prefix cache, pinned for the
+    session; "superseded": the session's own request came first (it takes over what the warm-up
+    computed); "dropped": given up for other work (KV pressure, a queue full of warm-ups, a
+    newer warm-up of the session, cancelled); "failed": its prompt was refused."""
+
+    outcome: Literal["warmed", "superseded", "dropped", "failed"]
+    positions: int = 0  # prompt positions the prefix cache holds for the session afterwards
+    computed: int = 0  # of those, computed by this warm-up (the rest were already cached)
+    queue_ms: float = 0.0  # waiting behind other work
+    prefill_ms: float = 0.0  # from admission to its last position
+    reason: str = ""  # why it was dropped or failed
 
 
 @dataclass(slots=True, frozen=True)

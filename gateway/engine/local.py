@@ -43,6 +43,7 @@ from gateway.engine.interface import (
     GenerationResult,
     Message,
     SamplingParams,
+    WarmUpResult,
 )
 from gateway.engine.kvblocks import chain_seed
 from gateway.engine.kvstore import KVStore
@@ -346,6 +347,33 @@ class LocalEngine:
         finally:
             if left:  # closed early, or one choice failed: the others stop too
                 request.cancel.set()
+
+    async def warm_up(self, request: GenerationRequest) -> WarmUpResult:
+        """Prefill `request`'s prompt (rendered as `request.warm_up` says; "message" if unset)
+        into the prefix cache as background work, pinned for `request.kv_key`, so the session's
+        next request prefills only what follows. Lowest priority: it never delays a request
+        (see `gateway.engine.scheduler`), and is dropped first under KV pressure. Never
+        raises for the request's sake: how it ended is the result."""
+        sched = self._scheduler
+        if sched is None or self._closed:
+            return WarmUpResult("failed", reason="engine not started")
+        if request.kv_key is None:
+            return WarmUpResult("failed", reason="a warm-up needs the session's kv_key")
+        if request.warm_up is None:
+            request.warm_up = "message"
+        job = Job(request, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
+        try:
+            sched.submit_warmup(job)
+        except EngineError as exc:
+            return WarmUpResult("failed", reason=str(exc))
+        try:
+            item = await job.out.get()
+        except asyncio.CancelledError:
+            request.cancel.set()
+            raise
+        if isinstance(item, BaseException):
+            return WarmUpResult("failed", reason=str(item))
+        return item
 
     def _retry_after(self) -> float:
         """A hint for a refused client: roughly how long the queue ahead takes to drain."""

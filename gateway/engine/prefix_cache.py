@@ -17,7 +17,10 @@ buffer once. Memory is accounted in bytes against the engine's KV budget, which 
 sequences share; eviction is LRU over unpinned blocks, leaves before their parents (a chain is
 stamped from its last block to its first), and a block's unreachable descendants go with it.
 A session pins the blocks of its latest turn so they outlive other traffic; pins are dropped,
-least recently used session first, when running sequences need the memory.
+least recently used session first, when running sequences need the memory. A KV warm-up (the
+session's prompt prefilled ahead of its next turn) holds a weaker pin: warm pins go before any
+session's pin, whenever unpinned blocks are not enough, and the session's next turn replaces
+its warm pin with its own.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class CachedBlock:
     kv: torch.Tensor  # [layers, 2, Hkv, n, D]
     full: bool
     pins: int = 0
+    warm: int = 0  # warm-up pins (`PrefixCache.pin(..., warm=True)`)
     stamp: int = 0
 
     @property
@@ -76,6 +80,7 @@ class PrefixCache:
         self._blocks: dict[bytes, CachedBlock] = {}  # every block (full and partial) by key
         self._children: dict[bytes, dict[bytes, CachedBlock]] = {}
         self._pins: OrderedDict[str, list[bytes]] = OrderedDict()  # session -> pinned block keys
+        self._warm: OrderedDict[str, list[bytes]] = OrderedDict()  # session -> warm-up pins
         self._clock = 0
         self.nbytes = 0
         self._pinned_nbytes = 0  # of the blocks with pins > 0
@@ -87,6 +92,10 @@ class PrefixCache:
     @property
     def pinned_sessions(self) -> int:
         return len(self._pins)
+
+    @property
+    def warm_sessions(self) -> int:
+        return len(self._warm)
 
     def pinned_bytes(self) -> int:
         """Bytes of the blocks some session pins (what `shrink(unpin=False)` cannot free)."""
@@ -176,7 +185,7 @@ class PrefixCache:
             if covering is None:
                 # a longer partial block supersedes the shorter ones it extends
                 for c in list(siblings.values()):
-                    if not c.full and not c.pins and tail[: len(c.keys)] == c.keys:
+                    if not c.full and not c.pins and not c.warm and tail[: len(c.keys)] == c.keys:
                         self._remove(c)
                 tid = hashlib.blake2b(
                     b"tail" + parent + _encode(list(tail)), digest_size=16
@@ -210,6 +219,7 @@ class PrefixCache:
         if block.pins:
             self._pinned_nbytes -= block.nbytes
             block.pins = 0
+        block.warm = 0
         siblings = self._children.get(block.parent)
         if siblings is not None:
             siblings.pop(block.key, None)
@@ -221,8 +231,17 @@ class PrefixCache:
 
     # -- sessions ------------------------------------------------------------------------------
 
-    def pin(self, session: str, keys: Sequence[bytes]) -> None:
-        """Pin `keys` for `session`, replacing what it pinned before."""
+    def pin(self, session: str, keys: Sequence[bytes], *, warm: bool = False) -> None:
+        """Pin `keys` for `session`, replacing what it pinned before; `warm`: as its warm-up's
+        (weaker) pin, beside its turn's pin. A turn's pin replaces the warm-up's too."""
+        if warm:
+            self.unwarm(session)
+            warmed = [self._blocks[k] for k in keys if k in self._blocks]
+            for b in warmed:
+                b.warm += 1
+            self._warm[session] = [b.key for b in warmed]
+            return
+        self.unwarm(session)
         self.unpin(session)
         blocks = [self._blocks[k] for k in keys if k in self._blocks]
         for b in blocks:
@@ -239,34 +258,47 @@ class PrefixCache:
                 if not block.pins:
                     self._pinned_nbytes -= block.nbytes
 
+    def unwarm(self, session: str) -> None:
+        """Drop `session`'s warm-up pin."""
+        for key in self._warm.pop(session, []):
+            block = self._blocks.get(key)
+            if block is not None and block.warm:
+                block.warm -= 1
+
     def touch_session(self, session: str) -> None:
         if session in self._pins:
             self._pins.move_to_end(session)
 
     def forget(self, session: str) -> None:
         """Drop a session's pins and the blocks no other session pins."""
-        keys = self._pins.get(session, [])
+        keys = [*self._pins.get(session, []), *self._warm.get(session, [])]
         self.unpin(session)
+        self.unwarm(session)
         for key in keys:
             block = self._blocks.get(key)
-            if block is not None and not block.pins:
+            if block is not None and not block.pins and not block.warm:
                 self._remove(block)
 
     # -- memory --------------------------------------------------------------------------------
 
     def shrink(self, target_bytes: int, *, unpin: bool) -> int:
-        """Evict until at most `target_bytes` are held; with `unpin`, sessions' pins (least
-        recently used first) go too when unpinned blocks are not enough. Returns bytes freed."""
+        """Evict until at most `target_bytes` are held: unpinned blocks, least recently used
+        first, then warm-up pins (oldest first), then with `unpin` sessions' pins (least
+        recently used first). Returns bytes freed."""
         before = self.nbytes
         while self.nbytes > target_bytes:
             victims = sorted(
-                (b for b in self._blocks.values() if not b.pins), key=lambda b: b.stamp
+                (b for b in self._blocks.values() if not b.pins and not b.warm),
+                key=lambda b: b.stamp,
             )
             if victims:
                 for block in victims:
                     self._remove(block)
                     if self.nbytes <= target_bytes:
                         break
+                continue
+            if self._warm:
+                self.unwarm(next(iter(self._warm)))
                 continue
             if not unpin or not self._pins:
                 break
@@ -279,4 +311,5 @@ class PrefixCache:
         self._blocks.clear()
         self._children.clear()
         self._pins.clear()
+        self._warm.clear()
         self.nbytes = 0

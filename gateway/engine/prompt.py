@@ -108,13 +108,18 @@ def render(
     add_generation_prompt: bool,
     image_keys: dict[int, str] | None = None,
     structured: bool | None = None,
+    open_last: bool = False,
 ) -> Prompt:
     """Render `messages` with the tokenizer's chat template into a `Prompt`.
 
     `image_keys` caches `image_key` by `id(ImageInput)` across renders of one request.
     `structured` (default: when any image has a layout, or the tokenizer is marked with
     `STRUCTURED_CONTENT_ATTR`) renders every message's content as a list of typed parts, the
-    form VLM chat templates take; images must then all carry layouts.
+    form VLM chat templates take; images must then all carry layouts. `open_last` renders the
+    conversation only through the last part of the last message, leaving that message open (what
+    the template renders before a part that would follow it); with add_generation_prompt=False,
+    the result is then a prefix of the rendering of the same messages with more parts appended
+    to the last one.
     """
     images = [
         part for message in messages for part in message.content if isinstance(part, ImageInput)
@@ -127,8 +132,14 @@ def render(
             getattr(tokenizer, STRUCTURED_CONTENT_ATTR, False)
         )
     keys = image_keys if image_keys is not None else {}
+    cut = f"\ue002{secrets.token_hex(6)}\ue003" if open_last else None
+    if cut is not None:  # a part after the last one, where the rendering is cut
+        if not messages:
+            raise ValueError("open_last needs a message")
+        *head, last = messages
+        messages = [*head, Message(last.role, [*last.content, cut])]
     if structured:
-        return _render_laid_out(tokenizer, messages, images, add_generation_prompt, keys)
+        return _render_laid_out(tokenizer, messages, images, add_generation_prompt, keys, cut)
     if any(image.layout is not None for image in images):
         raise ValueError("images with a layout need the structured rendering")
     nonce = secrets.token_hex(6)
@@ -143,8 +154,11 @@ def render(
                 parts.append(f"{IMAGE_OPEN}\ue000{nonce}:{count}\ue001{IMAGE_CLOSE}")
                 count += 1
         conversation.append({"role": message.role, "content": "\n".join(parts)})
-    text = tokenizer.apply_chat_template(
-        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    text = _cut(
+        tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        ),
+        cut,
     )
     pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", text)
     prompt = Prompt(segments=[])
@@ -163,6 +177,16 @@ def render(
             prompt.images.append(ImageSpan(len(prompt.tokens), n, key))
             prompt.tokens.extend([-1] * n)
     return prompt
+
+
+def _cut(text: str, cut: str | None) -> str:
+    """`text` up to the marker `cut` (None: all of it)."""
+    if cut is None:
+        return text
+    at = text.find(cut)
+    if at < 0:
+        raise ValueError("the chat template dropped the last part of the last message")
+    return text[:at]
 
 
 def render_raw(tokenizer: Any, text: str) -> Prompt:
@@ -201,6 +225,7 @@ def _render_laid_out(
     images: list[ImageInput],
     add_generation_prompt: bool,
     keys: dict[int, str],
+    cut: str | None = None,
 ) -> Prompt:
     """The VLM rendering: chat template with typed parts, placeholders expanded by layout."""
     conversation = []
@@ -210,8 +235,11 @@ def _render_laid_out(
             for part in message.content
         ]
         conversation.append({"role": message.role, "content": parts})
-    text = tokenizer.apply_chat_template(
-        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    text = _cut(
+        tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+        ),
+        cut,
     )
     marked = getattr(tokenizer, STRUCTURED_CONTENT_ATTR, None)
     layouts: list[ImageLayout] = []

@@ -53,6 +53,19 @@ oldest running sequence is never the one preempted); on readmission it recompute
 cache no longer holds and continues, token-identical for greedy decoding (and for seeded
 sampling, whose generator state it keeps). One sequence alone may exceed the budget rather than
 never run.
+
+KV warm-ups (`submit_warmup`) are background work at the lowest priority: a session's prompt
+through its latest item, prefilled into the prefix cache while its user is still typing, then
+pinned for the session (a warm pin, the first pin to go) until its next turn. They wait in a
+queue of their own (one per session, a newer one replacing it) and are admitted only while no
+request waits, into free slots (a quarter of the batch at most) and KV room that running
+sequences and sessions' pins leave. A step gives them only what requests leave of its budget:
+nothing while a prompt is being prefilled, `prefill_chunk_tokens // WARMUP_BESIDE_DIVISOR`
+positions beside running decodes, `warmup_chunk_tokens` in an otherwise idle step (so a request
+arriving waits for a short step at most). Their positions count towards their owner's fair share
+like any prefill. A waiting request that needs a slot or KV a warm-up holds drops it first,
+before any preemption or unpinning; the session's own request takes over what its warm-up has
+computed so far (published to the prefix cache at its admission).
 """
 
 from __future__ import annotations
@@ -76,7 +89,7 @@ from gateway.engine.fair_queue import (
     share_budget_least_served,
 )
 from gateway.engine.grammar import GrammarMasks, TokenVocab
-from gateway.engine.interface import EngineError, EngineStats
+from gateway.engine.interface import EngineError, EngineStats, WarmUpResult
 from gateway.engine.kvblocks import block_hashes, chain_seed, position_keys
 from gateway.engine.prefix_cache import PrefixCache, PrefixMatch
 from gateway.engine.sequence import (
@@ -85,6 +98,7 @@ from gateway.engine.sequence import (
     SchedulerConfig,
     Sequence,
     load_spilled,
+    ms,
     prepare_sequence,
     sequence_inputs,
     spill_entry,
@@ -106,6 +120,8 @@ HEAVY_PREFILL_STEPS = 4
 HEAVY_DEMAND_STEPS = 2
 # beside a light key, the heavy keys together feed prefill_chunk_tokens // this a step
 HEAVY_TOKENS_DIVISOR = 16
+# beside running decodes, warm-ups together feed prefill_chunk_tokens // this a step
+WARMUP_BESIDE_DIVISOR = 16
 
 _owner = attrgetter("owner")
 _order = attrgetter("order")
@@ -161,6 +177,11 @@ class Scheduler:
         self._logprobs: StepLogprobs | None = None  # the step's, while its tokens are sampled
         self._waiting: FairQueue[Sequence] = FairQueue(_owner)
         self._running: list[Sequence] = []
+        self._warm_waiting: list[Sequence] = []  # KV warm-ups queued, oldest first
+        self._warming: list[Sequence] = []  # KV warm-ups being prefilled
+        # session -> (first, end) positions its latest warm-up computed, for the next turn's report
+        self._warmed: dict[str, tuple[int, int]] = {}
+        self.warmups_dropped = 0  # warm-ups given up for other work, for tests and gauges
         self._cond = threading.Condition()
         self._barriers: list[threading.Event] = []
         self._stop = False
@@ -201,6 +222,25 @@ class Scheduler:
             self._cond.notify()
         return None
 
+    def submit_warmup(self, job: Job) -> None:
+        """Queue a KV warm-up (`job.request.warm_up` set, `kv_key` its session); its
+        `WarmUpResult` is posted to `job` when it ends. A queued warm-up of the same session is
+        replaced (dropped); past `max_queue` warm-ups, the oldest is dropped."""
+        seq = Sequence(job)
+        gone: list[Sequence] = []
+        with self._cond:
+            if self._stop:
+                raise EngineError("engine closed", code="closed")
+            key = job.request.kv_key
+            gone = [s for s in self._warm_waiting if s.request.kv_key == key]
+            self._warm_waiting = [s for s in self._warm_waiting if s.request.kv_key != key]
+            while len(self._warm_waiting) >= self.cfg.max_queue:
+                gone.append(self._warm_waiting.pop(0))
+            self._warm_waiting.append(seq)
+            self._cond.notify()
+        for old in gone:
+            self._warm_end(old, "dropped", reason="replaced")
+
     @property
     def owners_waiting(self) -> int:
         """How many owners have requests queued (a count: owners are never exported)."""
@@ -225,7 +265,15 @@ class Scheduler:
         self._masks.close()
 
     def forget(self, kv_key: str) -> None:
-        self.call_between_steps(lambda: self.cache.forget(kv_key))
+        def drop() -> None:
+            for seq in [s for s in self._warming if s.request.kv_key == kv_key]:
+                self._warming.remove(seq)
+                seq.kv = None
+                self._warm_end(seq, "dropped", reason="forgotten")
+            self._warmed.pop(kv_key, None)
+            self.cache.forget(kv_key)
+
+        self.call_between_steps(drop)
 
     def call_between_steps(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the loop's thread before its next step (the cache is the loop's)."""
@@ -235,14 +283,14 @@ class Scheduler:
 
     def stats(self) -> EngineStats:
         cap = max(self.cfg.kv_budget_bytes // max(self.pos_bytes * self.cfg.block_size, 1), 1)
-        running = list(self._running)
+        running = [*self._running, *self._warming]
         # read each buffer once: the loop thread may drop it between a check and a use
         used_pos = sum(kv.capacity for s in running if (kv := s.kv) is not None)
         blocks_running = -(-used_pos // self.cfg.block_size)
         blocks_cached = -(-self.cache.nbytes // max(self.pos_bytes * self.cfg.block_size, 1))
         return EngineStats(
             owners_waiting=self._waiting.owners,
-            running=len(running),
+            running=len(self._running),
             waiting=len(self._waiting),
             batch_size=self._last_batch,
             step_tokens=self._last_tokens,
@@ -260,7 +308,14 @@ class Scheduler:
             torch.set_num_threads(self.torch_threads)
         while True:
             with self._cond:
-                while not (self._waiting or self._running or self._barriers or self._stop):
+                while not (
+                    self._waiting
+                    or self._running
+                    or self._warm_waiting
+                    or self._warming
+                    or self._barriers
+                    or self._stop
+                ):
                     self._cond.wait()
                 if self._stop:
                     break
@@ -280,9 +335,13 @@ class Scheduler:
         with self._cond:
             waiting = self._waiting.drain()
             barriers, self._barriers = self._barriers, []
+            warm, self._warm_waiting = [*self._warm_waiting, *self._warming], []
         for seq in [*waiting, *self._running]:
             seq.job.post(EngineError("engine closed", code="closed"))
         self._running.clear()
+        self._warming.clear()
+        for seq in warm:
+            self._warm_end(seq, "dropped", reason="closed")
         self._release(barriers)
         self.cache.clear()
 
@@ -298,11 +357,13 @@ class Scheduler:
     # -- admission -----------------------------------------------------------------------------
 
     def _running_bytes(self) -> int:
-        return sum(s.kv.nbytes for s in self._running if s.kv is not None)
+        """KV bytes of the running sequences' buffers (warm-ups' included)."""
+        running = sum(s.kv.nbytes for s in self._running if s.kv is not None)
+        return running + sum(s.kv.nbytes for s in self._warming if s.kv is not None)
 
     def _slots(self) -> int:
-        """Batch slots taken: a request still to fork into n choices holds n."""
-        return sum(s.width for s in self._running)
+        """Batch slots taken: a request still to fork into n choices holds n; a warm-up one."""
+        return sum(s.width for s in self._running) + len(self._warming)
 
     def _need(self, seq: Sequence) -> int:
         """KV bytes `seq` needs to join the batch (each of its choices holds the prompt)."""
@@ -313,11 +374,17 @@ class Scheduler:
             cancelled = [s for s in self._waiting if s.request.cancel.is_set()]
             for seq in cancelled:
                 self._waiting.discard(seq)
+        self._admit_requests(cancelled)
+        self._admit_warmups()
+
+    def _admit_requests(self, cancelled: list[Sequence]) -> None:
         now = time.perf_counter()
         for seq in cancelled:
             post_results(seq, "cancelled", now)
         parked: set[int] = set()  # heavy keys' heads that wait this pass (`_spares_pins`)
         while True:
+            if self._warming and self._waiting and self._slots() >= self.cfg.max_batch:
+                self._drop_warmups("slots")  # a waiting request goes before any warm-up
             with self._cond:
                 slots = self._slots()
                 if slots < self.cfg.max_batch:
@@ -328,6 +395,8 @@ class Scheduler:
             if seq is None:
                 return
             if victim is None and self._running and slots + seq.width > self.cfg.max_batch:
+                if self._drop_warmups("slots"):
+                    continue
                 return  # a request of n choices waits for n free slots
             req = seq.request
             if req.cancel.is_set():
@@ -347,6 +416,11 @@ class Scheduler:
                 seq.job.post(EngineError(f"generation failed: {exc}"))
                 continue
             need = self._need(seq)
+            budget = self.cfg.kv_budget_bytes
+            if self._warming and (
+                self._running_bytes() + self.cache.pinned_bytes() + need > budget
+            ):
+                self._drop_warmups("kv_pressure")  # before any pin or preemption
             if victim is None and self._spares_pins(seq, need):
                 parked.add(id(seq))  # the next owner in turn may still fit
                 continue
@@ -466,6 +540,9 @@ class Scheduler:
         """Admit: reuse the longest cached prefix, allocate the buffer, join the batch."""
         assert seq.prompt is not None
         first = seq.order == 0  # preempted, or a choice parked at its fork: admitted before
+        kv_key = seq.request.kv_key
+        if kv_key is not None and not seq.warm:
+            self._take_over_warmups(kv_key)
         tokens, found = self._lookup(seq)
         limit = seq.known - 1
         kv = SeqKV(
@@ -481,7 +558,6 @@ class Scheduler:
             kv.load(block.kv.unbind(0), at, n)
             at += n
         reused = found.length
-        kv_key = seq.request.kv_key
         if kv_key is not None:
             self.cache.touch_session(kv_key)
             if self.kv_store is not None and reused < limit:
@@ -494,7 +570,131 @@ class Scheduler:
             seq.admitted = time.perf_counter()
             self._order += 1
             seq.order = self._order
-        self._running.append(seq)
+            warmed = self._warmed.pop(kv_key, None) if kv_key and not seq.warm else None
+            if warmed is not None:
+                seq.warmed = max(min(reused, warmed[1]) - warmed[0], 0)
+        (self._warming if seq.warm else self._running).append(seq)
+
+    # -- KV warm-ups ---------------------------------------------------------------------------
+
+    def _admit_warmups(self) -> None:
+        """Admit queued warm-ups while no request waits, into free slots (a quarter of the
+        batch at most) and the KV room that running sequences and sessions' pins leave."""
+        limit = max(self.cfg.max_batch // 4, 1)
+        while True:
+            with self._cond:
+                if (
+                    not self._warm_waiting
+                    or self._waiting
+                    or len(self._warming) >= limit
+                    or self._slots() >= self.cfg.max_batch
+                ):
+                    return
+                seq = self._warm_waiting.pop(0)
+            key = seq.request.kv_key
+            if seq.request.cancel.is_set():
+                self._warm_end(seq, "dropped", reason="cancelled")
+                continue
+            if key is None or any(s.request.kv_key == key for s in self._running):
+                self._warm_end(seq, "superseded")  # the session's own request is running
+                continue
+            try:
+                self._prepare(seq)
+            except EngineError as exc:
+                self._warm_end(seq, "failed", reason=str(exc))
+                continue
+            except Exception as exc:
+                log.exception("engine.warmup_prepare_failed", request_id=seq.request.request_id)
+                self._warm_end(seq, "failed", reason=f"{type(exc).__name__}: {exc}")
+                continue
+            need = self.pos_bytes * (seq.known + GROW)
+            budget = self.cfg.kv_budget_bytes
+            room = budget - self._running_bytes() - self.cache.pinned_bytes()
+            if need > room:  # it never takes what sessions pinned or requests hold
+                self._warm_end(seq, "dropped", reason="kv_pressure")
+                continue
+            free = budget - self._running_bytes() - need
+            if self.cache.nbytes > free:
+                self.cache.shrink(max(free, 0), unpin=False)
+            try:
+                self._start(seq)
+            except Exception as exc:
+                log.exception("engine.warmup_admit_failed", request_id=seq.request.request_id)
+                seq.kv = None
+                self._warm_end(seq, "failed", reason=f"{type(exc).__name__}: {exc}")
+
+    def _drop_warmups(self, reason: str) -> bool:
+        """Give up every running warm-up (their buffers freed); whether there was any."""
+        dropped, self._warming = self._warming, []
+        for seq in dropped:
+            seq.kv = None
+            self._warm_end(seq, "dropped", reason=reason)
+        return bool(dropped)
+
+    def _take_over_warmups(self, kv_key: str) -> None:
+        """The session's own request is being admitted: its queued warm-up is not needed, and
+        what a running one computed goes to the prefix cache for the request to reuse."""
+        with self._cond:
+            queued = [s for s in self._warm_waiting if s.request.kv_key == kv_key]
+            self._warm_waiting = [s for s in self._warm_waiting if s.request.kv_key != kv_key]
+        for seq in queued:
+            self._warm_end(seq, "superseded")
+        for seq in [s for s in self._warming if s.request.kv_key == kv_key]:
+            self._warming.remove(seq)
+            done = self._keep_warm(seq, pin=False)
+            self._warm_end(seq, "superseded", positions=done)
+
+    def _keep_warm(self, seq: Sequence, *, pin: bool) -> int:
+        """Give a warm-up's computed positions to the prefix cache (`pin`: pinned warm for its
+        session); returns how many the cache holds."""
+        n = seq.fed
+        kv, seq.kv = seq.kv, None
+        if kv is None or seq.prompt is None or n <= 0 or not self.cache.enabled:
+            return 0
+        if not bool(torch.isfinite(kv.layers[-1][:, :, :n]).all()):
+            log.warning("kv.not_finite", request_id=seq.request.request_id, positions=n)
+            return 0
+        tokens = seq.prompt.tokens[:n]
+        images = [sp for sp in seq.prompt.images if sp.start < n]
+        keys = position_keys(tokens, images)
+        hashes = block_hashes(tokens, images, self.cfg.block_size, seq.seed)
+        kept = self.cache.insert(seq.seed, keys, hashes, kv.layers, n)
+        key = seq.request.kv_key
+        if key is not None:
+            if pin:
+                self.cache.pin(key, kept, warm=True)
+            self._warmed[key] = (seq.cached, n)
+        budget = self.cfg.kv_budget_bytes
+        if self._running_bytes() + self.cache.nbytes > budget:  # never at another's pins' cost
+            self.cache.shrink(max(budget - self._running_bytes(), 0), unpin=False)
+        return n
+
+    def _warm_end(
+        self, seq: Sequence, outcome: str, *, positions: int = 0, reason: str = ""
+    ) -> None:
+        if outcome == "dropped":
+            self.warmups_dropped += 1
+        now = time.perf_counter()
+        started = seq.admitted or now
+        computed = max(positions - seq.cached, 0) if positions else 0
+        seq.job.post(
+            WarmUpResult(
+                outcome,  # type: ignore[arg-type]
+                positions=positions,
+                computed=computed,
+                queue_ms=ms(started - seq.job.enqueued),
+                prefill_ms=ms(now - started) if seq.admitted else 0.0,
+                reason=reason,
+            )
+        )
+        log.info(
+            "engine.warmup",
+            request_id=seq.request.request_id,
+            outcome=outcome,
+            positions=positions,
+            computed=computed,
+            reason=reason or None,
+        )
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -568,7 +768,31 @@ class Scheduler:
                 n = min(s.known - s.fed, grant)
                 plan.append((s, s.fed, n))
                 grant -= n
+        if self._warming:
+            self._plan_warmups(plan, bool(lines))
         return plan
+
+    def _plan_warmups(self, plan: list[tuple[Sequence, int, int]], prefilling: bool) -> None:
+        """Warm-ups take what requests leave of the step, oldest first: nothing while a prompt
+        is being prefilled (its first token comes no later), a small slice beside decodes (the
+        step hardly grows), `warmup_chunk_tokens` when nothing else runs (a request arriving
+        waits for a short step at most). Counted towards their owners' fair share."""
+        chunk = self.cfg.prefill_chunk_tokens
+        if prefilling:
+            return
+        left = chunk - sum(n for _, _, n in plan)
+        if self._running:
+            left = min(left, max(chunk // WARMUP_BESIDE_DIVISOR, 1))
+        else:
+            left = min(left, self.cfg.warmup_chunk_tokens)
+        for s in self._warming:
+            if left <= 0:
+                break
+            n = min(s.known - s.fed, left)
+            if n > 0:
+                plan.append((s, s.fed, n))
+                self._served.add(s.owner, n)
+                left -= n
 
     def _heavy_keys(
         self, served: dict[str | None, float], demands: dict[str | None, int]
@@ -607,6 +831,11 @@ class Scheduler:
             self.cache.shrink(max(budget - running, 0), unpin=False)
             if running + self.cache.nbytes <= budget:
                 return plan
+            if self._warming:  # warm-ups go first, before any sequence or session's pin
+                warm = set(self._warming)
+                self._drop_warmups("kv_pressure")
+                plan = [p for p in plan if p[0] not in warm]
+                continue
             # a heavy key with two or more sequences gives up its newest before any session
             # loses its pins; otherwise pins go, then the newest of the owner holding the most
             victim = self._heavy_victim()
@@ -652,7 +881,11 @@ class Scheduler:
         for seq in [s for s in self._running if s.job.unread > limit * s.request.sampling.n]:
             log.warning("engine.slow_reader", request_id=seq.request.request_id, unread=limit)
             self._finish(seq, "slow_reader", now)
-        if not self._running:
+        for seq in [s for s in self._warming if s.request.cancel.is_set()]:
+            self._warming.remove(seq)
+            seq.kv = None
+            self._warm_end(seq, "dropped", reason="cancelled")
+        if not self._running and not self._warming:
             return
         plan = self._fit(self._plan())
         if not plan:
@@ -662,8 +895,9 @@ class Scheduler:
         wanting: list[Sequence] = []  # the sequences whose logits this step gives, by row
         for s, start, n in plan:
             embeds, positions = sequence_inputs(self.w, s, start, n)
-            slices.append(Slice(s.kv, start, n, embeds, positions, start + n == s.known))  # type: ignore[arg-type]
-            if start + n == s.known:
+            want = start + n == s.known and not s.warm  # a warm-up samples nothing
+            slices.append(Slice(s.kv, start, n, embeds, positions, want))  # type: ignore[arg-type]
+            if want:
                 wanting.append(s)
             self.prefill_positions += max(min(start + n, s.prompt.length) - start, 0)  # type: ignore[union-attr]
         constrained = [row for row, s in enumerate(wanting) if s.matcher is not None]
@@ -686,6 +920,10 @@ class Scheduler:
             s.fed = start + n
             if start < s.prompt.length:  # type: ignore[union-attr]
                 s.prefill_chunks += 1
+            if s.warm and s.fed == s.known and s in self._warming:
+                self._warming.remove(s)
+                done = self._keep_warm(s, pin=True)
+                self._warm_end(s, "warmed", positions=done)
             if not sl.want_logits:
                 continue
             if broken[row]:

@@ -109,6 +109,9 @@ class SchedulerConfig:
     # a caller this many deltas behind is not reading (a stalled client): generation stops for
     # it with finish reason "slow_reader" instead of running on for nobody
     max_unread_deltas: int = 256
+    # positions a KV warm-up feeds in a step with nothing else in the batch: small, so that a
+    # request arriving meanwhile waits for a short step
+    warmup_chunk_tokens: int = 64
 
 
 @dataclass(slots=True, eq=False)
@@ -139,6 +142,7 @@ class Sequence:
     prefill_chunks: int = 0
     preemptions: int = 0
     held: int = 0  # steps in a row this decoding sequence waited for lighter keys' tokens
+    warmed: int = 0  # of `cached`, positions a warm-up of its session computed for it
 
     @property
     def request(self) -> GenerationRequest:
@@ -150,6 +154,11 @@ class Sequence:
         A client's cache salt narrows the prefix cache, never this."""
         request = self.job.request
         return request.owner if request.owner is not None else request.cache_salt
+
+    @property
+    def warm(self) -> bool:
+        """A KV warm-up: its prompt is prefilled into the prefix cache, nothing sampled."""
+        return self.job.request.warm_up is not None
 
     @property
     def known(self) -> int:
@@ -238,8 +247,14 @@ def prepare_sequence(
         if req.raw_prompt is not None:
             prompt = render_raw(w.tokenizer, req.raw_prompt)
         else:
+            # a warm-up renders what the next turn's prompt starts with: the conversation so
+            # far without the generation prompt (and its last message left open for "part")
             prompt = render(
-                w.tokenizer, req.messages, add_generation_prompt=True, image_keys=seq.image_keys
+                w.tokenizer,
+                req.messages,
+                add_generation_prompt=req.warm_up is None,
+                image_keys=seq.image_keys,
+                open_last=req.warm_up == "part",
             )
     except ValueError as exc:
         raise EngineError(str(exc), code="invalid_request") from None
@@ -251,7 +266,7 @@ def prepare_sequence(
             code="context_length_exceeded",
         )
     sp = req.sampling
-    if sp.grammar is not None:
+    if sp.grammar is not None and req.warm_up is None:
         seq.matcher = compile_grammar(vocab, sp.grammar)
     seq.prompt = prompt  # last of what may fail: a set prompt means the request was accepted
     seq.max_new = min(sp.max_output_tokens, max_positions - prompt.length)
@@ -332,6 +347,7 @@ def sequence_result(seq: Sequence, finish: str, now: float) -> GenerationResult:
         preemptions=seq.preemptions,
         index=seq.index,
         logprobs=seq.trail.rest() if seq.trail is not None else (),
+        warmed_tokens=seq.warmed,
     )
 
 
