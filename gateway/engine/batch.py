@@ -146,6 +146,7 @@ def _attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     vg_step: StepBatch | None = None,
+    sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Per-slice causal attention over each sequence's own buffer; returns [1, T, Hq, D]."""
@@ -162,7 +163,13 @@ def _attention(
         q = query[:, :, off : off + s.length]  # [1, Hq, t, D]
         mask = None
         causal = False
-        if s.length > 1:
+        if sliding_window is not None and end > sliding_window:
+            # a sliding-window layer: query i (position start + i) sees keys
+            # start + i - window < k <= start + i, as transformers' sliding mask has it
+            cols = torch.arange(end, device=q.device)
+            rows = torch.arange(s.start, end, device=q.device)[:, None]
+            mask = (cols[None, :] <= rows) & (cols[None, :] > rows - sliding_window)
+        elif s.length > 1:
             if s.start == 0:
                 causal = True
             else:  # query i sits at position start + i and sees keys 0..start + i
