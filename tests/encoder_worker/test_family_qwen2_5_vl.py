@@ -6,6 +6,7 @@ the layout must expand to the processor's own input_ids, on real photos of diffe
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -265,3 +266,125 @@ def test_bfloat16_tower_stays_close(checkpoint, family) -> None:
     torch.testing.assert_close(
         half.encode(rgb).embeds, family.encode(rgb).embeds, rtol=0.05, atol=0.05
     )
+
+
+# -- checkpoints built otherwise, through the project's whole path ------------------------------
+#
+# Each variant changes what shapes the visual tokens and their positions: the tower's window
+# (in merged tokens: 4, 3 which leaves partial windows at every edge, 4 with no merge), which
+# blocks attend over the whole image (one, none, two), the text model's M-RoPE sections (and
+# head width), a sliding-window text layer, the processor's pixel bounds; and the photos differ
+# in size and aspect ratio (landscape, portrait crop, a 5:1 strip, a small image the processor
+# scales up, a grayscale photo). Rows, positions and greedy answers must be transformers' own.
+
+MAX_NEW = 8
+_T = 28 * 28  # pixels per merged token at merge 2
+
+
+def _shaped(name: str) -> np.ndarray:
+    coffee, rocket = skimage.data.coffee(), skimage.data.rocket()
+    return {
+        "coffee": lambda: coffee,  # 400 x 600
+        "tall": lambda: np.ascontiguousarray(coffee[:, 150:350]),  # 400 x 200
+        "strip": lambda: np.ascontiguousarray(rocket[100:220]),  # 120 x 640
+        "small": lambda: np.asarray(Image.fromarray(photo("astronaut")).resize((70, 90))),
+        "chelsea": lambda: photo("chelsea"),  # 300 x 451
+        "camera": lambda: np.stack([skimage.data.camera()] * 3, axis=-1),  # gray, 512 x 512
+    }[name]()
+
+
+def _mrope(section: list[int]) -> dict:
+    return {"rope_type": "default", "rope_theta": 1e6, "mrope_section": section}
+
+
+VARIANTS = {
+    "win4-full0-mrope422": (
+        {
+            "vision": {"window_size": 112, "fullatt_block_indexes": [0], "depth": 3},
+            "text": {"rope_parameters": _mrope([4, 2, 2])},
+            "min_pixels": _T * 8,
+            "max_pixels": _T * 80,
+        },
+        ("coffee", "tall"),
+    ),
+    "win3-nofull-heads2-mrope844": (
+        {
+            "vision": {"window_size": 84, "fullatt_block_indexes": [], "depth": 2},
+            "text": {"num_attention_heads": 2, "rope_parameters": _mrope([8, 4, 4])},
+            "min_pixels": _T * 6,
+            "max_pixels": _T * 24,
+        },
+        ("strip", "small"),
+    ),
+    "merge1-full12-mrope224-sliding": (
+        {
+            "vision": {
+                "window_size": 56,
+                "spatial_merge_size": 1,
+                "fullatt_block_indexes": [1, 2],
+                "depth": 3,
+            },
+            "text": {
+                "rope_parameters": _mrope([2, 2, 4]),
+                "use_sliding_window": True,
+                "sliding_window": 24,
+                "max_window_layers": 1,
+            },
+            "min_pixels": 14 * 14 * 8,
+            "max_pixels": 14 * 14 * 60,
+        },
+        ("chelsea", "camera"),
+    ),
+}
+
+
+@functools.cache
+def _variant(key: str, root: Path) -> tuple[Path, list, list]:
+    from tests.vlm_checkpoints import exactness
+
+    options, names = VARIANTS[key]
+    path = builder.build(root / key, seed=1, **options)
+    photos = [_shaped(n) for n in names]
+    refs = exactness.reference("qwen2_5_vl", path, photos, MAX_NEW)
+    ours = exactness.project_answers(path, photos, MAX_NEW)
+    return path, refs, ours
+
+
+@pytest.fixture(scope="module")
+def variant_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("qwen2_5_vl-variants")
+
+
+@pytest.mark.parametrize("key", VARIANTS)
+def test_variant_rows_equal_get_image_features(key, variant_root) -> None:
+    path, refs, ours = _variant(key, variant_root)
+    merge = VARIANTS[key][0]["vision"].get("spatial_merge_size", 2)
+    grids = set()
+    for ref, got in zip(refs, ours, strict=True):
+        _, gh, gw = ref.grid_thw
+        grids.add((gh, gw))
+        assert got.rows.shape == ref.features.shape == ((gh // merge) * (gw // merge), 64)
+        torch.testing.assert_close(got.rows, ref.features, rtol=0, atol=1e-5)
+        # exact mode drops nothing
+        assert got.tokens_kept == got.tokens_total == got.rows.shape[0]
+    assert len(grids) == len(refs)  # the photos' aspect ratios give different grids
+
+
+@pytest.mark.parametrize("key", VARIANTS)
+def test_variant_positions_equal_get_rope_index(key, variant_root) -> None:
+    _, refs, ours = _variant(key, variant_root)
+    for ref, got in zip(refs, ours, strict=True):
+        assert got.input_ids == ref.input_ids
+        assert got.mrope is not None and torch.equal(got.mrope, ref.mrope)
+        assert got.rope_delta == ref.rope_delta != 0
+
+
+@pytest.mark.parametrize("key", VARIANTS)
+def test_variant_answers_equal_generate(key, variant_root) -> None:
+    from tests.vlm_checkpoints.exactness import assert_same_answer
+
+    _, refs, ours = _variant(key, variant_root)
+    for ref, got in zip(refs, ours, strict=True):
+        assert_same_answer(got, ref, MAX_NEW)
+        # the comparison sees positions: with 1-D positions transformers answers otherwise
+        assert ref.tokens_1d != ref.tokens

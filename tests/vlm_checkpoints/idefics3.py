@@ -77,8 +77,20 @@ def _tokenizer():
     return tok
 
 
-def build(target: Path, *, seed: int = 0) -> Path:
-    """Write the tiny checkpoint into `target` (created if missing) and return it."""
+def build(
+    target: Path,
+    *,
+    seed: int = 0,
+    scale_factor: int = SCALE_FACTOR,
+    do_image_splitting: bool = True,
+    longest_edge: int = LONGEST_EDGE,
+) -> Path:
+    """Write the tiny checkpoint into `target` (created if missing) and return it.
+
+    `scale_factor` is the connector's pixel shuffle (each tile gives
+    (TILE / PATCH)**2 / scale_factor**2 visual tokens); `do_image_splitting` and
+    `longest_edge` (px) are the image processor's: with splitting off a photo is only the
+    global image, with a larger longest edge it becomes more tiles."""
     import torch
     from transformers import (
         GenerationConfig,
@@ -122,7 +134,7 @@ def build(target: Path, *, seed: int = 0) -> Path:
     config = Idefics3Config(
         vision_config=vision_config,
         text_config=text_config.to_dict(),
-        scale_factor=SCALE_FACTOR,
+        scale_factor=scale_factor,
         image_token_id=ids["<image>"],
         pad_token_id=pad_id,
         tie_word_embeddings=False,
@@ -137,14 +149,14 @@ def build(target: Path, *, seed: int = 0) -> Path:
     model.save_pretrained(target)
 
     image_processor = Idefics3ImageProcessorPil(
-        size={"longest_edge": LONGEST_EDGE},
+        size={"longest_edge": longest_edge},
         max_image_size={"longest_edge": TILE},
-        do_image_splitting=True,
+        do_image_splitting=do_image_splitting,
     )
     processor = Idefics3Processor(
         image_processor=image_processor,
         tokenizer=tok,
-        image_seq_len=IMAGE_SEQ_LEN,
+        image_seq_len=(TILE // PATCH) ** 2 // scale_factor**2,
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(target)

@@ -82,12 +82,28 @@ def _images_only_class():
     return ImagesOnlyQwen2_5_VLProcessor
 
 
-def build(target: Path, *, seed: int = 0, module_keys: bool = False) -> Path:
+def build(
+    target: Path,
+    *,
+    seed: int = 0,
+    module_keys: bool = False,
+    vision: dict | None = None,
+    text: dict | None = None,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
+    tie_word_embeddings: bool = False,
+) -> Path:
     """Save a tiny Qwen2.5-VL checkpoint into `target` and return it.
 
     transformers' save_pretrained writes the checkpoint layout of the published models
     (`visual.*`, `model.*` for the text model, `lm_head.*`); `module_keys` renames the weights
     to the module paths of transformers 5 (`model.visual.*`, `model.language_model.*`).
+
+    `vision` and `text` override entries of the vision and text configs below (window_size,
+    fullatt_block_indexes, depth, spatial_merge_size; num_attention_heads, rope_parameters with
+    its mrope_section, which must sum to half the text head width); the image processor
+    follows the vision config's patch, merge and temporal sizes and takes `min_pixels` /
+    `max_pixels` as its bounds.
     """
     import torch
     from transformers import (
@@ -106,7 +122,7 @@ def build(target: Path, *, seed: int = 0, module_keys: bool = False) -> Path:
         zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)), strict=False)
     )
 
-    vision = {
+    vision_config = {
         "depth": 4,
         "hidden_size": 32,
         "intermediate_size": 64,
@@ -120,8 +136,9 @@ def build(target: Path, *, seed: int = 0, module_keys: bool = False) -> Path:
         "out_hidden_size": 64,
         "tokens_per_second": 2,
         "initializer_range": 0.05,
+        **(vision or {}),
     }
-    text = {
+    text_config = {
         "vocab_size": len(tokenizer),
         "hidden_size": 64,
         "intermediate_size": 128,
@@ -136,15 +153,16 @@ def build(target: Path, *, seed: int = 0, module_keys: bool = False) -> Path:
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
+        **(text or {}),
     }
     config = Qwen2_5_VLConfig(
-        vision_config=vision,
-        text_config=text,
+        vision_config=vision_config,
+        text_config=text_config,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     torch.manual_seed(seed)
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
@@ -155,11 +173,11 @@ def build(target: Path, *, seed: int = 0, module_keys: bool = False) -> Path:
         _rename_to_module_keys(target / "model.safetensors")
 
     image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=MIN_PIXELS,
-        max_pixels=MAX_PIXELS,
-        patch_size=PATCH,
-        merge_size=MERGE,
-        temporal_patch_size=2,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        patch_size=vision_config["patch_size"],
+        merge_size=vision_config["spatial_merge_size"],
+        temporal_patch_size=vision_config["temporal_patch_size"],
     )
     processor = _images_only_class()(
         image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
