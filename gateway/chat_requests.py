@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from gateway.vision_resolver import EncodePermit, EncodeQuota, VisionResolver
 
 __all__ = (
+    "DEFAULT_MODEL",
     "EXTRA_PARTS",
     "MAX_SEED",
     "ContentPart",
@@ -54,6 +55,7 @@ __all__ = (
     "check_item_count",
     "check_max_tokens",
     "check_output_modalities",
+    "check_prompt_tokens",
     "check_sampling",
     "check_session_id",
     "check_stop",
@@ -176,9 +178,13 @@ def check_stop(stop: str | Sequence[str] | None, param: str = "stop") -> tuple[s
     return stops
 
 
+DEFAULT_MODEL = "default"  # names the served model, whatever its id (as vLLM's clients send it)
+
+
 def check_model(requested: str | None, served: str, param: str = "model") -> None:
-    """Refuse a model other than the served one (None: the client named none)."""
-    if requested is not None and requested != served:
+    """Refuse a model other than the served one (None: the client named none; `default`
+    names the served one)."""
+    if requested is not None and requested not in (served, DEFAULT_MODEL):
         raise GatewayError(
             "model_not_found",
             f"the model {clip(requested)!r} does not exist; this gateway serves {served!r}",
@@ -200,6 +206,31 @@ def check_logprobs(
     if not logprobs:
         return None
     return top_logprobs or 0
+
+
+def check_prompt_tokens(
+    ids: Sequence[object], vocab_size: int | None, limits: RequestLimits, param: str
+) -> tuple[int, ...]:
+    """A prompt given as token ids: not empty, no more ids than a text prompt has characters,
+    each an integer id of the model's vocabulary (`vocab_size`; None: not known here)."""
+    if not ids:
+        raise _invalid("a prompt must not be empty", param)
+    if len(ids) > limits.max_text_chars:
+        raise GatewayError(
+            "input_too_large",
+            f"a token-id prompt holds at most {limits.max_text_chars} ids, got {len(ids)}",
+            param=param,
+        )
+    top = vocab_size if vocab_size is not None else 2**31
+    for i, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < top:
+            shown = f"0..{vocab_size - 1}" if vocab_size is not None else "non-negative"
+            raise _invalid(
+                f"token ids are integers in {shown} (the model's vocabulary); got "
+                f"{clip(repr(token), 40)}",
+                f"{param}[{i}]",
+            )
+    return tuple(ids)  # type: ignore[arg-type]
 
 
 def check_choices(n: int | None, param: str = "n") -> int:

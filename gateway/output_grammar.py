@@ -417,9 +417,11 @@ def plan_tools(
     if text_grammar is not None and not text_grammar.startswith(_TEXT_START):
         raise ValueError("text_grammar must come from response_format_grammar")
     if not tools:
-        if tool_choice is None or tool_choice == "none":
+        # "auto" and "none" without tools mean plain text, as OpenAI takes them (clients send
+        # "auto" by default); "required" or a named function has nothing to call
+        if tool_choice is None or tool_choice in ("auto", "none"):
             return None
-        raise _refuse(param, "tool_choice needs tools to choose from")
+        raise _refuse(param, "tool_choice 'required' or a named function needs tools")
     if len(tools) > MAX_TOOLS:
         raise _refuse("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
     _check_tool_set(tools, "tools", lambda i: "tools")

@@ -119,7 +119,9 @@ class FakeEngine:
                 code="context_length_exceeded",
             )
         if request.raw_prompt is not None:
-            words, n_images = request.raw_prompt.split(), 0
+            raw = request.raw_prompt
+            words = raw.split() if isinstance(raw, str) else [f"#{i}" for i in raw]
+            n_images = 0
         else:
             last = next((m for m in reversed(request.messages) if m.role == "user"), None)
             words = [p for p in (last.content if last else []) if isinstance(p, str)]

@@ -118,9 +118,9 @@ class GenerationRequest:
     # Whose share of the engine this is (the API key's owner id: fair share, per-key queue
     # cap, preemption order); None: the cache salt names the owner too.
     owner: str | None = None
-    # A plain-text prompt (legacy completions): tokenized as is, without the chat template;
-    # `messages` are then ignored and may be empty.
-    raw_prompt: str | None = None
+    # A plain-text prompt (legacy completions): tokenized as is, without the chat template, or
+    # its token ids as the client sent them; `messages` are then ignored and may be empty.
+    raw_prompt: str | tuple[int, ...] | None = None
     # A KV warm-up (`LocalEngine.warm_up`): the prompt rendered without a generation prompt,
     # prefilled into the prefix cache at the lowest priority and pinned for `kv_key` until its
     # next turn; nothing is generated. None: an ordinary request.

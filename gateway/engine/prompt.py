@@ -189,9 +189,10 @@ def _cut(text: str, cut: str | None) -> str:
     return text[:at]
 
 
-def render_raw(tokenizer: Any, text: str) -> Prompt:
-    """A plain-text prompt as the tokenizer tokenizes it alone (no chat template)."""
-    ids = [int(i) for i in tokenizer(text)["input_ids"]]
+def render_raw(tokenizer: Any, text: str | tuple[int, ...]) -> Prompt:
+    """A plain-text prompt as the tokenizer tokenizes it alone (no chat template), or token ids
+    taken as they are."""
+    ids = list(text) if isinstance(text, tuple) else [int(i) for i in tokenizer(text)["input_ids"]]
     return Prompt(segments=[ids] if ids else [], tokens=ids)
 
 

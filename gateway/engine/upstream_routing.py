@@ -138,7 +138,7 @@ def route_key(request: GenerationRequest) -> bytes:
     h.update((request.cache_salt or "").encode())
     if request.raw_prompt is not None:
         h.update(b"\0prompt\0")
-        h.update(request.raw_prompt[:_PROMPT_PREFIX_CHARS].encode())
+        h.update(str(request.raw_prompt[:_PROMPT_PREFIX_CHARS]).encode())
         return h.digest()
     for message in request.messages:
         if message.role == "assistant":

@@ -444,7 +444,7 @@ def _choice(end: ChoiceEnd, logprobs: list[TokenLogprob], options: ResponseOptio
             p.ToolCall(id=c.id, function=p.ToolCallFunction(name=c.name, arguments=c.arguments))
             for c in calls
         ]
-        or None,
+        or msgspec.UNSET,
     )
     return p.Choice(
         index=end.index,

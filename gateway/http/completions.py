@@ -1,9 +1,9 @@
 """Serving the legacy `POST /v1/completions`: plain-text prompts, no chat template, no session.
 
-Evaluation harnesses speak this API. Each prompt goes to the engine as it is
-(`GenerationRequest.raw_prompt`), with the same rate limit as chat, the same fair share of the
-engine (`cache_salt` is the API key's owner id, which also scopes prefix caching) and the same
-trace and response metrics. A list of prompts gives `n` choices per prompt, choice
+Evaluation harnesses speak this API. Each prompt, a text or a list of token ids, goes to the
+engine as it is (`GenerationRequest.raw_prompt`), with the same rate limit as chat, the same
+fair share of the engine (`cache_salt` is the API key's owner id, which also scopes prefix
+caching) and the same trace and response metrics. A list of prompts gives `n` choices per prompt, choice
 `i * n + j` being prompt i's j-th. `logprobs` (0..5) come in the legacy layout: `tokens`,
 `token_logprobs`, `top_logprobs` as {token: logprob} (the k most likely and the sampled token)
 and `text_offset`. `echo` puts the prompt before the answer; with `logprobs` it is refused,
@@ -36,6 +36,7 @@ from gateway.chat_requests import (
     check_choices,
     check_max_tokens,
     check_model,
+    check_prompt_tokens,
     check_sampling,
     check_stop,
     check_text,
@@ -153,7 +154,7 @@ class _Choice:
 @dataclass(slots=True)
 class _Run:
     request: CompletionRequest
-    prompts: list[str]
+    prompts: list[str | tuple[int, ...]]
     n: int
     logprobs: int | None
     completion_id: str
@@ -237,7 +238,9 @@ class CompletionServing:
         state.require()  # the one "busy" answer while the model loads
         model = state.engine.model_id
         check_model(request.model, model)
-        prompts = _prompts(request.prompt, limits)
+        prompts = _prompts(request.prompt, limits, _vocab_size(state.engine))
+        if request.echo and any(not isinstance(prompt, str) for prompt in prompts):
+            raise _invalid("echo takes text prompts; send the prompt as text to echo it", "echo")
         n = check_choices(request.n)
         _check_unsupported(request, n)
         logprobs = request.logprobs
@@ -305,7 +308,9 @@ class CompletionServing:
             trace=trace,
             received=received,
             choices=[
-                _Choice(prefix=prompt, offset=len(prompt)) if request.echo else _Choice(prefix="")
+                _Choice(prefix=prompt, offset=len(prompt))
+                if request.echo and isinstance(prompt, str)
+                else _Choice(prefix="")
                 for prompt in prompts
                 for _ in range(n)
             ],
@@ -431,20 +436,45 @@ def _invalid(message: str, param: str) -> GatewayError:
     return GatewayError("invalid_request", message, param=param)
 
 
-def _prompts(prompt: str | list[Any], limits: RequestLimits) -> list[str]:
-    prompts = [prompt] if isinstance(prompt, str) else prompt
+def _prompts(
+    prompt: str | list[Any], limits: RequestLimits, vocab_size: int | None
+) -> list[str | tuple[int, ...]]:
+    """The request's prompts: a text, a list of token ids, or a list of texts and token-id
+    lists (evaluation harnesses send ids); ids are checked against the model's vocabulary."""
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+        wheres = ["prompt"]
+    elif prompt and not isinstance(prompt[0], (str, list)):  # [1, 2, 3]: one token prompt
+        prompts, wheres = [prompt], ["prompt"]
+    else:
+        prompts = prompt
+        wheres = [f"prompt[{i}]" for i in range(len(prompt))]
     if not prompts:
         raise _invalid("prompt must hold at least one prompt", "prompt")
     if len(prompts) > MAX_PROMPTS:
         raise _invalid(f"prompt holds at most {MAX_PROMPTS} prompts", "prompt")
-    for i, text in enumerate(prompts):
-        where = "prompt" if isinstance(prompt, str) else f"prompt[{i}]"
-        if not isinstance(text, str):
-            raise _invalid("token-id prompts are not supported; send the prompt as text", where)
-        if not text:
+    out: list[str | tuple[int, ...]] = []
+    for value, where in zip(prompts, wheres, strict=True):
+        if isinstance(value, list):
+            out.append(check_prompt_tokens(value, vocab_size, limits, where))
+            continue
+        if not isinstance(value, str):
+            raise _invalid(
+                "a prompt is a string or a list of token ids; prompt is a string, a list of "
+                "token ids, or a list of those",
+                where,
+            )
+        if not value:
             raise _invalid("a prompt must not be empty", where)
-        check_text(text, limits, where)
-    return prompts
+        out.append(check_text(value, limits, where))
+    return out
+
+
+def _vocab_size(engine: Engine) -> int | None:
+    """How many token ids the served model's tokenizer has (None: not known here, as with an
+    upstream engine, which checks them itself)."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    return len(tokenizer) if tokenizer is not None else None
 
 
 def _check_unsupported(request: CompletionRequest, n: int) -> None:

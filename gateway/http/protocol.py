@@ -218,14 +218,17 @@ class ChoiceLogprobs(Struct):
         )
 
 
-class ChatMessage(Struct, kw_only=True, omit_defaults=True):
+class ChatMessage(Struct, kw_only=True):
     """The answer of one choice: `content` is null when the answer is only tool calls;
-    `tool_calls` is left out when there are none (as OpenAI does)."""
+    `tool_calls` is left out when there are none (as OpenAI does). `reasoning_content` is
+    always null (the served model does not reason) and always sent, as vLLM and DeepSeek send
+    it, so that clients written for reasoning servers, which read it as an attribute, find it."""
 
     content: str | None
     refusal: str | None
     role: Literal["assistant"]
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
+    reasoning_content: None = None
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -264,10 +267,14 @@ class DeltaToolCall(Struct, omit_defaults=True):
     function: DeltaFunction | None = None
 
 
-class Delta(Struct, omit_defaults=True):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
+class Delta(Struct):
+    """One piece of a streamed answer: what is not given is left out (UNSET), except
+    `reasoning_content`, always null and always sent (see `ChatMessage`)."""
+
+    role: Literal["assistant"] | msgspec.UnsetType = msgspec.UNSET
+    content: str | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[DeltaToolCall] | msgspec.UnsetType = msgspec.UNSET
+    reasoning_content: None = None
 
 
 class ChunkChoice(Struct):
@@ -303,6 +310,10 @@ class ModelCard(Struct):
     # prompt and answer positions together (the field vLLM's model cards carry); None while
     # the model loads
     max_model_len: int | None = None
+    # as vLLM's cards: the model the id serves (read by vLLM and SGLang clients), and the base
+    # model of an adapter (none here)
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(Struct):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gateway.chat_requests import RequestLimits, check_image_bytes
+from gateway.chat_requests import DEFAULT_MODEL, RequestLimits, check_image_bytes
 from gateway.chat_service import kv_key_for
 from gateway.http import protocol as p
 from gateway.image_input import REF_PREFIX, digest_of
@@ -84,13 +84,14 @@ class ModelServing:
             created=int(self.state.started_at),
             vision=self._vision,
             max_model_len=engine.context_tokens if engine.ready else None,
+            root=engine.model_id,
         )
 
     def list(self) -> p.ModelList:
         return p.ModelList(data=[self._card()])
 
     def get(self, model: str) -> p.ModelCard | p.ErrorResponse:
-        if model != self.state.engine.model_id:
+        if model not in (self.state.engine.model_id, DEFAULT_MODEL):
             return p.error_response(
                 GatewayError(
                     "model_not_found", f"the model {model!r} does not exist", param="model"

@@ -759,9 +759,11 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
 
 
 def _unknown_response(response_id: str, param: str, why: str = "") -> GatewayError:
+    """An unknown response: 404 where the path names it, 400 where `previous_response_id`
+    does (a bad value of the request, as OpenAI answers it)."""
     detail = f" ({why})" if why else ""
     return GatewayError(
-        "response_not_found",
+        "previous_response_not_found" if param == "previous_response_id" else "response_not_found",
         f"no response {response_id!r} for this API key{detail}",
         param=param,
     )

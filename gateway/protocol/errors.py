@@ -22,6 +22,9 @@ ERROR_CODES: dict[str, tuple[str, int]] = {
     "context_length_exceeded": ("invalid_request_error", 400),
     "response_in_progress": ("invalid_request_error", 409),
     "response_not_found": ("invalid_request_error", 404),
+    "item_not_found": ("invalid_request_error", 404),
+    # a `previous_response_id` that names no stored response: a bad value, 400 as OpenAI's
+    "previous_response_not_found": ("invalid_request_error", 400),
     "session_not_found": ("invalid_request_error", 404),
     "unauthorized": ("authentication_error", 401),
     "rate_limited": ("rate_limit_error", 429),

@@ -443,3 +443,22 @@ def test_health_is_the_model_while_readyz_also_asks_redis(make_gateway: GatewayF
         health = http.get("/health")
     assert ready.status_code == 503 and "redis" in ready.json()["missing"]
     assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_tool_choice_without_tools_is_plain_text(
+    client: openai.OpenAI, fake_gateway: FakeGateway, choice: str
+) -> None:
+    """As OpenAI takes it (clients send `auto` by default): no tools, so no grammar, on every
+    API that has `tool_choice`; `required` still has nothing to call."""
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], tool_choice=choice
+    )
+    assert chat.choices[0].message.content == "hi [0 images]"
+    assert fake_gateway.engine.requests[-1].sampling.grammar is None
+    response = client.responses.create(model=MODEL, input="hi", tool_choice=choice)
+    assert response.output_text == "hi [0 images]"
+    assert fake_gateway.engine.requests[-1].sampling.grammar is None
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="hi", tool_choice="required")
+    assert info.value.body["param"] == "tool_choice"

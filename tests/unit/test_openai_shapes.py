@@ -1,7 +1,8 @@
 """Every Chat Completions shape the gateway sends, checked against the `openai` package's own
 types: each body and chunk must validate (strictly) as the SDK's pydantic model, carry every
 field OpenAI always sends even where the SDK would default it, and hold no field the SDK does
-not know but visiongate's own `visiongate` extension. A drift of either side fails here."""
+not know but visiongate's own `visiongate` extension and the reasoning servers' (vLLM, SGLang,
+DeepSeek) `reasoning_content`, always null here. A drift of either side fails here."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.unit.test_chat_tools import PARIS, TWO_CALLS, WEATHER, ScriptedEngine
 TIMEOUT = 10.0
 MODEL = "fake-echo"
 EXTENSIONS = {"visiongate"}
+PEER_FIELDS = {"reasoning_content"}  # on messages and deltas, as vLLM and DeepSeek send it
 HELLO = [{"role": "user", "content": "hello shapes"}]
 
 
@@ -34,7 +36,9 @@ def validated(model: type[pydantic.BaseModel], data: dict[str, Any]) -> pydantic
 
 def _no_unknown_fields(value: object, where: str) -> None:
     if isinstance(value, pydantic.BaseModel):
-        extra = set(value.model_extra or {}) - EXTENSIONS
+        extra = set(value.model_extra or {}) - EXTENSIONS - PEER_FIELDS
+        for name in PEER_FIELDS & set(value.model_extra or {}):
+            assert value.model_extra[name] is None, f"{where}.{name} is {value.model_extra[name]}"
         assert not extra, f"{where}: fields the SDK does not know: {sorted(extra)}"
         for name in type(value).model_fields:
             _no_unknown_fields(getattr(value, name), f"{where}.{name}")
@@ -54,7 +58,7 @@ def check_completion(body: dict[str, Any]) -> ChatCompletion:
     has_keys(body, "id", "object", "created", "model", "choices", "usage", "system_fingerprint")
     for choice in body["choices"]:
         has_keys(choice, "index", "message", "finish_reason", "logprobs")
-        has_keys(choice["message"], "role", "content", "refusal")
+        has_keys(choice["message"], "role", "content", "refusal", "reasoning_content")
         if choice["logprobs"] is not None:
             has_keys(choice["logprobs"], "content", "refusal")
     has_keys(body["usage"], "prompt_tokens", "completion_tokens", "total_tokens")
@@ -72,6 +76,8 @@ def check_chunks(lines: list[str], *, include_usage: bool) -> list[ChatCompletio
         assert ("usage" in body) == include_usage  # null until the last, or never there
         for choice in body["choices"]:
             has_keys(choice, "index", "delta", "finish_reason", "logprobs")
+            # clients written for reasoning servers read it as an attribute of every delta
+            has_keys(choice["delta"], "reasoning_content")
     assert len({c.id for c in chunks}) == 1
     return chunks  # type: ignore[return-value]
 
@@ -163,11 +169,18 @@ def test_error_bodies_and_models(http: httpx.Client) -> None:
     error = validated(ErrorObject, r.json()["error"])
     has_keys(r.json()["error"], "message", "type", "param", "code")
     assert error.code == "invalid_request"
-    # beside the SDK's fields: what encodes the images, and the context as vLLM's cards name it
-    extensions = EXTENSIONS | {"vision", "max_model_len"}
-    for card in http.get("/v1/models").json()["data"]:
-        assert isinstance(card["max_model_len"], int)
-        validated(Model, {k: v for k, v in card.items() if k not in extensions})
+    # beside the SDK's fields: what encodes the images, and the context, the served model and
+    # its base as vLLM's cards name them
+    extensions = EXTENSIONS | {"vision", "max_model_len", "root", "parent"}
+    (card,) = http.get("/v1/models").json()["data"]
+    assert isinstance(card["max_model_len"], int)
+    assert card["root"] == card["id"] == MODEL and card["parent"] is None
+    validated(Model, {k: v for k, v in card.items() if k not in extensions})
+    # `default` names the served model, in a card's path as in a request's `model`
+    assert http.get("/v1/models/default").json() == card
+    r = http.post("/v1/chat/completions", json={"model": "default", "messages": HELLO})
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+    assert http.get("/v1/models/other").status_code == 404
 
 
 def test_a_scripted_answer_is_text_without_tools(make_gateway: GatewayFactory) -> None:

@@ -192,7 +192,6 @@ def test_responses_tools_are_read() -> None:
 
 
 CHOICE_REFUSALS: list[tuple[Any, Any, str, str]] = [
-    ([], "auto", "tool_choice", "needs tools"),
     ([], "required", "tool_choice", "needs tools"),
     ([], {"type": "function", "function": {"name": "get_weather"}}, "tool_choice", "tools"),
     (None, "always", "tool_choice", "'auto'"),
@@ -337,6 +336,9 @@ def test_plans_validate(choice: str, parallel: bool | None, fmt: Any) -> None:
 def test_no_tools_no_plan() -> None:
     assert plan_tools([], None, None) is None
     assert plan_tools([], "none", True, text_grammar=response_format_grammar(None)) is None
+    # "auto" without tools is plain text, as OpenAI takes it (clients send it by default)
+    assert plan_tools([], "auto", None) is None
+    assert plan_tools([], "auto", False, text_grammar=response_format_grammar(None)) is None
     specs = tools_from_responses([{"type": "function", "name": "add", "parameters": ADD}])
     chosen = plan_tools(specs, {"type": "function", "name": "add"}, False)
     assert chosen is not None and (chosen.choice, chosen.function) == ("function", "add")

@@ -339,16 +339,18 @@ def test_store_false_leaves_nothing_behind(
     assert asyncio.run(sessions.count()) == before + 1
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(gone.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model=MODEL, input="x", previous_response_id=gone.id)
+    assert info.value.body["code"] == "previous_response_not_found"
 
 
 def test_unknown_and_foreign_responses_are_not_found(
     client: openai.OpenAI, make_gateway: GatewayFactory
 ) -> None:
-    with pytest.raises(openai.NotFoundError) as info:
+    with pytest.raises(openai.BadRequestError) as info:  # a bad value, as OpenAI answers it
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
-    assert info.value.body["code"] == "response_not_found"
+    assert info.value.body["code"] == "previous_response_not_found"
+    assert info.value.body["type"] == "invalid_request_error"
     assert info.value.body["param"] == "previous_response_id"
 
     gateway = make_gateway(settings=dict(api_keys=["key-a", "key-b"]))
@@ -362,11 +364,13 @@ def test_unknown_and_foreign_responses_are_not_found(
             lambda: b.responses.retrieve(mine.id),
             lambda: b.responses.delete(mine.id),
             lambda: b.responses.input_items.list(mine.id),
-            lambda: b.responses.create(model=MODEL, input="x", previous_response_id=mine.id),
         ):
             with pytest.raises(openai.NotFoundError) as info:
                 attempt()
             assert info.value.body["code"] == "response_not_found"
+        with pytest.raises(openai.BadRequestError) as info:  # reads as an unknown id
+            b.responses.create(model=MODEL, input="x", previous_response_id=mine.id)
+        assert info.value.body["code"] == "previous_response_not_found"
         assert a.responses.retrieve(mine.id).output_text == "private words [0 images]"
 
 
@@ -725,6 +729,17 @@ def test_completion_defaults_and_echo(client: openai.OpenAI) -> None:
     assert echoed.choices[0].text == "say hi" + "say hi [0 images]"
 
 
+def test_token_id_prompts(client: openai.OpenAI, fake_gateway: FakeGateway) -> None:
+    """`prompt` as token ids (one list, or a list of lists, beside texts) reaches the engine as
+    those ids (evaluation harnesses send them)."""
+    one = client.completions.create(model=MODEL, prompt=[5, 6, 7])
+    assert one.choices[0].text == "#5 #6 #7 [0 images]"
+    assert fake_gateway.engine.requests[-1].raw_prompt == (5, 6, 7)
+    many = client.completions.create(model=MODEL, prompt=[[1, 2], [3]], n=2)
+    assert len(many.choices) == 4 and many.choices[2].text == "#3 [0 images]"
+    assert [r.raw_prompt for r in fake_gateway.engine.requests[-2:]] == [(1, 2), (3,)]
+
+
 def test_streamed_completion(http: httpx.Client, client: openai.OpenAI) -> None:
     body = {
         "model": MODEL,
@@ -756,8 +771,14 @@ def test_streamed_completion(http: httpx.Client, client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"prompt": [1, 2, 3]}, "prompt[0]"),
-        ({"prompt": [[1, 2]]}, "prompt[0]"),
+        ({"prompt": [1, -2, 3]}, "prompt[1]"),
+        ({"prompt": [1, True]}, "prompt[1]"),
+        ({"prompt": [1, 2.5]}, "prompt[1]"),
+        ({"prompt": [[1, 2], [3, "x"]]}, "prompt[1][1]"),
+        ({"prompt": [[1, 2], []]}, "prompt[1]"),
+        ({"prompt": [[1], 7]}, "prompt[1]"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [3], "echo": True}, "echo"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": "x", "suffix": "end"}, "suffix"),
         ({"prompt": "x", "logprobs": 6}, "logprobs"),

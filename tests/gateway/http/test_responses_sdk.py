@@ -131,7 +131,7 @@ def test_retrieve_and_delete(openai_client: OpenAI, chain: list) -> None:
 
 
 def test_unknown_previous_response(openai_client: OpenAI, model: str) -> None:
-    with pytest.raises(openai.NotFoundError) as info:
+    with pytest.raises(openai.BadRequestError) as info:
         openai_client.responses.create(
             model=model, input="hello", previous_response_id="resp_0000000000000000"
         )
