@@ -3,15 +3,14 @@
 Evaluation harnesses speak this API. Each prompt, a text or a list of token ids, goes to the
 engine as it is (`GenerationRequest.raw_prompt`), with the same rate limit as chat, the same
 fair share of the engine (`cache_salt` is the API key's owner id, which also scopes prefix
-caching) and the same trace and response metrics. A list of prompts gives `n` choices per prompt, choice
-`i * n + j` being prompt i's j-th. `logprobs` (0..5) come in the legacy layout: `tokens`,
-`token_logprobs`, `top_logprobs` as {token: logprob} (the k most likely and the sampled token)
-and `text_offset`. `echo` puts the prompt before the answer; with `logprobs` it is refused,
-since the prompt's own log-probabilities are not computed. Without `temperature` the answer is
-greedy, as chat's is by default; `max_tokens` defaults to 16, as OpenAI's does.
-
-As in chat, an answer starts only at the first text (or the end), so a failure before any
-output gets its HTTP status, and a client that disconnects cancels generation.
+caching) and the same trace and response metrics. A list of prompts gives `n` choices per
+prompt, choice `i * n + j` being prompt i's j-th. `logprobs` (0..5) come in the legacy layout:
+`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob} (the k most likely and the
+sampled token) and `text_offset`. `echo` puts the prompt before the answer; with `logprobs` it
+is refused, since the prompt's own log-probabilities are not computed. Without `temperature` the
+answer is greedy, as chat's is by default; `max_tokens` defaults to 16, as OpenAI's does. As in
+chat, an answer starts only at the first text (or the end), so a failure before any output gets
+its HTTP status, and a client that disconnects cancels generation.
 """
 
 from __future__ import annotations
