@@ -17,7 +17,7 @@ import gzip
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
@@ -35,7 +35,14 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-__all__ = ("OTLPReceiver", "ReceivedEvent", "ReceivedPoint", "ReceivedSpan", "any_value")
+__all__ = (
+    "OTLPReceiver",
+    "ReceivedEvent",
+    "ReceivedPoint",
+    "ReceivedSpan",
+    "any_value",
+    "flatten_spans",
+)
 
 
 class ReceivedEvent(msgspec.Struct, frozen=True):
@@ -151,29 +158,7 @@ class OTLPReceiver:
             return list(self._requests[signal])
 
     def spans(self) -> list[ReceivedSpan]:
-        out: list[ReceivedSpan] = []
-        for req in self.requests("traces"):
-            for rs in req.resource_spans:
-                resource = _attrs(rs.resource.attributes)
-                for ss in rs.scope_spans:
-                    for s in ss.spans:
-                        out.append(
-                            ReceivedSpan(
-                                name=s.name,
-                                trace_id=s.trace_id.hex(),
-                                span_id=s.span_id.hex(),
-                                parent_span_id=s.parent_span_id.hex(),
-                                kind=int(s.kind),
-                                start_time_unix_nano=int(s.start_time_unix_nano),
-                                end_time_unix_nano=int(s.end_time_unix_nano),
-                                attributes=_attrs(s.attributes),
-                                events=[_event(e) for e in s.events],
-                                status_code=int(s.status.code),
-                                scope=ss.scope.name,
-                                resource=resource,
-                            )
-                        )
-        return out
+        return flatten_spans(self.requests("traces"))
 
     def metrics(self) -> list[ReceivedPoint]:
         out: list[ReceivedPoint] = []
@@ -230,6 +215,34 @@ class OTLPReceiver:
                 return
 
         return Handler
+
+
+def flatten_spans(requests: Iterable[Any]) -> list[ReceivedSpan]:
+    """Every span of decoded ``ExportTraceServiceRequest`` messages, flattened, in order: what
+    this receiver got over HTTP, or what a Collector published to Kafka as OTLP protobuf."""
+    out: list[ReceivedSpan] = []
+    for req in requests:
+        for rs in req.resource_spans:
+            resource = _attrs(rs.resource.attributes)
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    out.append(
+                        ReceivedSpan(
+                            name=s.name,
+                            trace_id=s.trace_id.hex(),
+                            span_id=s.span_id.hex(),
+                            parent_span_id=s.parent_span_id.hex(),
+                            kind=int(s.kind),
+                            start_time_unix_nano=int(s.start_time_unix_nano),
+                            end_time_unix_nano=int(s.end_time_unix_nano),
+                            attributes=_attrs(s.attributes),
+                            events=[_event(e) for e in s.events],
+                            status_code=int(s.status.code),
+                            scope=ss.scope.name,
+                            resource=resource,
+                        )
+                    )
+    return out
 
 
 def _event(e: Any) -> ReceivedEvent:
