@@ -97,6 +97,7 @@ class Finished:
     output_tokens: int = 0
     cached_tokens: int = 0
     cached_image_tokens: int = 0
+    kv_warmed_tokens: int = 0  # of cached_tokens, prefilled by a KV warm-up before the request
     vision_hits: int = 0
     vision_misses: int = 0
     timings: dict[str, float] = field(default_factory=dict)

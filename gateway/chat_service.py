@@ -47,13 +47,14 @@ from gateway.engine.interface import (
     Message,
     SamplingParams,
     TextDelta,
+    WarmUpResult,
     image_input_of,
 )
 from gateway.image_input import media_type
 from gateway.protocol.errors import ERROR_CODES, GatewayError
 from gateway.response_trace import ResponseTrace
-from gateway.sessions.session import Session, SessionStore, StoredItem, StoredPart
-from gateway.telemetry import NoopTelemetry, Telemetry
+from gateway.sessions.session import Session, SessionStore, StoredItem, StoredPart, new_id
+from gateway.telemetry import ATTR, NoopTelemetry, Telemetry
 from gateway.tool_stream import ToolCall, render_answer, render_tool_result, split_answer
 from gateway.vision_resolver import Resolved, VisionResolver
 
@@ -349,6 +350,7 @@ class ChatService:
                 output_tokens=sum(r.output_tokens for r in results.values()),
                 cached_tokens=result.cached_tokens,
                 cached_image_tokens=result.cached_image_tokens,
+                kv_warmed_tokens=result.warmed_tokens,
                 vision_hits=hits,
                 vision_misses=misses,
                 timings=timings,
@@ -605,6 +607,122 @@ class ChatService:
             if content:
                 messages.append(Message(item.role, content))
         return messages
+
+    # -- KV warm-up ----------------------------------------------------------------------------
+
+    def schedule_warm_up(
+        self,
+        session_id: str,
+        owner: str,
+        *,
+        pending: dict[str, asyncio.Task[Resolved]] | None = None,
+        then_image: str | None = None,
+    ) -> asyncio.Task[WarmUpResult | None] | None:
+        """Warm the session's KV in the background (`warm_up`) from the stored session as it
+        is now; None when the engine cannot warm up. Its failures are logged, never raised."""
+        if getattr(self.engine, "warm_up", None) is None:
+            return None
+
+        async def run() -> WarmUpResult | None:
+            try:
+                session = await self.sessions.load(session_id, owner)
+                return await self.warm_up(session, pending=pending, then_image=then_image)
+            except Exception:  # a warm-up only ever saves time
+                log.exception("kv_warmup_failed", session_id=session_id)
+                return None
+
+        task = asyncio.ensure_future(run())
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+        return task
+
+    async def warm_up(
+        self,
+        session: Session,
+        *,
+        pending: dict[str, asyncio.Task[Resolved]] | None = None,
+        then_image: str | None = None,
+    ) -> WarmUpResult | None:
+        """Prefill the session's conversation as its next response will render it, through its
+        last item (a finished message: the question comes as an item of its own), or with
+        `then_image` (a digest) as the start of a new user message left open (an HTTP turn
+        that sends the photo and its question together), into the engine's prefix cache,
+        pinned for the session. Only images whose tokens are ready are used (pre-encodes that
+        finished, or the vision cache): None, without touching the engine, while any is still
+        encoding or the engine cannot warm up. Traced as `llm.warmup` and counted."""
+        warm = getattr(self.engine, "warm_up", None)
+        if warm is None or image_input_of(self.engine) == "bytes":
+            return None
+        started_ns = time.time_ns()
+        digests = [*session.image_digests]
+        if then_image is not None and then_image not in digests:
+            digests.append(then_image)
+        images: dict[str, Resolved] = {}
+        for digest in digests:
+            task = (pending or {}).get(digest)
+            if task is not None and task.done() and not task.cancelled() and not task.exception():
+                images[digest] = task.result()
+                continue
+            if task is not None and not task.done():
+                return None  # its item warms the session once it is encoded
+            encoded = await self.vision.cached(session.owner, digest)
+            if encoded is None:
+                return None
+            images[digest] = Resolved(encoded, "memory", 0.0)
+        messages = self._messages(session, ResponseOptions(), images)
+        if then_image is not None:
+            # as `_messages` names and places it in the turn that will send it
+            encoded = images[then_image].image
+            image = ImageInput(
+                f"{self.vision.fingerprint[:16]}:{then_image}",
+                encoded.embeds("cpu"),
+                layout=encoded.layout,
+            )
+            messages.append(Message("user", [image]))
+        if not messages:
+            return None
+        max_tokens = min(session.max_output_tokens, self.max_output_tokens_limit)
+        try:
+            messages, _ = await self._fit(messages, max_tokens, session.truncation)
+        except GatewayError:
+            return None
+        request = GenerationRequest(
+            request_id=new_id("warm"),
+            messages=messages,
+            sampling=SamplingParams(max_output_tokens=1),
+            kv_key=kv_key_for(session.owner, session.id),
+            cache_salt=session.owner,
+            owner=session.owner,
+            warm_up="part" if then_image is not None else "message",
+        )
+        result: WarmUpResult = await warm(request)
+        span = self.telemetry.tracer.start_span(
+            "llm.warmup",
+            start_time=started_ns,
+            attributes={
+                ATTR.SESSION_ID: session.id,
+                "visiongate.warmup.outcome": result.outcome,
+                "visiongate.warmup.positions": result.positions,
+                ATTR.PREFILL_TOKENS: result.computed,
+                "visiongate.warmup.queue_ms": result.queue_ms,
+                "visiongate.warmup.prefill_ms": result.prefill_ms,
+            },
+        )
+        if result.reason:
+            span.set_attribute("visiongate.warmup.reason", result.reason)
+        span.end()
+        self.telemetry.metrics.record_kv_warmup(
+            outcome=result.outcome, computed_tokens=result.computed
+        )
+        log.info(
+            "kv_warmup",
+            session_id=session.id,
+            outcome=result.outcome,
+            positions=result.positions,
+            computed=result.computed,
+            reason=result.reason or None,
+        )
+        return result
 
 
 def _status(result: GenerationResult) -> tuple[Status, str | None]:

@@ -474,6 +474,10 @@ class RealtimeConnection:
             await self._send_error(failed, event_id)
             return
         await self._send(rt.ConversationItemDone(self._eid(), wire_item(stored), previous))
+        if self.state.settings.kv_warmup:  # prefill the conversation through it while they type
+            self.state.require().service.schedule_warm_up(
+                self.session.id, self.owner, pending=self.pending
+            )
 
     async def _response_create(self, event: rt.ResponseCreate) -> None:
         received = time.perf_counter()

@@ -77,6 +77,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine_max_queue_per_key: int = 0
     prefill_chunk_tokens: int = 256
     prefix_caching: bool = True
+    # KV warm-up: once a session's new image item is encoded, the local engine prefills the
+    # conversation through it as background work (lowest priority), so the question that
+    # follows prefills only its own words
+    kv_warmup: bool = True
     # the cores split between the in-process encoder's thread and the engine's thread, so that
     # encodes for new sessions run beside decode steps rather than stalling them; 0: automatic
     # (encoder a quarter of the cores, at least 1; engine the rest, or all with --encoder redis)

@@ -35,6 +35,9 @@ class CacheReport(Struct):
     vision_hits: int = 0
     vision_misses: int = 0
     kv_tokens_reused: int = 0
+    # of kv_tokens_reused, prompt tokens a KV warm-up prefilled while the client was still
+    # composing its question (the image's item arrived first)
+    kv_warmed_tokens: int = 0
 
     @classmethod
     def of(cls, finished: Finished) -> CacheReport:
@@ -43,4 +46,5 @@ class CacheReport(Struct):
             vision_hits=finished.vision_hits,
             vision_misses=finished.vision_misses,
             kv_tokens_reused=finished.cached_tokens,
+            kv_warmed_tokens=finished.kv_warmed_tokens,
         )

@@ -187,6 +187,16 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "visiongate.cache.lookups": ("counter", "{lookup}", "Cache lookups by cache, tier and result"),
     "visiongate.kv.reused_tokens": ("counter", "{token}", "Prompt tokens served from reused KV"),
     "visiongate.kv.prefill_tokens": ("counter", "{token}", "Prompt tokens prefilled anew"),
+    "visiongate.kv.warmups": (
+        "counter",
+        "{warmup}",
+        "KV warm-ups by outcome (warmed/superseded/dropped/failed)",
+    ),
+    "visiongate.kv.warmed_tokens": (
+        "counter",
+        "{token}",
+        "Prompt tokens prefilled ahead of the question by KV warm-ups",
+    ),
     "visiongate.errors": ("counter", "{error}", "Errors returned to clients by code"),
     "visiongate.websocket.connections": ("updowncounter", "{connection}", "Open WebSockets"),
     "visiongate.sessions.active": ("gauge", "{session}", "Sessions held by this replica"),
@@ -238,6 +248,8 @@ PROMETHEUS_NAMES: dict[str, str] = {
     "visiongate.cache.lookups": "visiongate_cache_lookups_total",
     "visiongate.kv.reused_tokens": "visiongate_kv_reused_tokens_total",
     "visiongate.kv.prefill_tokens": "visiongate_kv_prefill_tokens_total",
+    "visiongate.kv.warmups": "visiongate_kv_warmups_total",
+    "visiongate.kv.warmed_tokens": "visiongate_kv_warmed_tokens_total",
     "visiongate.errors": "visiongate_errors_total",
     "visiongate.websocket.connections": "visiongate_websocket_connections",
     "visiongate.sessions.active": "visiongate_sessions_active",
@@ -396,6 +408,11 @@ class GatewayMetrics:
         """Prompt tokens taken from a session's KV blocks vs. prefilled for one response."""
         self._add("visiongate.kv.reused_tokens", reused_tokens, {})
         self._add("visiongate.kv.prefill_tokens", prefill_tokens, {})
+
+    def record_kv_warmup(self, *, outcome: str, computed_tokens: int) -> None:
+        """One KV warm-up's end, and the prompt tokens it prefilled."""
+        self._add("visiongate.kv.warmups", 1, {"outcome": outcome})
+        self._add("visiongate.kv.warmed_tokens", computed_tokens, {})
 
     def record_error(self, *, code: str, api: str) -> None:
         """One error event / HTTP error sent to a client, by its stable ``code``."""
