@@ -7,6 +7,7 @@ Layout: the placeholder expanded by `Family.layout` tokenizes to exactly the pro
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -315,3 +316,58 @@ def test_bad_pixels_are_invalid_image(family, bad):
     with pytest.raises(ImageError) as err:
         family.encode(bad)
     assert err.value.code == "invalid_image"
+
+
+# -- checkpoints built otherwise, through the project's whole path ------------------------------
+#
+# Each variant tiles and shuffles otherwise: no image splitting (the global image alone), a
+# larger longest edge (more tiles) with a pixel shuffle of 4 (4 rows a tile), no pixel shuffle
+# (64 rows a tile); the photos differ in size and aspect ratio (a 5:1 strip, a portrait crop, a
+# small image, a grayscale photo). Rows and greedy answers must be transformers' own.
+
+MAX_NEW = 8
+VARIANTS = {
+    "nosplit": ({"do_image_splitting": False}, ("strip", "tall")),
+    "edge256-shuffle4": (
+        {"scale_factor": 4, "longest_edge": 4 * checkpoint.TILE},
+        ("coffee", "camera"),
+    ),
+    "edge128-shuffle1": (
+        {"scale_factor": 1, "longest_edge": 2 * checkpoint.TILE},
+        ("small", "chelsea"),
+    ),
+}
+
+
+@functools.cache
+def _variant(key: str, root: Path) -> tuple[list, list]:
+    from tests.vlm_checkpoints import exactness
+
+    options, names = VARIANTS[key]
+    path = checkpoint.build(root / key, seed=2, **options)
+    photos = [exactness.shaped(n) for n in names]
+    refs = exactness.reference("idefics3", path, photos, MAX_NEW)
+    return refs, exactness.project_answers(path, photos, MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def variant_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("idefics3-variants")
+
+
+@pytest.mark.parametrize("key", VARIANTS)
+def test_variant_rows_and_answers_equal_transformers(key, variant_root) -> None:
+    from tests.vlm_checkpoints.exactness import assert_same_answer
+
+    options = VARIANTS[key][0]
+    per_tile = (checkpoint.TILE // checkpoint.PATCH) ** 2 // options.get("scale_factor", 2) ** 2
+    refs, ours = _variant(key, variant_root)
+    for ref, got in zip(refs, ours, strict=True):
+        assert got.rows.shape == ref.features.shape
+        assert got.rows.shape[0] % per_tile == 0
+        tiles = got.rows.shape[0] // per_tile
+        assert tiles == 1 if not options.get("do_image_splitting", True) else tiles > 1
+        torch.testing.assert_close(got.rows, ref.features, rtol=1e-5, atol=1e-5)
+        assert got.tokens_kept == got.tokens_total == got.rows.shape[0]  # nothing dropped
+        assert_same_answer(got, ref, MAX_NEW)
+    assert refs[0].tokens != refs[1].tokens  # the photo moves the answer

@@ -3,6 +3,7 @@ on a tiny random-weight checkpoint (tests/vlm_checkpoints/llava.py) and real pho
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -287,3 +288,50 @@ def test_unsupported_vlm_names_the_supported_families(tmp_path) -> None:
 def test_width_mismatch_is_refused(ckpt) -> None:
     with pytest.raises(ValueError, match="64 wide"):
         EncoderPipeline(EncoderConfig(tower=str(ckpt), device="cpu"), 576)
+
+
+# -- checkpoints built otherwise, through the project's whole path ------------------------------
+#
+# Each variant reads the tower at another depth and keeps other rows: the last layer with the
+# CLS row kept ("full"), two layers concatenated, the first layer alone; the photos differ in
+# size and aspect ratio (the processor's shortest-edge resize and center crop see a portrait
+# crop, a 5:1 strip, a small image it scales up, a grayscale photo). Rows and greedy answers
+# must be transformers' own.
+
+MAX_NEW = 8
+VARIANTS = {
+    "last-full": ({"feature_layer": -1, "select_strategy": "full"}, ("tall", "strip")),
+    "two-layers": ({"feature_layer": [-3, -2]}, ("small", "camera")),
+    "first-layer": ({"feature_layer": -3}, ("chelsea", "coffee")),
+}
+
+
+@functools.cache
+def _variant(key: str, root: Path) -> tuple[list, list]:
+    from tests.vlm_checkpoints import exactness
+
+    options, names = VARIANTS[key]
+    path = llava.build(root / key, seed=2, **options)
+    photos = [exactness.shaped(n) for n in names]
+    refs = exactness.reference("llava", path, photos, MAX_NEW)
+    return refs, exactness.project_answers(path, photos, MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def variant_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("llava-variants")
+
+
+@pytest.mark.parametrize("key", VARIANTS)
+def test_variant_rows_and_answers_equal_transformers(key, variant_root) -> None:
+    from tests.vlm_checkpoints.exactness import assert_same_answer
+
+    refs, ours = _variant(key, variant_root)
+    rows = 65 if VARIANTS[key][0].get("select_strategy") == "full" else 64
+    for ref, got in zip(refs, ours, strict=True):
+        assert got.rows.shape == ref.features.shape == (rows, 64)
+        torch.testing.assert_close(got.rows, ref.features, rtol=0, atol=1e-5)
+        assert got.tokens_kept == got.tokens_total == rows  # exact mode drops nothing
+        assert got.mrope is None
+        assert_same_answer(got, ref, MAX_NEW)
+    assert refs[0].tokens != refs[1].tokens  # the photo moves the answer

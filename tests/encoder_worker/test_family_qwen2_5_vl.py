@@ -281,18 +281,6 @@ MAX_NEW = 8
 _T = 28 * 28  # pixels per merged token at merge 2
 
 
-def _shaped(name: str) -> np.ndarray:
-    coffee, rocket = skimage.data.coffee(), skimage.data.rocket()
-    return {
-        "coffee": lambda: coffee,  # 400 x 600
-        "tall": lambda: np.ascontiguousarray(coffee[:, 150:350]),  # 400 x 200
-        "strip": lambda: np.ascontiguousarray(rocket[100:220]),  # 120 x 640
-        "small": lambda: np.asarray(Image.fromarray(photo("astronaut")).resize((70, 90))),
-        "chelsea": lambda: photo("chelsea"),  # 300 x 451
-        "camera": lambda: np.stack([skimage.data.camera()] * 3, axis=-1),  # gray, 512 x 512
-    }[name]()
-
-
 def _mrope(section: list[int]) -> dict:
     return {"rope_type": "default", "rope_theta": 1e6, "mrope_section": section}
 
@@ -344,7 +332,7 @@ def _variant(key: str, root: Path) -> tuple[Path, list, list]:
 
     options, names = VARIANTS[key]
     path = builder.build(root / key, seed=1, **options)
-    photos = [_shaped(n) for n in names]
+    photos = [exactness.shaped(n) for n in names]
     refs = exactness.reference("qwen2_5_vl", path, photos, MAX_NEW)
     ours = exactness.project_answers(path, photos, MAX_NEW)
     return path, refs, ours

@@ -33,6 +33,7 @@ __all__ = (
     "png",
     "project_answers",
     "reference",
+    "shaped",
 )
 
 SYSTEM = "You describe pictures."
@@ -43,6 +44,24 @@ _MODEL_CLASSES = {
     "idefics3": "Idefics3ForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
 }
+
+
+def shaped(name: str) -> np.ndarray:
+    """A photo of a given size and aspect ratio, [H, W, 3] uint8: skimage's photos, crops
+    and resizes of them."""
+    import skimage.data
+
+    coffee, rocket, astronaut = skimage.data.coffee, skimage.data.rocket, skimage.data.astronaut
+    make = {
+        "astronaut": astronaut,  # 512 x 512
+        "coffee": coffee,  # 400 x 600
+        "chelsea": skimage.data.chelsea,  # 300 x 451
+        "tall": lambda: np.ascontiguousarray(coffee()[:, 150:350]),  # 400 x 200
+        "strip": lambda: np.ascontiguousarray(rocket()[100:220]),  # 120 x 640
+        "small": lambda: np.asarray(Image.fromarray(astronaut()).resize((70, 90))),  # 90 x 70
+        "camera": lambda: np.stack([skimage.data.camera()] * 3, axis=-1),  # gray, 512 x 512
+    }
+    return make[name]()
 
 
 def png(rgb: np.ndarray) -> bytes:
