@@ -18,17 +18,18 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import structlog
 from litestar import WebSocket, websocket
 from litestar.handlers import WebsocketRouteHandler
 
 from encoder_worker.types import ENCODE_STAGES
 from gateway.auth import QUERY_KEY_REFUSED, public_subprotocol
-from gateway.chat_events import Finished, ResponseOptions, Started, TextChunk
+from gateway.chat_events import Finished, ResponseOptions
 from gateway.chat_requests import (
-    ContentPart,
     ParsedContent,
     RequestLimits,
     add_inline_images,
@@ -43,20 +44,33 @@ from gateway.chat_requests import (
     check_sampling,
     conversation_chars,
     fetch_remote,
-    parse_content,
-    refuse_unsupported,
     resolve_references,
     response_options,
 )
-from gateway.image_input import REF_PREFIX
 from gateway.protocol import realtime_events as rt
 from gateway.protocol.errors import GatewayError
 from gateway.ratelimit import SMALL_BODY, counts_as_refused, refused_error
+from gateway.realtime_items import (
+    call_ids,
+    content_parts,
+    delete_item,
+    find_item,
+    input_context,
+    joined,
+    parse_item,
+    plan_realtime_tools,
+    split_answer_item,
+    stored_role,
+    truncate_item,
+    wire_item,
+)
+from gateway.realtime_output import ResponseOutput
 from gateway.sessions.session import Session, StoredItem, new_id
 from gateway.state import not_ready
 from gateway.vision_resolver import EncodeQuota
 
 if TYPE_CHECKING:
+    from gateway.output_grammar import ToolPlan
     from gateway.state import GatewayState
     from gateway.vision_resolver import EncodePermit, Resolved
 
@@ -71,37 +85,48 @@ class ConnState(enum.Enum):
     CLOSED = "closed"
 
 
-def wire_item(item: StoredItem) -> rt.Item:
-    """A stored item as the Realtime API shows it; images appear as digest references."""
-    parts: list[rt.ContentPart] = []
-    for part in item.parts:
-        if part.kind == "image":
-            parts.append(rt.ContentPart("input_image", image_url=f"{REF_PREFIX}{part.digest}"))
-        elif item.role == "assistant":
-            parts.append(rt.ContentPart("output_text", text=part.text))
-        else:
-            parts.append(rt.ContentPart("input_text", text=part.text))
-    return rt.Item(
-        role=item.role, content=parts, id=item.id, object="realtime.item", status=item.status
-    )
-
-
 # session events stay small however long the conversation: the latest items, each text clipped;
 # the whole history is paged from GET /v1/sessions/{id}
 EVENT_ITEMS = 32
 EVENT_TEXT_CHARS = 2048
 
 
+def _clipped(text: str) -> str:
+    if len(text) <= EVENT_TEXT_CHARS:
+        return text
+    return text[:EVENT_TEXT_CHARS] + f"... ({len(text)} chars)"
+
+
 def _summary_item(item: StoredItem) -> rt.Item:
     wired = wire_item(item)
-    for part in wired.content:
-        if part.text is not None and len(part.text) > EVENT_TEXT_CHARS:
-            part.text = part.text[:EVENT_TEXT_CHARS] + f"... ({len(part.text)} chars)"
+    if isinstance(wired, rt.MessageItem):
+        for part in wired.content:
+            if part.text is not None:
+                part.text = _clipped(part.text)
+    elif isinstance(wired, rt.FunctionCallItem):
+        wired.arguments = _clipped(wired.arguments)
+    else:
+        wired.output = _clipped(wired.output)
     return wired
 
 
+@dataclass(slots=True)
+class SessionTools:
+    """The function tools `session.update` set: they live with the connection (as an OpenAI
+    Realtime session does), checked when set."""
+
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+
 def session_state(
-    session: Session, model: str, *, resumed: bool = False, with_items: bool = True
+    session: Session,
+    model: str,
+    *,
+    resumed: bool = False,
+    with_items: bool = True,
+    tools: SessionTools | None = None,
 ) -> rt.SessionState:
     """The session as its events show it: settings, the item count and (on session.created)
     the latest `EVENT_ITEMS` items with clipped texts; never the whole history."""
@@ -116,14 +141,15 @@ def session_state(
     if with_items:
         ext["items"] = [_summary_item(i) for i in session.items[-EVENT_ITEMS:]]
         ext["items_omitted"] = max(len(session.items) - EVENT_ITEMS, 0)
-    instructions = session.instructions
-    if len(instructions) > EVENT_TEXT_CHARS:
-        instructions = instructions[:EVENT_TEXT_CHARS] + f"... ({len(instructions)} chars)"
+    tools = tools or SessionTools()
     return rt.SessionState(
         id=session.id,
         model=model,
-        instructions=instructions,
+        instructions=_clipped(session.instructions),
         max_output_tokens=session.max_output_tokens,
+        tools=tools.tools,
+        tool_choice=tools.tool_choice,
+        parallel_tool_calls=tools.parallel_tool_calls,
         visiongate=ext,
     )
 
@@ -166,6 +192,7 @@ class RealtimeConnection:
         self.session: Session | None = None
         self.response_task: asyncio.Task[None] | None = None
         self.response_options: ResponseOptions | None = None
+        self.tools = SessionTools()
         self.pending: dict[str, asyncio.Task[Resolved]] = {}  # digest -> pre-encode
         # pre-encodes this connection started and that have not finished
         self.encode_quota = EncodeQuota(
@@ -301,6 +328,12 @@ class RealtimeConnection:
                 await self._response_cancel(event)
             elif isinstance(event, rt.SessionUpdate):
                 await self._session_update(event)
+            elif isinstance(event, rt.ConversationItemRetrieve):
+                await self._item_retrieve(event)
+            elif isinstance(event, rt.ConversationItemDelete):
+                await self._item_delete(event)
+            elif isinstance(event, rt.ConversationItemTruncate):
+                await self._item_truncate(event)
         except GatewayError as exc:
             if large and counts_as_refused(exc.http_status):
                 refused.add(self.owner, size)
@@ -325,6 +358,20 @@ class RealtimeConnection:
             allow_inf=True,
         )
         check_instructions(cfg.instructions, limits, "session.instructions")
+        tools = SessionTools(
+            cfg.tools if cfg.tools is not None else self.tools.tools,
+            cfg.tool_choice if cfg.tool_choice is not None else self.tools.tool_choice,
+            cfg.parallel_tool_calls
+            if cfg.parallel_tool_calls is not None
+            else self.tools.parallel_tool_calls,
+        )
+        plan_realtime_tools(
+            tools.tools,
+            tools.tool_choice,
+            tools.parallel_tool_calls,
+            tools_param="session.tools",
+            choice_param="session.tool_choice",
+        )
 
         def apply(session: Session) -> None:
             if cfg.instructions is not None:
@@ -346,10 +393,13 @@ class RealtimeConnection:
                 session.truncation = cfg.truncation
 
         self.session, _ = await self.state.sessions.update(self.session.id, self.owner, apply)
+        self.tools = tools
         await self._send(
             rt.SessionUpdated(
                 self._eid(),
-                session_state(self.session, self.state.engine.model_id, with_items=False),
+                session_state(
+                    self.session, self.state.engine.model_id, with_items=False, tools=tools
+                ),
             )
         )
 
@@ -357,9 +407,10 @@ class RealtimeConnection:
         assert self.session is not None
         item, limits = event.item, self.limits
         item_id = item.id or new_id("item")
-        parts = _content_parts(item)
-        fetched = await fetch_remote(parts, limits, param="item.content")
-        parsed = parse_content(item.role, parts, limits, fetched, param="item.content")
+        fetched = None
+        if isinstance(item, rt.MessageItem):
+            fetched = await fetch_remote(content_parts(item), limits, param="item.content")
+        parsed = parse_item(item, limits, fetched, call_ids(self.session.items))
         vision = self.state.require().vision
         await resolve_references(parsed.refs, vision, owner=self.owner)
         # (content index, digest) of each image, for its pre-encode and its report
@@ -386,7 +437,7 @@ class RealtimeConnection:
         item, limits = event.item, self.limits
         vision = self.state.require().vision
         await add_inline_images(parsed.inline, vision, owner=self.owner)
-        stored = StoredItem(id=item_id, role=item.role, parts=parsed.parts)
+        stored = StoredItem(id=item_id, role=stored_role(item), parts=parsed.parts)
         new_digests = parsed.digests
 
         def insert(session: Session) -> str | None:
@@ -489,14 +540,6 @@ class RealtimeConnection:
                 "cancel it or wait for response.done",
             )
         params = event.response or rt.ResponseParams()
-        refuse_unsupported(
-            params.input,
-            "response.input",
-            "response.input (a custom context) "
-            "is not supported; responses read the session's conversation",
-            allow_empty=False,
-        )
-        refuse_unsupported(params.tools, "response.tools", "tools are not supported")
         check_output_modalities(params.output_modalities, "response.output_modalities")
         options = response_options(
             self.limits,
@@ -509,6 +552,7 @@ class RealtimeConnection:
             instructions=params.instructions,
             store=params.conversation != "none",
         )
+        _apply_plan(options, self._response_tools(params))
         await self.state.rate_limiter.acquire(self.owner)
         # watchers whose encodes are over are about to report (and drop a failed image's item):
         # let them, so this response sees the conversation the client was told about
@@ -519,10 +563,44 @@ class RealtimeConnection:
         load_start = time.time_ns()
         self.session = await self.state.sessions.load(self.session.id, self.owner)
         options.session_load_ns = (load_start, time.time_ns())
+        context, permit = self.session.items, None
+        if params.input is not None:  # this response's own context, never stored
+            context, permit = await input_context(
+                params.input,
+                self.session.items,
+                self.limits,
+                self.state.require().vision,
+                owner=self.owner,
+                started=set(self.pending),
+                quota=self.encode_quota,
+            )
+            if not context and not (options.instructions or self.session.instructions):
+                permit.close()
+                raise GatewayError(
+                    "invalid_request",
+                    "response.input holds no items and there are no instructions to answer",
+                    param="response.input",
+                )
+        # what the model reads: function_call items joined to the answer that made them
+        view = msgspec.structs.replace(self.session, items=joined(context))
         self.response_options = options
         self.response_task = asyncio.create_task(
-            self._run_response(options, params, event.event_id, received),
+            self._run_response(options, params, view, permit, event.event_id, received),
             name=f"response {options.response_id}",
+        )
+
+    def _response_tools(self, params: rt.ResponseParams) -> ToolPlan | None:
+        """The response's tools, each field its own or else the session's."""
+        own_tools, own_choice = params.tools is not None, params.tool_choice is not None
+        session = self.tools
+        return plan_realtime_tools(
+            params.tools if own_tools else session.tools,
+            params.tool_choice if own_choice else session.tool_choice,
+            params.parallel_tool_calls
+            if params.parallel_tool_calls is not None
+            else session.parallel_tool_calls,
+            tools_param="response.tools" if own_tools else "session.tools",
+            choice_param="response.tool_choice" if own_choice else "session.tool_choice",
         )
 
     async def _response_cancel(self, event: rt.ResponseCancel) -> None:
@@ -542,135 +620,92 @@ class RealtimeConnection:
         self,
         options: ResponseOptions,
         params: rt.ResponseParams,
+        view: Session,
+        permit: EncodePermit | None,
         event_id: str | None,
         received: float,
     ) -> None:
-        assert self.session is not None
         rid, iid = options.response_id, options.item_id
-        conversation = None if not options.store else self.session.id
+        output = ResponseOutput(
+            options,
+            send=self._send,
+            eid=self._eid,
+            conversation=view.id if options.store else None,
+            metadata=params.metadata,
+            model=self.state.engine.model_id,
+        )
         finished = False
         try:
             async for ev in self.state.require().service.respond(
-                self.session, options, pending=self.pending, received_at=received
+                view, options, pending=self.pending, received_at=received
             ):
-                finished |= isinstance(ev, Finished)
-                await self._on_service_event(ev, options, params, conversation, event_id)
+                if isinstance(ev, Finished):
+                    finished = True
+                    await self._finish(ev, output, event_id)
+                else:
+                    await output.on_event(ev)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # never leave a client waiting for a response.done
             log.exception("response_failed", response_id=rid)
             if not finished:
                 error = GatewayError("internal_error", f"the response failed: {type(exc).__name__}")
-                await self._finish(
-                    Finished(rid, iid, "failed", "", error=error), params, conversation, event_id
-                )
+                await self._finish(Finished(rid, iid, "failed", "", error=error), output, event_id)
+        finally:
+            if permit is not None:
+                permit.close()
 
-    async def _on_service_event(
-        self,
-        ev: object,
-        options: ResponseOptions,
-        params: rt.ResponseParams,
-        conversation: str | None,
-        event_id: str | None,
-    ) -> None:
-        rid, iid = options.response_id, options.item_id
-        if isinstance(ev, Started):
-            await self._send(
-                rt.ResponseCreated(
-                    self._eid(),
-                    rt.ResponseState(
-                        id=rid,
-                        status="in_progress",
-                        conversation_id=conversation,
-                        max_output_tokens=options.max_output_tokens,
-                        metadata=params.metadata,
-                    ),
-                )
-            )
-            item = rt.Item(
-                role="assistant", content=[], id=iid, object="realtime.item", status="in_progress"
-            )
-            await self._send(rt.OutputItemAdded(self._eid(), rid, 0, item))
-            await self._send(rt.ContentPartAdded(self._eid(), rid, iid, 0, 0, rt.Part()))
-        elif isinstance(ev, TextChunk):
-            await self._send(rt.OutputTextDelta(self._eid(), rid, iid, 0, 0, ev.text))
-        elif isinstance(ev, Finished):
-            await self._finish(ev, params, conversation, event_id)
-
-    async def _finish(
-        self,
-        ev: Finished,
-        params: rt.ResponseParams,
-        conversation: str | None,
-        event_id: str | None,
-    ) -> None:
-        rid, iid = ev.response_id, ev.item_id
-        item = rt.Item(
-            role="assistant",
-            content=[rt.ContentPart("output_text", text=ev.text)],
-            id=iid,
-            object="realtime.item",
-            status="completed" if ev.status == "completed" else "incomplete",
-        )
+    async def _finish(self, ev: Finished, output: ResponseOutput, event_id: str | None) -> None:
+        options = output.options
         if ev.status != "failed":
-            await self._send(rt.OutputTextDone(self._eid(), rid, iid, 0, 0, ev.text))
-            await self._send(rt.ContentPartDone(self._eid(), rid, iid, 0, 0, rt.Part(text=ev.text)))
-            await self._send(rt.OutputItemDone(self._eid(), rid, 0, item))
-        details = None
-        if ev.status == "cancelled":
-            details = rt.StatusDetails(type="cancelled", reason="client_cancelled")
-        elif ev.status == "incomplete":
-            details = rt.StatusDetails(type="incomplete", reason=ev.reason or "max_output_tokens")
-        elif ev.status == "failed" and ev.error is not None:
-            details = rt.StatusDetails(
-                type="failed",
-                error=rt.StatusError(
-                    type=ev.error.type, code=ev.error.code, message=ev.error.message
-                ),
-            )
+            await output.close_items(ev)
+            if options.store and options.tools and ev.store_error is None:
+                await self._split_answer(options.item_id)
+        elif ev.error is not None:
             await self._send_error(ev.error, event_id)
-        usage = rt.Usage(
-            total_tokens=ev.input_tokens + ev.output_tokens,
-            input_tokens=ev.input_tokens,
-            output_tokens=ev.output_tokens,
-            input_token_details=rt.InputTokenDetails(
-                text_tokens=ev.text_tokens,
-                image_tokens=ev.image_tokens,
-                cached_tokens=ev.cached_tokens,
-                cached_tokens_details=rt.CachedTokensDetails(
-                    image_tokens=ev.cached_image_tokens,
-                    text_tokens=ev.cached_tokens - ev.cached_image_tokens,
-                ),
-            ),
-            output_token_details=rt.OutputTokenDetails(text_tokens=ev.output_tokens),
-        )
-        ext = rt.ResponseExtension(
-            timings=rt.Timings.of(ev),
-            cache=rt.CacheReport.of(ev),
-            image_tokens_total=ev.image_tokens_total,
-            model=self.state.engine.model_id,
-            truncated_items=ev.truncated_items,
-        )
-        await self._send(
-            rt.ResponseDone(
-                self._eid(),
-                rt.ResponseState(
-                    id=rid,
-                    status=ev.status,
-                    conversation_id=conversation,
-                    output=[item] if ev.status != "failed" else [],
-                    max_output_tokens=self.response_options.max_output_tokens
-                    if self.response_options
-                    else None,
-                    metadata=params.metadata,
-                    status_details=details,
-                    usage=usage,
-                    visiongate=ext,
-                ),
-            )
-        )
+        await output.done(ev)
         if ev.store_error is not None:  # the answer went out; its record in the session did not
             await self._send_error(ev.store_error, event_id)
+
+    async def _split_answer(self, item_id: str) -> None:
+        """The stored answer becomes the items the response showed (message, function calls)."""
+        assert self.session is not None
+        try:
+            self.session, _ = await self.state.sessions.update(
+                self.session.id, self.owner, lambda s: split_answer_item(s.items, item_id)
+            )
+        except GatewayError as exc:  # the answer stays one item: it reads the same to the model
+            log.warning("answer_not_split", item_id=item_id, code=exc.code)
+
+    # ------------------------------------------------------------ items
+
+    async def _item_retrieve(self, event: rt.ConversationItemRetrieve) -> None:
+        assert self.session is not None
+        self.session = await self.state.sessions.load(self.session.id, self.owner)
+        item = find_item(self.session.items, event.item_id)
+        await self._send(rt.ConversationItemRetrieved(self._eid(), wire_item(item)))
+
+    async def _item_delete(self, event: rt.ConversationItemDelete) -> None:
+        assert self.session is not None
+
+        def delete(session: Session) -> None:
+            delete_item(session.items, event.item_id)
+
+        self.session, _ = await self.state.sessions.update(self.session.id, self.owner, delete)
+        await self._send(rt.ConversationItemDeleted(self._eid(), event.item_id))
+
+    async def _item_truncate(self, event: rt.ConversationItemTruncate) -> None:
+        assert self.session is not None
+
+        def truncate(session: Session) -> None:
+            truncate_item(session.items, event.item_id, event.content_index, event.audio_end_ms)
+
+        self.session, _ = await self.state.sessions.update(self.session.id, self.owner, truncate)
+        await self._send(
+            rt.ConversationItemTruncated(
+                self._eid(), event.item_id, event.content_index, event.audio_end_ms
+            )
+        )
 
     # ------------------------------------------------------------ sending
 
@@ -731,15 +766,10 @@ def _insert(
     )
 
 
-def _content_parts(item: rt.Item) -> list[ContentPart]:
-    """An item's content as the request layer's parts, named in Realtime terms."""
-    parts: list[ContentPart] = []
-    for index, part in enumerate(item.content):
-        at = f"item.content[{index}]"
-        if part.type == "input_image":
-            parts.append(
-                ContentPart("image", f"{at}.image_url", url=part.image_url, type_param=f"{at}.type")
-            )
-        else:
-            parts.append(ContentPart("text", f"{at}.text", text=part.text, type_param=f"{at}.type"))
-    return parts
+def _apply_plan(options: ResponseOptions, plan: ToolPlan | None) -> None:
+    """Tools as the HTTP APIs apply them: listed under every choice (one prompt, one KV
+    prefix); under "none" the grammar keeps the answer plain text, never read for calls."""
+    if plan is not None:
+        options.grammar = plan.grammar
+        options.tools_prompt = plan.prompt
+        options.tools = plan.choice != "none"

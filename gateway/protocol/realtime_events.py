@@ -1,5 +1,8 @@
 """Realtime WebSocket events: the text-and-image subset of the OpenAI Realtime API.
 
+Items are a tagged union on `type` as in the GA API: `message` (text and image parts),
+`function_call` and `function_call_output`; `response.input` also takes `item_reference`.
+
 Client events are one msgspec tagged union on `type`, decoded by decoders made once (JSON for
 text frames, msgpack for binary frames under the `visiongate.v1.msgpack` subprotocol). Unknown
 fields are ignored, so a client that sends the full Realtime shapes works unchanged. Server
@@ -21,7 +24,15 @@ __all__ = (
     "ClientEvent",
     "ContentPart",
     "ConversationItemCreate",
+    "ConversationItemDelete",
+    "ConversationItemRetrieve",
+    "ConversationItemTruncate",
+    "FunctionCallItem",
+    "FunctionCallOutputItem",
+    "InputItem",
     "Item",
+    "ItemReference",
+    "MessageItem",
     "ResponseCancel",
     "ResponseCreate",
     "SessionUpdate",
@@ -51,13 +62,45 @@ Metadata = Annotated[
 ]
 
 
-class Item(Struct, omit_defaults=True):
+class MessageItem(Struct, tag="message", tag_field="type", omit_defaults=True):
     role: Literal["user", "system", "assistant"]
     content: list[ContentPart]
-    type: Literal["message"] = "message"
     id: ClientId | None = None
     object: Literal["realtime.item"] | None = None
     status: Literal["completed", "incomplete", "in_progress"] | None = None
+
+
+class FunctionCallItem(Struct, tag="function_call", tag_field="type", omit_defaults=True):
+    """A call the model made (in a response's output), or one a client replays."""
+
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+    call_id: ClientId | None = None
+    id: ClientId | None = None
+    object: Literal["realtime.item"] | None = None
+    status: Literal["completed", "incomplete", "in_progress"] | None = None
+
+
+class FunctionCallOutputItem(
+    Struct, tag="function_call_output", tag_field="type", omit_defaults=True
+):
+    """A tool's result, answering the call `call_id`."""
+
+    call_id: ClientId
+    output: str
+    id: ClientId | None = None
+    object: Literal["realtime.item"] | None = None
+    status: Literal["completed", "incomplete", "in_progress"] | None = None
+
+
+class ItemReference(Struct, tag="item_reference", tag_field="type"):
+    """In `response.input`: an item of the conversation, by id."""
+
+    id: ClientId
+
+
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ItemReference
 
 
 # ---------------------------------------------------------------- client events
@@ -76,13 +119,20 @@ class SessionConfig(Struct, omit_defaults=True):
     # when the conversation outgrows the context: "auto" leaves out the oldest turns for the
     # model (the session keeps them), "disabled" refuses with context_length_exceeded
     truncation: Literal["auto", "disabled"] | None = None
+    # function tools ({"type": "function", name, description, parameters}) and how the model
+    # chooses among them; checked by `gateway.output_grammar`, which names the field
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class ResponseParams(Struct, omit_defaults=True):
     instructions: str | None = None
-    # accepted so they can be refused clearly rather than ignored: not supported here
-    input: list[Any] | None = None
-    tools: list[Any] | None = None
+    # the context of this response instead of the conversation (never stored in it)
+    input: list[InputItem] | None = None
+    tools: list[Any] | None = None  # replace the session's for this response
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     max_output_tokens: int | Literal["inf"] | None = None
     output_modalities: list[Literal["text", "audio"]] | None = None
     conversation: str | None = None  # "auto" (default) or "none"
@@ -113,9 +163,42 @@ class ResponseCancel(Struct, tag="response.cancel", tag_field="type"):
     response_id: ClientId | None = None
 
 
-ClientEvent = SessionUpdate | ConversationItemCreate | ResponseCreate | ResponseCancel
+class ConversationItemRetrieve(Struct, tag="conversation.item.retrieve", tag_field="type"):
+    item_id: ClientId
+    event_id: ClientId | None = None
+
+
+class ConversationItemDelete(Struct, tag="conversation.item.delete", tag_field="type"):
+    item_id: ClientId
+    event_id: ClientId | None = None
+
+
+class ConversationItemTruncate(Struct, tag="conversation.item.truncate", tag_field="type"):
+    item_id: ClientId
+    content_index: int
+    audio_end_ms: int
+    event_id: ClientId | None = None
+
+
+ClientEvent = (
+    SessionUpdate
+    | ConversationItemCreate
+    | ConversationItemRetrieve
+    | ConversationItemDelete
+    | ConversationItemTruncate
+    | ResponseCreate
+    | ResponseCancel
+)
 CLIENT_EVENT_TYPES = frozenset(
-    ("session.update", "conversation.item.create", "response.create", "response.cancel")
+    (
+        "session.update",
+        "conversation.item.create",
+        "conversation.item.retrieve",
+        "conversation.item.delete",
+        "conversation.item.truncate",
+        "response.create",
+        "response.cancel",
+    )
 )
 
 
@@ -151,6 +234,9 @@ class SessionState(Struct, omit_defaults=True):
     object: Literal["realtime.session"] = "realtime.session"
     output_modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
     expires_at: int | None = None
+    tools: list[Any] | None = None  # as the client sent them
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     visiongate: dict[str, Any] | None = None  # temperature, top_p, seed, items, resumed
 
 
@@ -174,6 +260,23 @@ class ConversationItemDone(Struct, tag="conversation.item.done", tag_field="type
     event_id: str
     item: Item
     previous_item_id: str | None = None
+
+
+class ConversationItemRetrieved(Struct, tag="conversation.item.retrieved", tag_field="type"):
+    event_id: str
+    item: Item
+
+
+class ConversationItemDeleted(Struct, tag="conversation.item.deleted", tag_field="type"):
+    event_id: str
+    item_id: str
+
+
+class ConversationItemTruncated(Struct, tag="conversation.item.truncated", tag_field="type"):
+    event_id: str
+    item_id: str
+    content_index: int
+    audio_end_ms: int
 
 
 class ImageEncoded(Struct, tag="visiongate.image.encoded", tag_field="type"):
@@ -317,12 +420,38 @@ class OutputTextDone(Struct, tag="response.output_text.done", tag_field="type"):
     text: str
 
 
+class FunctionCallArgumentsDelta(
+    Struct, tag="response.function_call_arguments.delta", tag_field="type"
+):
+    event_id: str
+    response_id: str
+    item_id: str
+    output_index: int
+    call_id: str
+    delta: str
+
+
+class FunctionCallArgumentsDone(
+    Struct, tag="response.function_call_arguments.done", tag_field="type"
+):
+    event_id: str
+    response_id: str
+    item_id: str
+    output_index: int
+    call_id: str
+    name: str
+    arguments: str
+
+
 ServerEvent = (
     ErrorEvent
     | SessionCreated
     | SessionUpdated
     | ConversationItemAdded
     | ConversationItemDone
+    | ConversationItemRetrieved
+    | ConversationItemDeleted
+    | ConversationItemTruncated
     | ImageEncoded
     | ResponseCreated
     | ResponseDone
@@ -332,6 +461,8 @@ ServerEvent = (
     | ContentPartDone
     | OutputTextDelta
     | OutputTextDone
+    | FunctionCallArgumentsDelta
+    | FunctionCallArgumentsDone
 )
 
 

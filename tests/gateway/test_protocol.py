@@ -46,9 +46,23 @@ def test_client_events_decode_with_unknown_fields_ignored(binary: bool) -> None:
             "c",
         ),
         (
-            b'{"type":"conversation.item.create","item":{"role":"robot","content":[]}}',
+            b'{"type":"conversation.item.create","item":{"type":"message","role":"robot",'
+            b'"content":[]}}',
             "invalid_event",
             "item.role",
+            None,
+        ),
+        (  # items are a union on `type`: one without it is no item at all
+            b'{"type":"conversation.item.create","item":{"role":"user","content":[]}}',
+            "invalid_event",
+            "item",
+            None,
+        ),
+        (
+            b'{"type":"conversation.item.create","item":{"type":"function_call_output",'
+            b'"output":"21C"}}',
+            "invalid_event",
+            "item",
             None,
         ),
     ],

@@ -229,9 +229,9 @@ CASES: dict[str, Case] = {
     ),
     "tools": Case(
         "invalid_request",
-        response(tools=[{"type": "function", "name": "f"}]),
-        "response.tools",
-        # HTTP takes function tools; a tool type it does not run is refused by name
+        # both take function tools; a tool type they do not run is refused by name
+        response(tools=[{"type": "retrieval"}]),
+        "response.tools[0].type",
         {"tools": [{"type": "retrieval"}]},
         "tools[0].type",
     ),
