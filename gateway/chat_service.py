@@ -617,15 +617,22 @@ class ChatService:
         *,
         pending: dict[str, asyncio.Task[Resolved]] | None = None,
         then_image: str | None = None,
+        new_session: Session | None = None,
     ) -> asyncio.Task[WarmUpResult | None] | None:
         """Warm the session's KV in the background (`warm_up`) from the stored session as it
-        is now; None when the engine cannot warm up. Its failures are logged, never raised."""
+        is now (`new_session` when it is not stored yet; else nothing is warmed); None when the
+        engine cannot warm up. Its failures are logged, never raised."""
         if getattr(self.engine, "warm_up", None) is None:
             return None
 
         async def run() -> WarmUpResult | None:
             try:
-                session = await self.sessions.load(session_id, owner)
+                try:
+                    session = await self.sessions.load(session_id, owner)
+                except GatewayError as exc:
+                    if exc.code != "session_not_found" or new_session is None:
+                        return None
+                    session = new_session
                 return await self.warm_up(session, pending=pending, then_image=then_image)
             except Exception:  # a warm-up only ever saves time
                 log.exception("kv_warmup_failed", session_id=session_id)

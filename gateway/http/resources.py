@@ -14,12 +14,17 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gateway.chat_requests import DEFAULT_MODEL, RequestLimits, check_image_bytes
+from gateway.chat_requests import (
+    DEFAULT_MODEL,
+    RequestLimits,
+    check_image_bytes,
+    check_session_id,
+)
 from gateway.chat_service import kv_key_for
 from gateway.http import protocol as p
 from gateway.image_input import REF_PREFIX, digest_of
 from gateway.protocol.errors import GatewayError
-from gateway.sessions.session import StoredItem
+from gateway.sessions.session import Session, StoredItem
 from gateway.vision_resolver import encode_ms
 
 if TYPE_CHECKING:
@@ -108,7 +113,10 @@ class ImageServing:
     once that key has been given the tokens (its first upload of bytes another key sent is
     reported, and takes as long, as an encode of its own). An upload is refused with
     `rate_limited` (429) when the key has `max_pending_encodes_per_key` encodes pending; then
-    nothing of it is kept."""
+    nothing of it is kept. With a `session_id` the upload is also a hint that the session's next
+    turn sends this image (its question after it, in one user message): once the tokens are
+    ready, the conversation so far and the image are prefilled into the engine's prefix cache
+    (KV warm-up), a session not created yet counting as one with the default instructions."""
 
     MAX_TRACKED = 1024  # encodes remembered for status (the cache itself remembers the rest)
 
@@ -118,10 +126,14 @@ class ImageServing:
         # (owner, digest) -> the encode that upload started
         self._encodes: OrderedDict[tuple[str, str], asyncio.Task[Resolved]] = OrderedDict()
 
-    async def upload(self, data: bytes, *, owner: str) -> p.ImageStatus | p.ErrorResponse:
+    async def upload(
+        self, data: bytes, *, owner: str, session_id: str | None = None
+    ) -> p.ImageStatus | p.ErrorResponse:
         try:
             vision = self.state.require().vision
             fmt, width, height = check_image_bytes(data, self.limits, "file")
+            if session_id is not None:
+                check_session_id(session_id)
         except GatewayError as exc:
             return p.error_response(exc)
         digest = digest_of(data)
@@ -143,6 +155,8 @@ class ImageServing:
                 permit.close()
             status = p.ImageStatus(id=digest, ref=REF_PREFIX + digest, status="encoding")
         status.bytes, status.format, status.width, status.height = len(data), fmt, width, height
+        if session_id is not None and self.state.settings.kv_warmup:
+            self._warm_up(owner, session_id, digest, self._encodes.get((owner, digest)))
         log.info("image_uploaded", digest=digest[:12], bytes=len(data), status=status.status)
         return status
 
@@ -179,6 +193,27 @@ class ImageServing:
         return p.error_response(
             GatewayError("image_not_found", f"no image with digest {digest}", param="digest")
         )
+
+    def _warm_up(
+        self, owner: str, session_id: str, digest: str, task: asyncio.Task[Resolved] | None
+    ) -> None:
+        """Once the image's tokens are ready, warm the session's KV for a turn sending it."""
+        settings = self.state.settings
+        service = self.state.require().service
+
+        def warm() -> None:
+            blank = Session.new(
+                owner,
+                instructions=settings.default_instructions,
+                max_output_tokens=settings.max_output_tokens,
+                session_id=session_id,
+            )
+            service.schedule_warm_up(session_id, owner, then_image=digest, new_session=blank)
+
+        if task is None or task.done():
+            warm()
+        else:
+            task.add_done_callback(lambda t: t.cancelled() or t.exception() or warm())
 
     def _track(self, owner: str, digest: str, task: asyncio.Task[Resolved]) -> None:
         # a failed pre-encode is reported by status(); retrieve it so asyncio does not warn

@@ -139,7 +139,9 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
             body = await upload.read()
         else:
             body = await request.body()
-        return reply(await images.upload(body, owner=caller))
+        # a session whose next turn sends this image: its KV is warmed up meanwhile
+        session_id = request.query_params.get("session_id") or request.headers.get("x-session-id")
+        return reply(await images.upload(body, owner=caller, session_id=session_id))
 
     @get("/images/{digest:str}", responses=ERRORS, summary="Status of an uploaded image")
     async def image_status(request: Request, digest: str) -> Response[p.ImageStatus]:

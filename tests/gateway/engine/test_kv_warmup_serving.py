@@ -15,6 +15,7 @@ import functools
 import importlib
 import re
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,3 +107,61 @@ async def test_photo_ahead_answer_is_identical_with_and_without_warm_up(gateways
     assert hot["usage"]["input_tokens"] - cache["kv_tokens_reused"] < 24  # the question's words
     assert cold_done["visiongate"]["cache"]["kv_warmed_tokens"] == 0
     assert cold_done["visiongate"]["cache"]["kv_tokens_reused"] == 0
+
+
+def _http_turns(server: ServerThread, *, upload_ahead: bool) -> dict[str, Any]:
+    """A chat session over HTTP: a text turn, then POST /v1/images (with the session's id when
+    `upload_ahead`), then a turn that sends the photo by reference and its question in one
+    user message; the second turn's answer."""
+    session_id = f"warm-http-{uuid.uuid4().hex[:8]}"
+    with httpx.Client(base_url=server.http_url, timeout=120) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": INSTRUCTIONS},
+            {"role": "user", "content": "Hello! I am about to send you a photo."},
+        ]
+        body = {"model": model, "max_tokens": MAX_TOKENS, "session_id": session_id}
+        first = client.post("/v1/chat/completions", json={**body, "messages": messages})
+        assert first.status_code == 200, first.text
+        messages.append(
+            {"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]}
+        )
+        before = _warmed(server)
+        headers = {"Content-Type": "image/png"}
+        if upload_ahead:
+            headers["X-Session-Id"] = session_id
+        uploaded = client.post("/v1/images", content=_photo(), headers=headers)
+        assert uploaded.status_code == 200, uploaded.text
+        if upload_ahead:
+            deadline = time.monotonic() + 120
+            while _warmed(server) <= before:
+                assert time.monotonic() < deadline, "no warm-up was counted"
+                time.sleep(0.1)
+        messages.append(
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": uploaded.json()["ref"]}},
+                    {"type": "text", "text": QUESTION},
+                ],
+            }
+        )
+        answer = client.post("/v1/chat/completions", json={**body, "messages": messages})
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+
+async def test_image_uploaded_ahead_warms_the_http_turn(gateways) -> None:
+    warm, cold = gateways
+    hot = await asyncio.to_thread(_http_turns, warm, upload_ahead=True)
+    plain = await asyncio.to_thread(_http_turns, cold, upload_ahead=False)
+    assert hot["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert hot["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    ext = hot["usage"]["visiongate"]
+    assert ext["cache"]["kv_warmed_tokens"] > ext["image_tokens"]
+    assert hot["usage"]["prompt_tokens"] - ext["cache"]["kv_tokens_reused"] < 24
+    # the second turn reuses the first either way; only a warmed one reuses the photo too
+    assert plain["usage"]["visiongate"]["cache"]["kv_warmed_tokens"] == 0
+    assert (
+        plain["usage"]["visiongate"]["cache"]["kv_tokens_reused"] < ext["cache"]["kv_tokens_reused"]
+    )
