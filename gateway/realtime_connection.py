@@ -11,6 +11,12 @@ their item arrives, at most `max_pending_encodes_per_connection` at a time per c
 and nothing of it is kept. A model named in the URL (`?model=`, as the OpenAI SDKs send it) or in
 `session.update` must be the served one (the one `/v1/models` lists): another is refused with
 `model_not_found`, the connection closed (URL) or the session left unchanged (update).
+
+Function tools set by `session.update` live with the connection; a `response.create` may
+replace them for itself. A response reads the conversation (or its own `input`) through
+`realtime_items.joined`, so function calls reach the model as Chat Completions renders them;
+its events are built by `realtime_output.ResponseOutput`, and an answer that called tools is
+stored as the items it showed (`realtime_items.split_answer_item`).
 """
 
 from __future__ import annotations

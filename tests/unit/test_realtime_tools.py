@@ -7,6 +7,7 @@ script left, echoing as the fake engine does.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -25,7 +26,7 @@ from gateway.engine.interface import (
 from gateway.tool_stream import call_id, render_tool_call, render_tool_result
 from tests.conftest import unique_photo
 from tests.fakes import FakeEncoder, FakeEngine
-from tests.gateway.realtime_helpers import data_url
+from tests.gateway.realtime_helpers import Peer, data_url
 from tests.unit.conftest import FakeGateway, start_gateway, unit_settings
 
 TIMEOUT = 10.0
@@ -86,8 +87,6 @@ async def realtime(gateway: FakeGateway) -> AsyncIterator[Any]:
 
 
 async def recv(conn: Any) -> Any:
-    import asyncio
-
     return await asyncio.wait_for(conn.recv(), TIMEOUT)
 
 
@@ -545,3 +544,31 @@ async def test_instructions_and_metadata_belong_to_one_response(gateway: FakeGat
         done, _ = await until(conn, "response.done")
         assert done.response.metadata is None
         assert shown(last_request(gateway))[0] == ("system", ["Session rules."])
+
+
+async def test_a_resumed_session_shows_its_calls_and_results(gateway: FakeGateway) -> None:
+    engine: ScriptedEngine = gateway.engine  # type: ignore[assignment]
+    async with realtime(gateway) as conn:
+        await add(conn, user(text("Weather in Paris?")))
+        engine.script = [PARIS]
+        await conn.response.create(response={"tools": [WEATHER], "tool_choice": "required"})
+        done, _ = await until(conn, "response.done")
+        [call] = done.response.output
+        await add(conn, {"type": "function_call_output", "call_id": call.call_id, "output": "sun"})
+        session_id = conn.session_id
+    peer = await Peer.open(gateway.ws_url, session_id=session_id)
+    try:
+        items = peer.created["session"]["visiongate"]["items"]
+    finally:
+        await peer.close()
+    assert [i["type"] for i in items] == ["message", "function_call", "function_call_output"]
+    assert items[1] == {
+        "type": "function_call",
+        "name": "get_weather",
+        "arguments": '{"city": "Paris"}',
+        "call_id": call.call_id,
+        "id": call.id,
+        "object": "realtime.item",
+        "status": "completed",
+    }
+    assert (items[2]["call_id"], items[2]["output"]) == (call.call_id, "sun")
