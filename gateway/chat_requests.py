@@ -87,6 +87,7 @@ class RequestLimits:
     max_pixels: int
     image_url_allowlist: tuple[str, ...] = ()
     max_conversation_chars: int = 1024 * 1024
+    max_output_tokens: int = 256  # an answer's tokens when the request does not say
 
     @classmethod
     def of(cls, settings: Settings) -> RequestLimits:
@@ -99,6 +100,7 @@ class RequestLimits:
             max_pixels=settings.max_pixels,
             image_url_allowlist=tuple(settings.image_url_allowlist),
             max_conversation_chars=settings.max_conversation_chars,
+            max_output_tokens=settings.max_output_tokens,
         )
 
     @property

@@ -21,6 +21,10 @@ Decisions:
 - Arguments always match the function's `parameters` schema; `strict` only decides what an
   unsupported keyword does: refused when strict, ignored (llguidance's `lenient`) when not.
   An empty or missing schema is any JSON object.
+- Given the answer's token budget, the grammar narrows what a schema leaves unbounded (string
+  and array lengths, other properties, the number of parallel calls) so that its longest answer
+  fits (`bound_schema`): a small model looping inside a string then closes it instead of being
+  cut by `max_tokens`. Every answer still validates against the client's schema.
 - `auto`: either plain text (which does not start with `<` and never contains `<tool_call>`; the
   response format's grammar instead, when there is one) or calls. `required`: one call, or one
   or more when `parallel_tool_calls`. A named function: exactly one call of it. `none`: the
@@ -80,6 +84,7 @@ __all__ = (
     "ToolCallStream",
     "ToolPlan",
     "ToolSpec",
+    "bound_schema",
     "call_id",
     "plan_tools",
     "render_answer",
@@ -275,16 +280,141 @@ def _schema_text(schema: dict, param: str) -> str:
     return text
 
 
-def _json_rule(schema: dict, strict: bool) -> str:
+def _json_rule(schema: dict, strict: bool, budget: int | None = None) -> str:
     """`%json {...}` of the schema, its output compact; a strict schema's unsupported keywords
     are errors, a lax one's are ignored. The schema's own `x-guidance` is replaced: the layout
-    of the output is ours to fix."""
+    of the output is ours to fix. With `budget` (the answer's max tokens), what the schema
+    leaves unbounded is bounded to fit it (`bound_schema`)."""
     options = _COMPACT if strict else {**_COMPACT, "lenient": True}
+    if budget is not None:
+        schema = bound_schema(schema, budget)
     body = {key: value for key, value in schema.items() if key != "x-guidance"}
     body["x-guidance"] = options
     # the grammar's own JSON text is compact too: the engine bounds the grammar's size
     text = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     return "%json " + text
+
+
+# -- bounds on what a schema leaves unbounded ---------------------------------------------------
+
+# A small model asked for JSON may loop inside a string or an array until `max_tokens` cuts it
+# (the SDK's `.parse()` then raises). So the grammar narrows the schema, never widening it, so
+# that every answer it allows still validates against the client's schema, and its longest
+# answer fits the token budget: strings without `maxLength` (nor enum, const, pattern or
+# format) get one, arrays without `maxItems` get one, objects with `properties` and no word on
+# others take no others, and free objects (no `properties`) take at most a few keys of at most
+# 32 identifier characters, holding scalars or lists of them.
+CHARS_PER_TOKEN = 2  # what a token of JSON text holds, taken low: the bounds are sized by it
+MAX_CALLS = 16  # parallel calls in one answer, at most
+# (string length, array length) tried in turn, the largest first, the two cut by turns
+BOUNDS = (
+    (512, 16), (256, 16), (256, 8), (128, 8), (128, 4), (64, 4), (64, 2), (32, 2), (32, 1),
+    (16, 1), (8, 1),
+)  # fmt: skip
+_FREE_KEY = "^[A-Za-z0-9_ -]{1,32}$"
+_UNBOUNDED = 10**6  # what the estimate counts for a part of unknown size (a $ref)
+
+
+def bound_schema(schema: dict, budget: int) -> dict:
+    """`schema` narrowed so that its longest answer fits about `budget` tokens: the longest
+    strings and arrays that fit, else the shortest (8 characters, one item)."""
+    chars = budget * CHARS_PER_TOKEN
+    for length, items in BOUNDS:
+        bounded = _bound(schema, length, items)
+        if _longest(bounded, length) <= chars:
+            break
+    return bounded
+
+
+def _bound(node: object, length: int, items: int) -> object:
+    if isinstance(node, list):
+        return [_bound(item, length, items) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _bound_child(key, value, length, items) for key, value in node.items()}
+    kinds = node.get("type")
+    kinds = set(kinds) if isinstance(kinds, list) else {kinds} if kinds else set()
+    fixed = any(k in node for k in ("enum", "const", "$ref"))
+    if "string" in kinds and not fixed and not {"maxLength", "pattern", "format"} & set(node):
+        out["maxLength"] = max(length, node.get("minLength", 0))
+    if "array" in kinds and not fixed and "maxItems" not in node:
+        out["maxItems"] = max(items, node.get("minItems", 0))
+    if "object" in kinds and not fixed:
+        others = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
+        if node.get("properties") and not others & set(node):
+            out["additionalProperties"] = False  # only the named ones
+        elif not node.get("properties") and not others & set(node):
+            out["patternProperties"] = {_FREE_KEY: _free_value(length, items)}
+            out["additionalProperties"] = False
+            out.setdefault("maxProperties", max(items, node.get("minProperties", 0)))
+    return out
+
+
+def _bound_child(key: str, value: object, length: int, items: int) -> object:
+    if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(
+        value, dict
+    ):
+        return {name: _bound(sub, length, items) for name, sub in value.items()}
+    if key in ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf", "allOf"):
+        return _bound(value, length, items)
+    return value  # enum and const values, descriptions, numbers: as they are
+
+
+def _free_value(length: int, items: int) -> dict:
+    scalar: list[dict] = [
+        {"type": "string", "maxLength": length},
+        {"type": "number"},
+        {"type": "boolean"},
+        {"type": "null"},
+    ]
+    listed = {"type": "array", "items": {"anyOf": scalar}, "maxItems": items}
+    return {"anyOf": [*scalar, listed]}
+
+
+def _longest(node: object, length: int) -> int:
+    """An estimate of the longest compact JSON text `node` allows, in characters."""
+    if not isinstance(node, dict):
+        return 5 if node is True else 0
+    if "const" in node:
+        return len(json.dumps(node["const"]))
+    if isinstance(node.get("enum"), list) and node["enum"]:
+        return max(len(json.dumps(value)) for value in node["enum"])
+    if "$ref" in node:
+        return _UNBOUNDED
+    branches = [b for key in ("anyOf", "oneOf") for b in node.get(key) or ()]
+    if branches:
+        return max(_longest(b, length) for b in branches)
+    kinds = node.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds] if kinds else ["object"]
+    return max(_longest_of(kind, node, length) for kind in kinds)
+
+
+def _longest_of(kind: str, node: dict, length: int) -> int:
+    if kind == "string":
+        return node.get("maxLength", length) + 2
+    if kind in ("number", "integer"):
+        return 24
+    if kind in ("boolean", "null"):
+        return 5
+    if kind == "array":
+        count = node.get("maxItems", _UNBOUNDED)
+        item = node.get("items")
+        prefix = node.get("prefixItems") or []
+        sizes = [_longest(p, length) + 2 for p in prefix]
+        if isinstance(item, dict) or item is None:
+            sizes += [(_longest(item or {}, length) + 2)] * max(0, count - len(prefix))
+        return 2 + sum(sizes[:count])
+    if kind == "object":
+        total = 2
+        for name, sub in (node.get("properties") or {}).items():
+            total += len(json.dumps(name)) + 4 + _longest(sub, length)
+        extra = node.get("patternProperties") or {}
+        for sub in extra.values():
+            total += node.get("maxProperties", _UNBOUNDED) * (38 + _longest(sub, length))
+        if node.get("additionalProperties", True) is not False and not extra:
+            total += _UNBOUNDED
+        return total
+    return _UNBOUNDED
 
 
 def _check_schema(schema: dict, strict: bool, param: str) -> None:
@@ -332,30 +462,37 @@ _validated: OrderedDict[bytes, str] = OrderedDict()  # grammar digest -> error (
 _validated_lock = threading.Lock()
 
 
-def _format_grammar(schema: dict, strict: bool, param: str) -> str:
+def _format_grammar(schema: dict, strict: bool, param: str, budget: int | None) -> str:
     _schema_text(schema, param)
-    return _checked(f"{_TEXT_START}answer_text: {_json_rule(schema, strict)}\n", param)
+    rule = _json_rule(schema, strict, budget)
+    return _checked(f"{_TEXT_START}answer_text: {rule}\n", param)
 
 
-def response_format_grammar(fmt: dict | None, param: str = "response_format") -> str | None:
+def response_format_grammar(
+    fmt: dict | None, param: str = "response_format", *, budget: int | None = None
+) -> str | None:
     """Chat Completions' `response_format`: text (None), any JSON object, or a JSON schema
-    (`{"type": "json_schema", "json_schema": {name, schema, strict, description}}`)."""
+    (`{"type": "json_schema", "json_schema": {name, schema, strict, description}}`). `budget`:
+    the answer's max tokens, which the JSON's unbounded parts are bounded to fit."""
     kind = _format_type(fmt, param)
     if kind != "json_schema" or not isinstance(fmt, dict):
-        return _simple_format(kind)
+        return _simple_format(kind, budget)
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
         raise _refuse(f"{param}.json_schema", "must be an object: name, schema, strict")
-    return _schema_format(spec, f"{param}.json_schema")
+    return _schema_format(spec, f"{param}.json_schema", budget)
 
 
-def text_format_grammar(fmt: dict | None, param: str = "text.format") -> str | None:
+def text_format_grammar(
+    fmt: dict | None, param: str = "text.format", *, budget: int | None = None
+) -> str | None:
     """The Responses API's `text.format`: `{"type": "text" | "json_object"}` or
-    `{"type": "json_schema", name, schema, strict, description}`."""
+    `{"type": "json_schema", name, schema, strict, description}`; `budget` as in
+    `response_format_grammar`."""
     kind = _format_type(fmt, param)
     if kind != "json_schema" or not isinstance(fmt, dict):
-        return _simple_format(kind)
-    return _schema_format(fmt, param)
+        return _simple_format(kind, budget)
+    return _schema_format(fmt, param, budget)
 
 
 def _format_type(fmt: object, param: str) -> str:
@@ -372,13 +509,13 @@ def _format_type(fmt: object, param: str) -> str:
     return kind
 
 
-def _simple_format(kind: str) -> str | None:
+def _simple_format(kind: str, budget: int | None) -> str | None:
     if kind == "text":
         return None
-    return f"{_TEXT_START}answer_text: {_json_rule({'type': 'object'}, True)}\n"
+    return f"{_TEXT_START}answer_text: {_json_rule({'type': 'object'}, True, budget)}\n"
 
 
-def _schema_format(spec: dict, param: str) -> str:
+def _schema_format(spec: dict, param: str, budget: int | None) -> str:
     name = spec.get("name")
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise _refuse(f"{param}.name", "must be 1 to 64 characters of a-z, A-Z, 0-9, _ and -")
@@ -391,7 +528,7 @@ def _schema_format(spec: dict, param: str) -> str:
         schema = {"type": "object"}
     elif not isinstance(schema, dict):
         raise _refuse(f"{param}.schema", "must be a JSON schema object")
-    return _format_grammar(schema, bool(strict), f"{param}.schema")
+    return _format_grammar(schema, bool(strict), f"{param}.schema", budget)
 
 
 # -- the plan ------------------------------------------------------------------------------------
@@ -404,10 +541,12 @@ def plan_tools(
     *,
     text_grammar: str | None = None,
     param: str = "tool_choice",
+    budget: int | None = None,
 ) -> ToolPlan | None:
     """The prompt and grammar for `tools` under `tool_choice`; None when there are no tools and
     none are asked for. `text_grammar` (from `response_format_grammar` or
-    `text_format_grammar`) constrains a plain-text answer."""
+    `text_format_grammar`) constrains a plain-text answer; `budget` (the answer's max tokens)
+    bounds what the arguments' schemas leave unbounded (`bound_schema`)."""
     if parallel_tool_calls is None:
         parallel = True
     elif isinstance(parallel_tool_calls, bool):
@@ -436,7 +575,7 @@ def plan_tools(
         return ToolPlan(tuple(tools), choice, None, parallel, prompt, grammar)
     offered = [t for t in tools if t.name == function] if function else tools
     grammar = _checked(
-        _tools_grammar(offered, choice, parallel, text_grammar),
+        _tools_grammar(offered, choice, parallel, text_grammar, budget),
         "tools",
         "the tools' schemas are not supported together",
     )
@@ -476,16 +615,33 @@ def _literal(text: str) -> str:
 
 
 def _tools_grammar(
-    tools: list[ToolSpec], choice: Choice, parallel: bool, text_grammar: str | None
+    tools: list[ToolSpec],
+    choice: Choice,
+    parallel: bool,
+    text_grammar: str | None,
+    budget: int | None,
 ) -> str:
     lines = [
         f"call: {_literal(CALL_HEAD)} fn {_literal(CALL_TAIL)}",
-        f"calls: call ({_literal(CALL_JOIN)} call)*" if parallel else "calls: call",
         "fn: " + " | ".join(f"fn_{i}" for i in range(len(tools))),
     ]
+    longest_call = 0
     for i, tool in enumerate(tools):
+        schema = tool.parameters if budget is None else bound_schema(tool.parameters, budget)
         lines.append(f"fn_{i}: {_literal(tool.name + CALL_SEP)} args_{i}")
-        lines.append(f"args_{i}: {_json_rule(tool.parameters, tool.strict)}")
+        lines.append(f"args_{i}: {_json_rule(schema, tool.strict)}")
+        overhead = len(CALL_HEAD + tool.name + CALL_SEP + CALL_TAIL + CALL_JOIN)
+        longest_call = max(longest_call, overhead + _longest(schema, 0))
+    if not parallel:
+        lines.insert(1, "calls: call")
+    elif budget is None:
+        lines.insert(1, f"calls: call ({_literal(CALL_JOIN)} call)*")
+    else:  # as many calls as fit the budget, one at least: a model repeating a call stops
+        more = min(MAX_CALLS, budget * CHARS_PER_TOKEN // max(longest_call, 1)) - 1
+        if more > 0:
+            lines.insert(1, f"calls: call ({_literal(CALL_JOIN)} call){{0,{more}}}")
+        else:
+            lines.insert(1, "calls: call")
     if choice == "auto":
         if text_grammar is None:
             start = "start: TEXT | calls\n" + _PLAIN_TEXT

@@ -405,12 +405,15 @@ def _options(request: p.ChatCompletionRequest, limits: RequestLimits) -> Respons
     options.n = check_choices(request.n)
     options.logprobs = check_logprobs(request.logprobs, request.top_logprobs)
     options.cache_salt = check_cache_salt(request.cache_salt)
-    text_grammar = response_format_grammar(request.response_format)
+    # JSON answers are bounded to fit the answer's tokens, so that they close (output_grammar)
+    budget = options.max_output_tokens or limits.max_output_tokens
+    text_grammar = response_format_grammar(request.response_format, budget=budget)
     plan = plan_tools(
         tools_from_chat(request.tools),
         request.tool_choice,
         request.parallel_tool_calls,
         text_grammar=text_grammar,
+        budget=budget,
     )
     options.grammar = text_grammar if plan is None else plan.grammar
     if plan is not None:

@@ -236,7 +236,9 @@ class ResponsesServing:
         asked = LOGPROBS_INCLUDE in include or request.top_logprobs is not None
         options.logprobs = check_logprobs(asked, request.top_logprobs)
         text_format = request.text.format if request.text is not None else None
-        grammar = text_format_grammar(text_format, param="text.format")
+        # JSON answers are bounded to fit the answer's tokens, so that they close
+        budget = options.max_output_tokens or self.limits.max_output_tokens
+        grammar = text_format_grammar(text_format, param="text.format", budget=budget)
         specs = tools_from_responses(request.tools, param="tools")
         plan = plan_tools(
             specs,
@@ -244,6 +246,7 @@ class ResponsesServing:
             request.parallel_tool_calls,
             text_grammar=grammar,
             param="tool_choice",
+            budget=budget,
         )
         options.grammar = grammar if plan is None else plan.grammar
         if plan is not None:  # listed under every choice; "none" answers in plain text

@@ -30,6 +30,7 @@ from gateway.output_grammar import (
     TextPiece,
     ToolCall,
     ToolCallStream,
+    bound_schema,
     call_id,
     plan_tools,
     render_answer,
@@ -618,3 +619,90 @@ def test_auto_allows_text_or_calls_only(tokenizer: llguidance.LLTokenizer) -> No
     assert accepts(tokenizer, formatted.grammar, call)
     assert not accepts(tokenizer, formatted.grammar, "It is sunny.")
     assert not accepts(tokenizer, formatted.grammar, call + "\n" + call)  # not parallel
+
+
+# -- bounds that make JSON answers close ---------------------------------------------------------
+
+# the SDK's own structured-output example: nothing in it is bounded
+MATH = {
+    "type": "object",
+    "properties": {
+        "steps": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"explanation": {"type": "string"}, "output": {"type": "string"}},
+                "required": ["explanation", "output"],
+                "additionalProperties": False,
+            },
+        },
+        "final_answer": {"type": "string"},
+    },
+    "required": ["steps", "final_answer"],
+    "additionalProperties": False,
+}
+
+
+def test_bounds_narrow_and_never_widen() -> None:
+    given = {
+        "type": "object",
+        "properties": {
+            "short": {"type": "string", "maxLength": 3},
+            "code": {"type": "string", "pattern": "^[a-z]+$"},
+            "pick": {"type": "string", "enum": ["a", "b"]},
+            "many": {"type": "array", "items": {"type": "integer"}, "minItems": 40},
+            "open": {"type": "object", "properties": {"x": {"type": "string"}}},
+        },
+        "additionalProperties": {"type": "integer"},
+    }
+    bounded = bound_schema(given, 64)
+    props = bounded["properties"]
+    assert props["short"] == given["properties"]["short"]  # the client's own bounds stay
+    assert props["code"] == given["properties"]["code"] and props["pick"]["enum"] == ["a", "b"]
+    assert props["many"]["maxItems"] == 40  # never below minItems
+    assert props["open"]["additionalProperties"] is False  # named properties only
+    assert props["open"]["properties"]["x"]["maxLength"] >= 8
+    assert bounded["additionalProperties"] == {"type": "integer"}  # the client said
+    assert "additionalProperties" not in given["properties"]["open"]  # the client's stays
+    # a larger budget gives longer strings and arrays
+    small, large = bound_schema(MATH, 32), bound_schema(MATH, 1024)
+    steps = [b["properties"]["steps"] for b in (small, large)]
+    assert steps[0]["maxItems"] < steps[1]["maxItems"]
+    assert (
+        steps[0]["items"]["properties"]["output"]["maxLength"]
+        < steps[1]["items"]["properties"]["output"]["maxLength"]
+    )
+
+
+@pytest.mark.parametrize("budget", [48, 96, 200])
+def test_bounded_json_closes_within_its_budget(
+    tokenizer: llguidance.LLTokenizer, budget: int
+) -> None:
+    """Random tokens under the bounded grammar end (EOS included) within `budget` tokens, and
+    each answer is still one of the client's schema."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "math", "schema": MATH, "strict": True}}
+    bounded = response_format_grammar(fmt, budget=budget)
+    unbounded = response_format_grammar(fmt)
+    assert bounded is not None and unbounded is not None
+    for seed in range(6):
+        text = sample(tokenizer, bounded, seed, limit=budget - 1)
+        value = json.loads(text)
+        assert set(value) == {"steps", "final_answer"} and isinstance(value["final_answer"], str)
+        assert all(set(step) == {"explanation", "output"} for step in value["steps"])
+        assert accepts(tokenizer, unbounded, text)
+    with pytest.raises(AssertionError, match="no end"):  # unbounded, it runs on
+        sample(tokenizer, unbounded, 0, limit=64)
+
+
+def test_bounded_json_object_and_calls_close(tokenizer: llguidance.LLTokenizer) -> None:
+    anything = response_format_grammar({"type": "json_object"}, budget=40)
+    assert anything is not None
+    specs = tools_from_chat([chat_tool("note", {"type": "object", "properties": {}})])
+    free = tools_from_chat([chat_tool("save", {"type": "object"})])
+    for seed in range(6):
+        assert isinstance(json.loads(sample(tokenizer, anything, seed, limit=39)), dict)
+        for tools in (specs, free):
+            plan = plan_tools(tools, "required", True, budget=48)
+            assert plan is not None and plan.grammar is not None
+            _, calls = split_answer(sample(tokenizer, plan.grammar, seed, limit=47), RID)
+            assert calls and all(isinstance(json.loads(c.arguments), dict) for c in calls)
