@@ -13,6 +13,8 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("settings (each also VISIONGATE_<NAME>)")
     g.add_argument("--host", help="bind address (default 127.0.0.1)")
     g.add_argument("--port", type=int, help="port (default 8000)")
+    g.add_argument("--ssl-certfile", help="serve TLS (https, wss) with this PEM certificate chain")
+    g.add_argument("--ssl-keyfile", help="the PEM private key of --ssl-certfile")
     g.add_argument(
         "--redis-url",
         help="redis://host:port/db (or redis+cluster://host:port[,host:port...] for a Redis "
@@ -118,6 +120,8 @@ def _overrides(args: argparse.Namespace) -> dict:
     keys = (
         "host",
         "port",
+        "ssl_certfile",
+        "ssl_keyfile",
         "redis_url",
         "engine",
         "upstreams",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ssl
 import threading
 import time
 
@@ -44,6 +45,10 @@ def uvicorn_config(
         app,
         host=host or settings.host,
         port=port if port is not None else settings.port,
+        # TLS in uvicorn itself: clients that always dial wss:// (the Node SDK's Realtime
+        # client) reach the gateway without a proxy in front
+        ssl_certfile=settings.ssl_certfile or None,
+        ssl_keyfile=settings.ssl_keyfile or None,
         ws=RealtimeWSProtocol,
         ws_max_size=settings.ws_max_frame_bytes,
         ws_ping_interval=20.0,
@@ -76,17 +81,19 @@ class ServerThread:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
         self.host, self.port = host, port
+        self.scheme = "https" if settings.ssl_certfile else "http"
         self.app = app
         self.server = uvicorn.Server(uvicorn_config(app, settings, host=host, port=port))
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn:{port}", daemon=True)
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     @property
     def ws_url(self) -> str:
-        return f"ws://{self.host}:{self.port}/v1/realtime"
+        ws = "wss" if self.scheme == "https" else "ws"
+        return f"{ws}://{self.host}:{self.port}/v1/realtime"
 
     def start(self, timeout: float = 30.0) -> ServerThread:
         self.thread.start()
@@ -99,14 +106,15 @@ class ServerThread:
             time.sleep(0.02)
         return self
 
-    def wait_ready(self, timeout: float = 600.0) -> None:
-        """Block until /readyz answers 200 (models loaded and warmed up)."""
+    def wait_ready(self, timeout: float = 600.0, *, verify: ssl.SSLContext | bool = True) -> None:
+        """Block until /readyz answers 200 (models loaded and warmed up); `verify`: what a TLS
+        server's certificate is checked with (httpx's `verify`: a context trusting its CA)."""
         import httpx
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                r = httpx.get(f"{self.http_url}/readyz", timeout=5)
+                r = httpx.get(f"{self.http_url}/readyz", timeout=5, verify=verify)
                 if r.status_code == 200:
                     return
                 if r.json().get("status") == "failed":

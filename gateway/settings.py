@@ -33,6 +33,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # serving
     host: str = "127.0.0.1"
     port: int = 8000
+    # TLS served directly (https:// and wss://): a PEM certificate chain and its private key,
+    # both or neither; "": plain HTTP
+    ssl_certfile: str = ""
+    ssl_keyfile: str = ""
     log_level: str = "info"
     api_keys: list[str] = []  # empty: no authentication, every caller is "anonymous"
     rate_limit_per_minute: int = 0  # responses per minute per API key; 0: no limit
@@ -143,6 +147,14 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise SettingsError(f"{ENV_PREFIX}{field.upper()}: {why}")
 
         need(0 < self.port < 65536, "port", f"must be 1..65535, got {self.port}")
+        need(
+            bool(self.ssl_certfile) == bool(self.ssl_keyfile),
+            "ssl_keyfile" if self.ssl_certfile else "ssl_certfile",
+            "TLS needs both ssl_certfile and ssl_keyfile",
+        )
+        for name in ("ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, name)
+            need(not path or os.path.isfile(path), name, f"no such file: {path!r}")
         need(
             self.log_level in ("debug", "info", "warning", "error"),
             "log_level",
