@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt 2>/
 # pip prints a warning per package for local index paths that do not exist; keep the output readable
 QUIET  := 2>&1 | sed '/^WARNING: Location/d'
 
-.PHONY: install lint demo test test-fast test-unit bench gpu-check clean system-deps
+.PHONY: install lint demo test test-fast test-unit bench gpu-check clean system-deps stack
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ system-deps:
 
 demo: install
 	$(VENV)/bin/visiongate demo
+
+# the local stack until Ctrl-C: gateway, Collector (rotel), Kafka (tansu) and Prometheus, each
+# on its usual port (STACK_ARGS="--port 0 ..." takes free ones); see deploy/stack.py
+stack: install
+	@dpkg-query -W -f='$${Status}' prometheus 2>/dev/null | grep -q "ok installed" \
+		|| (apt-get update -qq && apt-get install -y -qq prometheus)
+	$(PY) -m deploy.stack $(STACK_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -488,15 +488,15 @@ def _where(stack: Stack, log_dir: Path) -> str:
     gw, col = by["gateway"].ports["http"], by["collector"].ports
     rows = [
         ("gateway", f"http://{HOST}:{gw}  (ws://{HOST}:{gw}/v1/realtime, /v1, /metrics)"),
-        ("collector", f"otlp grpc {HOST}:{col['otlp-grpc']}  otlp http {HOST}:{col['otlp-http']}"),
+        ("collector", f"otlp grpc {HOST}:{col['otlp-grpc']}  http {HOST}:{col['otlp-http']}"),
         ("kafka", f"{HOST}:{stack.kafka_port}  topic {TOPIC} (OTLP protobuf)"),
         (
             "prometheus",
             f"http://{HOST}:{by['prometheus'].ports['http']}  (/alerts, /api/v1/alerts)",
         ),
-        ("logs", str(log_dir)),
     ]
-    return "\n".join(f"{name:<11}{where}" for name, where in rows)
+    lines = [f"{name:<11}{where}  pid {by[name].pid}" for name, where in rows]
+    return "\n".join([*lines, f"{'logs':<11}{log_dir}"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
