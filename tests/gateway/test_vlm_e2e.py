@@ -106,6 +106,8 @@ def _reference(
     text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     images = [[image]] if family == "idefics3" else [image]
     inputs = processor(text=text, images=images, return_tensors="pt")
+    if family == "qwen2_5_vl":  # without them generate falls back to 1-D positions, silently
+        assert "mm_token_type_ids" in inputs
     with torch.no_grad():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS)
     prompt_ids = inputs["input_ids"][0]
