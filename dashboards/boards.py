@@ -107,7 +107,8 @@ def overview_dashboard() -> dict[str, Any]:
     lay.add(
         stat(
             "Error share (5m)",
-            f'sum(rate({RESPONSES}{{{M}, status="failed"}}[5m])) / '
+            # no failed response yet means no `failed` series: 0 %, not "No data"
+            f'(sum(rate({RESPONSES}{{{M}, status="failed"}}[5m])) or vector(0)) / '
             f"sum(rate({RESPONSES}{{{M}}}[5m]))",
             unit="percentunit",
             steps=[(None, "green"), (0.01, "orange"), (0.05, "red")],
