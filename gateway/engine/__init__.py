@@ -18,6 +18,7 @@ from gateway.engine.interface import (
     Message,
     SamplingParams,
     TextDelta,
+    WarmUpResult,
 )
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ __all__ = (
     "Message",
     "SamplingParams",
     "TextDelta",
+    "WarmUpResult",
 )
 
 

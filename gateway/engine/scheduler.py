@@ -122,6 +122,8 @@ HEAVY_DEMAND_STEPS = 2
 HEAVY_TOKENS_DIVISOR = 16
 # beside running decodes, warm-ups together feed prefill_chunk_tokens // this a step
 WARMUP_BESIDE_DIVISOR = 16
+# sessions whose last warm-up is remembered for their next turn's report
+WARMED_KEPT = 4096
 
 _owner = attrgetter("owner")
 _order = attrgetter("order")
@@ -663,7 +665,10 @@ class Scheduler:
         if key is not None:
             if pin:
                 self.cache.pin(key, kept, warm=True)
+            self._warmed.pop(key, None)
             self._warmed[key] = (seq.cached, n)
+            while len(self._warmed) > WARMED_KEPT:  # sessions that never came back
+                del self._warmed[next(iter(self._warmed))]
         budget = self.cfg.kv_budget_bytes
         if self._running_bytes() + self.cache.nbytes > budget:  # never at another's pins' cost
             self.cache.shrink(max(budget - self._running_bytes(), 0), unpin=False)
