@@ -324,16 +324,19 @@ def test_bad_pixels_are_invalid_image(family, bad):
 # larger longest edge (more tiles) with a pixel shuffle of 4 (4 rows a tile), no pixel shuffle
 # (64 rows a tile); the photos differ in size and aspect ratio (a 5:1 strip, a portrait crop, a
 # small image, a grayscale photo). Rows and greedy answers must be transformers' own.
+# The seeds are ones whose greedy steps all win by a logit margin over 0.01, a hundred times
+# the 1e-4 the engine's logits are held to against the full model's (reordered float sums:
+# the engine packs and chunks what generate computes in one pass).
 
 MAX_NEW = 8
 VARIANTS = {
-    "nosplit": ({"do_image_splitting": False}, ("strip", "tall")),
+    "nosplit": ({"seed": 3, "do_image_splitting": False}, ("strip", "tall")),
     "edge256-shuffle4": (
-        {"scale_factor": 4, "longest_edge": 4 * checkpoint.TILE},
+        {"seed": 3, "scale_factor": 4, "longest_edge": 4 * checkpoint.TILE},
         ("coffee", "camera"),
     ),
     "edge128-shuffle1": (
-        {"scale_factor": 1, "longest_edge": 2 * checkpoint.TILE},
+        {"seed": 2, "scale_factor": 1, "longest_edge": 2 * checkpoint.TILE},
         ("small", "chelsea"),
     ),
 }
@@ -344,7 +347,7 @@ def _variant(key: str, root: Path) -> tuple[list, list]:
     from tests.vlm_checkpoints import exactness
 
     options, names = VARIANTS[key]
-    path = checkpoint.build(root / key, seed=2, **options)
+    path = checkpoint.build(root / key, **options)
     photos = [exactness.shaped(n) for n in names]
     refs = exactness.reference("idefics3", path, photos, MAX_NEW)
     return refs, exactness.project_answers(path, photos, MAX_NEW)

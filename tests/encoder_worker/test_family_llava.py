@@ -297,12 +297,18 @@ def test_width_mismatch_is_refused(ckpt) -> None:
 # size and aspect ratio (the processor's shortest-edge resize and center crop see a portrait
 # crop, a 5:1 strip, a small image it scales up, a grayscale photo). Rows and greedy answers
 # must be transformers' own.
+# The seeds are ones whose greedy steps all win by a logit margin over 0.01, a hundred times
+# the 1e-4 the engine's logits are held to against the full model's (reordered float sums:
+# the engine packs and chunks what generate computes in one pass).
 
 MAX_NEW = 8
 VARIANTS = {
-    "last-full": ({"feature_layer": -1, "select_strategy": "full"}, ("tall", "strip")),
-    "two-layers": ({"feature_layer": [-3, -2]}, ("small", "camera")),
-    "first-layer": ({"feature_layer": -3}, ("chelsea", "coffee")),
+    "last-full": (
+        {"seed": 2, "feature_layer": -1, "select_strategy": "full"},
+        ("tall", "strip"),
+    ),
+    "two-layers": ({"seed": 3, "feature_layer": [-3, -2]}, ("small", "camera")),
+    "first-layer": ({"seed": 2, "feature_layer": -3}, ("chelsea", "coffee")),
 }
 
 
@@ -311,7 +317,7 @@ def _variant(key: str, root: Path) -> tuple[list, list]:
     from tests.vlm_checkpoints import exactness
 
     options, names = VARIANTS[key]
-    path = llava.build(root / key, seed=2, **options)
+    path = llava.build(root / key, **options)
     photos = [exactness.shaped(n) for n in names]
     refs = exactness.reference("llava", path, photos, MAX_NEW)
     return refs, exactness.project_answers(path, photos, MAX_NEW)

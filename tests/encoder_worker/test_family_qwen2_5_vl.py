@@ -276,6 +276,9 @@ def test_bfloat16_tower_stays_close(checkpoint, family) -> None:
 # head width), a sliding-window text layer, the processor's pixel bounds; and the photos differ
 # in size and aspect ratio (landscape, portrait crop, a 5:1 strip, a small image the processor
 # scales up, a grayscale photo). Rows, positions and greedy answers must be transformers' own.
+# The seeds are ones whose greedy steps all win by a logit margin over 0.01, a hundred times
+# the 1e-4 the engine's logits are held to against the full model's (reordered float sums:
+# the engine packs and chunks what generate computes in one pass).
 
 MAX_NEW = 8
 _T = 28 * 28  # pixels per merged token at merge 2
@@ -288,6 +291,7 @@ def _mrope(section: list[int]) -> dict:
 VARIANTS = {
     "win4-full0-mrope422": (
         {
+            "seed": 4,
             "vision": {"window_size": 112, "fullatt_block_indexes": [0], "depth": 3},
             "text": {"rope_parameters": _mrope([4, 2, 2])},
             "min_pixels": _T * 8,
@@ -297,6 +301,7 @@ VARIANTS = {
     ),
     "win3-nofull-heads2-mrope844": (
         {
+            "seed": 5,
             "vision": {"window_size": 84, "fullatt_block_indexes": [], "depth": 2},
             "text": {"num_attention_heads": 2, "rope_parameters": _mrope([8, 4, 4])},
             "min_pixels": _T * 6,
@@ -306,6 +311,7 @@ VARIANTS = {
     ),
     "merge1-full12-mrope224-sliding": (
         {
+            "seed": 5,
             "vision": {
                 "window_size": 56,
                 "spatial_merge_size": 1,
@@ -331,7 +337,7 @@ def _variant(key: str, root: Path) -> tuple[Path, list, list]:
     from tests.vlm_checkpoints import exactness
 
     options, names = VARIANTS[key]
-    path = builder.build(root / key, seed=1, **options)
+    path = builder.build(root / key, **options)
     photos = [exactness.shaped(n) for n in names]
     refs = exactness.reference("qwen2_5_vl", path, photos, MAX_NEW)
     ours = exactness.project_answers(path, photos, MAX_NEW)
