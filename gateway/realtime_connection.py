@@ -558,7 +558,12 @@ class RealtimeConnection:
             instructions=params.instructions,
             store=params.conversation != "none",
         )
-        _apply_plan(options, self._response_tools(params))
+        # the answer's token budget bounds the calls' arguments, as over HTTP
+        budget = min(
+            options.max_output_tokens or self.session.max_output_tokens,
+            self.limits.max_output_tokens_limit,
+        )
+        _apply_plan(options, self._response_tools(params, budget))
         await self.state.rate_limiter.acquire(self.owner)
         # watchers whose encodes are over are about to report (and drop a failed image's item):
         # let them, so this response sees the conversation the client was told about
@@ -595,7 +600,7 @@ class RealtimeConnection:
             name=f"response {options.response_id}",
         )
 
-    def _response_tools(self, params: rt.ResponseParams) -> ToolPlan | None:
+    def _response_tools(self, params: rt.ResponseParams, budget: int) -> ToolPlan | None:
         """The response's tools, each field its own or else the session's."""
         own_tools, own_choice = params.tools is not None, params.tool_choice is not None
         session = self.tools
@@ -607,6 +612,7 @@ class RealtimeConnection:
             else session.parallel_tool_calls,
             tools_param="response.tools" if own_tools else "session.tools",
             choice_param="response.tool_choice" if own_choice else "session.tool_choice",
+            budget=budget,
         )
 
     async def _response_cancel(self, event: rt.ResponseCancel) -> None:

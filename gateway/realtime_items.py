@@ -326,9 +326,11 @@ def plan_realtime_tools(
     *,
     tools_param: str,
     choice_param: str,
+    budget: int | None = None,
 ) -> ToolPlan | None:
     """The prompt and grammar for Realtime function tools; None when there are none and the
-    choice needs none (`"auto"`, `"none"`, or not given)."""
+    choice needs none (`"auto"`, `"none"`, or not given). `budget` (the answer's max tokens)
+    bounds what the arguments' schemas leave unbounded, as over HTTP."""
     lenient = [
         {"type": "function", "strict": False, **tool} if isinstance(tool, dict) else tool
         for tool in tools or ()
@@ -336,4 +338,4 @@ def plan_realtime_tools(
     specs = tools_from_responses(lenient, param=tools_param) if lenient else []
     if not specs and tool_choice in (None, "auto", "none"):
         return None
-    return plan_tools(specs, tool_choice, parallel_tool_calls, param=choice_param)
+    return plan_tools(specs, tool_choice, parallel_tool_calls, param=choice_param, budget=budget)

@@ -158,8 +158,9 @@ async def test_tool_round_trip_renders_as_chat_completions(gateway: FakeGateway)
         )
 
         engine.script = [PARIS]
-        await conn.response.create()
+        await conn.response.create(response={"max_output_tokens": 20})
         done, events = await until(conn, "response.done")
+        realtime_call = last_request(gateway)
         types = [e.type for e in events]
         assert types[:2] == ["response.created", "response.output_item.added"]
         assert types[-2:] == ["response.function_call_arguments.done", "response.output_item.done"]
@@ -197,22 +198,43 @@ async def test_tool_round_trip_renders_as_chat_completions(gateway: FakeGateway)
         items = await stored_items(gateway, conn.session_id)
     assert [i["id"] for i in items[:3]] == [asked.id, call.id, output.id]
 
-    # the same conversation over Chat Completions reaches the engine as the same messages
+    # the same turns over Chat Completions reach the engine as the same messages, under the
+    # same grammar (the answer's token budget bounds the arguments on both)
     client = openai.AsyncOpenAI(base_url=f"{gateway.http_url}/v1", api_key="unused")
     chat_tool = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+    question = {
+        "role": "user",
+        "content": [
+            {"type": "image_url", "image_url": {"url": photo}},
+            {"type": "text", "text": "Weather there?"},
+        ],
+    }
     try:
+        engine.script = [PARIS]
+        await client.chat.completions.create(
+            model="fake-echo",
+            tools=[chat_tool],
+            tool_choice="required",
+            max_tokens=20,
+            messages=[question],
+        )
+        chat_call = last_request(gateway)
+        assert shown(chat_call) == shown(realtime_call)
+        assert chat_call.sampling.grammar == realtime_call.sampling.grammar
+        await client.chat.completions.create(
+            model="fake-echo",
+            tools=[chat_tool],
+            tool_choice="required",
+            max_tokens=30,
+            messages=[question],
+        )
+        assert last_request(gateway).sampling.grammar != realtime_call.sampling.grammar
         await client.chat.completions.create(
             model="fake-echo",
             tools=[chat_tool],
             tool_choice="none",
             messages=[
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "image_url", "image_url": {"url": photo}},
-                        {"type": "text", "text": "Weather there?"},
-                    ],
-                },
+                question,
                 {
                     "role": "assistant",
                     "content": None,
