@@ -522,8 +522,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    # SIGTERM stops the stack the way Ctrl-C does, during startup too
+    # SIGTERM stops the stack the way Ctrl-C does, during startup too; SIGINT is taken even
+    # when inherited ignored (a shell's background job), so `kill -INT` always stops it
     signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     try:
         stack = build(args, log_dir)
         print("starting kafka, collector, gateway (loads the model), prometheus ...", flush=True)
