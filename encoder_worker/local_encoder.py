@@ -26,14 +26,15 @@ import structlog
 import torch
 
 from encoder_worker.config import EncoderConfig
-from encoder_worker.pipeline import EncoderPipeline, encoder_fingerprint
+from encoder_worker.pipeline import EncoderPipeline, budget_config, encoder_fingerprint
 from encoder_worker.types import EncodedImage, ImageError
 
 __all__ = ("FairQueue", "LocalEncoder")
 
 log = structlog.get_logger("encoder_worker.local_encoder")
 
-_Job = tuple[bytes, "asyncio.Future[EncodedImage]"]
+# (image bytes, the caller's future, the keep-ratio cap it is encoded under; None: the config's)
+_Job = tuple[bytes, "asyncio.Future[EncodedImage]", "float | None"]
 
 
 class FairQueue:
@@ -147,11 +148,24 @@ class LocalEncoder:
         pipeline.warmup()
         return pipeline
 
+    def fingerprint_for(self, max_keep_ratio: float | None) -> str:
+        """The fingerprint of tokens encoded with keep ratios capped at `max_keep_ratio`."""
+        config = budget_config(self.config, max_keep_ratio)
+        if config is self.config:
+            return self.fingerprint
+        return encoder_fingerprint(config, self.hidden_size, self.target_rms)
+
     async def encode(
-        self, data: bytes, *, traceparent: str | None = None, owner: str | None = None
+        self,
+        data: bytes,
+        *,
+        traceparent: str | None = None,
+        owner: str | None = None,
+        max_keep_ratio: float | None = None,
     ) -> EncodedImage:
-        """Encode one image (micro-batched with concurrent calls, in turns by `owner`).
-        Raises ImageError."""
+        """Encode one image (micro-batched with concurrent calls, in turns by `owner`);
+        `max_keep_ratio` caps its keep ratio (a smaller visual-token budget, see
+        `encoder_worker.pipeline.budget_config`). Raises ImageError."""
         if self._queue is None or self._task is None or self._task.done():
             raise RuntimeError("LocalEncoder is not started (await start() first)")
         if len(data) > self.config.max_image_bytes:
@@ -160,7 +174,7 @@ class LocalEncoder:
                 f"image is {len(data)} bytes; the limit is {self.config.max_image_bytes}",
             )
         fut: asyncio.Future[EncodedImage] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(owner, (bytes(data), fut))
+        self._queue.put_nowait(owner, (bytes(data), fut, max_keep_ratio))
         return await fut
 
     async def _collect(self) -> list[_Job]:
@@ -181,7 +195,7 @@ class LocalEncoder:
                 except TimeoutError:
                     break
         except asyncio.CancelledError:  # closing: the jobs taken off the queue fail, never hang
-            for _, fut in batch:
+            for _, fut, _ in batch:
                 if not fut.done():
                     fut.set_exception(RuntimeError("encoder closed"))
             raise
@@ -199,33 +213,41 @@ class LocalEncoder:
                 continue
             if not batch:
                 continue
-            datas = [data for data, _ in batch]
-            try:
-                results = await loop.run_in_executor(self._executor, self._encode, datas)
-            except asyncio.CancelledError:
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(RuntimeError("encoder closed"))
-                raise
-            self.batches += 1
-            for (_, fut), result in zip(batch, results, strict=False):
-                if fut.done():
-                    continue
-                if isinstance(result, BaseException):
-                    fut.set_exception(result)
-                else:
-                    fut.set_result(result)
+            caps: dict[float | None, list[_Job]] = {}  # one encode per budget in the batch
+            for job in batch:
+                caps.setdefault(job[2], []).append(job)
+            for cap, jobs in caps.items():
+                datas = [data for data, _, _ in jobs]
+                try:
+                    results = await loop.run_in_executor(self._executor, self._encode, datas, cap)
+                except asyncio.CancelledError:
+                    for _, fut, _ in batch:
+                        if not fut.done():
+                            fut.set_exception(RuntimeError("encoder closed"))
+                    raise
+                self.batches += 1
+                for (_, fut, _), result in zip(jobs, results, strict=False):
+                    if fut.done():
+                        continue
+                    if isinstance(result, BaseException):
+                        fut.set_exception(result)
+                    else:
+                        fut.set_result(result)
 
-    def _encode(self, datas: list[bytes]) -> list[EncodedImage | BaseException]:
+    def _encode(
+        self, datas: list[bytes], cap: float | None = None
+    ) -> list[EncodedImage | BaseException]:
         assert self.pipeline is not None
         try:
-            return list(self.pipeline.encode_batch(datas))
+            if cap is None:
+                return list(self.pipeline.encode_batch(datas))
+            return list(self.pipeline.encode_batch(datas, cap))
         except Exception as exc:
             if len(datas) == 1:
                 log.exception("encoder.batch_failed", batch_size=1)
                 return [RuntimeError(f"encoding failed: {exc}")]
         log.warning("encoder.batch_failed_retrying_singly", batch_size=len(datas))
-        return [self._encode([d])[0] for d in datas]
+        return [self._encode([d], cap)[0] for d in datas]
 
     async def queue_depth(self) -> int:
         return self._queue.qsize() if self._queue is not None else 0
@@ -238,7 +260,7 @@ class LocalEncoder:
                 await self._task
             self._task = None
         if self._queue is not None:
-            for _, fut in self._queue.drain():
+            for _, fut, _ in self._queue.drain():
                 if not fut.done():
                     fut.set_exception(RuntimeError("encoder closed"))
             self._queue = None

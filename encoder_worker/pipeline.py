@@ -47,7 +47,13 @@ from encoder_worker.pruning import prune
 from encoder_worker.tower import TowerOutput, build_tower, describe_tower
 from encoder_worker.types import EncodedImage, ImageError
 
-__all__ = ("EncoderPipeline", "encoder_fingerprint", "resolve_device", "vlm_description")
+__all__ = (
+    "EncoderPipeline",
+    "budget_config",
+    "encoder_fingerprint",
+    "resolve_device",
+    "vlm_description",
+)
 
 log = structlog.get_logger("encoder_worker.pipeline")
 FORMAT_VERSION = 1
@@ -114,6 +120,21 @@ def encoder_fingerprint(config: EncoderConfig, hidden_size: int, target_rms: flo
     if c.visual_tokens != "int4":  # absent for int4: the default's fingerprint predates the choice
         parts["quant"] = [c.visual_tokens]
     return hashlib.sha256(msgspec.json.encode(parts)).hexdigest()
+
+
+def budget_config(config: EncoderConfig, cap: float | None) -> EncoderConfig:
+    """`config` with its keep ratios capped at `cap` (a smaller visual-token budget, which is
+    other content: its fingerprint differs). `config` itself when `cap` is None, nothing is
+    pruned, or no ratio is above `cap`."""
+    if cap is None or config.pruning == "none":
+        return config
+    capped = {
+        name: min(getattr(config, name), cap)
+        for name in ("keep_ratio", "min_keep_ratio", "max_keep_ratio")
+    }
+    if all(getattr(config, name) == value for name, value in capped.items()):
+        return config
+    return msgspec.structs.replace(config, **capped)
 
 
 def _family_pruning(mode: str) -> str:
@@ -318,8 +339,18 @@ class EncoderPipeline:
     # -- the batch ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def encode_batch(self, datas: list[bytes]) -> list[EncodedImage | ImageError]:
-        """Encode a batch; each slot holds the image's EncodedImage or its ImageError."""
+    def encode_batch(
+        self, datas: list[bytes], max_keep_ratio: float | None = None
+    ) -> list[EncodedImage | ImageError]:
+        """Encode a batch; each slot holds the image's EncodedImage or its ImageError.
+        `max_keep_ratio` caps the keep ratios (`budget_config`); the tokens then carry that
+        budget's fingerprint."""
+        config = budget_config(self.config, max_keep_ratio)
+        fingerprint = (
+            self.fingerprint
+            if config is self.config
+            else encoder_fingerprint(config, self.hidden_size, self.target_rms)
+        )
         digests = [hashlib.sha256(d).hexdigest() for d in datas]
         images, decode_ms = self._decode(datas)
         ok = [i for i, im in enumerate(images) if not isinstance(im, ImageError)]
@@ -331,7 +362,9 @@ class EncoderPipeline:
             return results
         if self.family is not None:
             for i in ok:
-                results[i] = self._encode_family(images[i], digests[i], decode_ms[i], len(ok))
+                results[i] = self._encode_family(
+                    images[i], digests[i], decode_ms[i], len(ok), config, fingerprint
+                )
             return results
         n = len(ok)
         timer = _StageTimer(self._sync)
@@ -340,7 +373,7 @@ class EncoderPipeline:
         out = self._run_tower(patches)
         timer.lap("vision")
         seeds = [int(digests[i][:15], 16) ^ self.config.seed for i in ok]
-        pruned = prune(out.features, out.saliency, out.keys, self.config, seeds)
+        pruned = prune(out.features, out.saliency, out.keys, config, seeds)
         timer.lap("prune")
         counts = [p.tokens.shape[0] for p in pruned]
         embeds = [self.projector(p.tokens) for p in pruned]  # each [K, hidden]
@@ -365,7 +398,7 @@ class EncoderPipeline:
             timings = {"decode": decode_ms[i], **stage_ms, "batch_size": float(n)}
             results[i] = EncodedImage(
                 digest=digests[i],
-                fingerprint=self.fingerprint,
+                fingerprint=fingerprint,
                 tokens_kept=counts[j],
                 tokens_total=self.tokens_total,
                 hidden_size=self.hidden_size,
@@ -375,7 +408,13 @@ class EncoderPipeline:
         return results
 
     def _encode_family(
-        self, image: torch.Tensor, digest: str, decode_ms: float, batch_size: int
+        self,
+        image: torch.Tensor,
+        digest: str,
+        decode_ms: float,
+        batch_size: int,
+        config: EncoderConfig | None = None,
+        fingerprint: str | None = None,
     ) -> EncodedImage:
         """One image through the checkpoint's own encoder (see the module doc)."""
         family = self.family
@@ -392,7 +431,9 @@ class EncoderPipeline:
                 f"{tuple(out.saliency.shape)}, runs summing to {sum(out.runs)}"
             )
         timer.lap("vision")
-        rows, positions, kept = self._drop(out, int(digest[:15], 16) ^ self.config.seed)
+        rows, positions, kept = self._drop(
+            out, int(digest[:15], 16) ^ self.config.seed, config or self.config
+        )
         layout = family.layout(kept, out)
         if out.mrope is not None:  # the kept rows keep their original (t, h, w) positions
             columns = out.mrope[:, positions.to(out.mrope.device)].T.reshape(-1)  # [K*3]
@@ -419,7 +460,7 @@ class EncoderPipeline:
         }
         return EncodedImage(
             digest=digest,
-            fingerprint=self.fingerprint,
+            fingerprint=fingerprint or self.fingerprint,
             tokens_kept=int(rows.shape[0]),
             tokens_total=n,
             hidden_size=self.hidden_size,
@@ -428,13 +469,15 @@ class EncoderPipeline:
             layout=layout,
         )
 
-    def _drop(self, out, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    def _drop(
+        self, out, seed: int, config: EncoderConfig
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Patch dropping per run -> (kept rows [K, D], their row indices [K], kept per run)."""
-        mode = _family_pruning(self.config.pruning)
+        mode = _family_pruning(config.pruning)
         n = int(out.embeds.shape[0])
         if mode == "none":
             return out.embeds, torch.arange(n), list(out.runs)
-        cfg = msgspec.structs.replace(self.config, pruning=mode)
+        cfg = msgspec.structs.replace(config, pruning=mode)
         rows, positions, kept = [], [], []
         start = 0
         for r, size in enumerate(out.runs):

@@ -272,6 +272,19 @@ async def _load_models(state: GatewayState, encoder: Encoder | None) -> None:
     try:
         await engine.start()
         encoder = encoder or build_encoder(settings, engine)
+        if settings.visual_budget_adaptive and hasattr(encoder, "fingerprint_for"):
+            from gateway.visual_budget import BudgetedEncoder, VisualBudget
+
+            cfg = encoder.config  # type: ignore[attr-defined]
+
+            budget = VisualBudget(
+                objective_ms=settings.visual_budget_ttft_ms,
+                ceiling=(ceiling := max(cfg.keep_ratio, cfg.max_keep_ratio)),
+                floor=min(settings.visual_budget_floor, ceiling),
+                step=settings.visual_budget_step,
+                window_s=settings.visual_budget_window_s,
+            )
+            encoder = BudgetedEncoder(encoder, budget, state.metrics)  # type: ignore[assignment]
         await encoder.start()
         vision = VisionResolver(
             encoder,

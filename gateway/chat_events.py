@@ -98,6 +98,8 @@ class Finished:
     cached_tokens: int = 0
     cached_image_tokens: int = 0
     kv_warmed_tokens: int = 0  # of cached_tokens, prefilled by a KV warm-up before the request
+    # the keep-ratio cap new images were encoded under (adaptive visual budget); None: fixed
+    visual_budget: float | None = None
     vision_hits: int = 0
     vision_misses: int = 0
     timings: dict[str, float] = field(default_factory=dict)

@@ -258,6 +258,10 @@ class ChatService:
                     if first_ns is None:
                         ttft_ms, first_ns = _ms(t0), time.time_ns()
                         trace.first_token(ttft_ms)
+                        # an adaptive visual budget follows the TTFT objective's burn
+                        observe = getattr(self.vision.encoder, "observe_ttft", None)
+                        if observe is not None:
+                            observe(ttft_ms)
                     if delta.index == 0:
                         text_parts.append(delta.text)
                         partial.append(delta.text)
@@ -351,6 +355,7 @@ class ChatService:
                 cached_tokens=result.cached_tokens,
                 cached_image_tokens=result.cached_image_tokens,
                 kv_warmed_tokens=result.warmed_tokens,
+                visual_budget=_budget_in_force(self.vision),
                 vision_hits=hits,
                 vision_misses=misses,
                 timings=timings,
@@ -730,6 +735,12 @@ class ChatService:
             reason=result.reason or None,
         )
         return result
+
+
+def _budget_in_force(vision: VisionResolver) -> float | None:
+    """The keep-ratio cap new images get now (an adaptive visual budget); None without one."""
+    budget = getattr(vision.encoder, "budget", None)
+    return None if budget is None else budget.in_force
 
 
 def _status(result: GenerationResult) -> tuple[Status, str | None]:

@@ -96,6 +96,15 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     )
     vision_tower: str = "vit-b16-224"  # or vit-l14-336, or a local CLIP/SigLIP checkpoint dir
     pruning: str = "dynamic"  # none | random | topk | dynamic | dynamic+merge
+    # adaptive visual budget (in-process encoder, pruning on): while the P95 time to first
+    # token over the last visual_budget_window_s is above visual_budget_ttft_ms, new images are
+    # encoded with a keep-ratio cap lowered by visual_budget_step at a time, down to
+    # visual_budget_floor; it returns step by step once the P95 is back under the objective
+    visual_budget_adaptive: bool = False
+    visual_budget_ttft_ms: float = 2000.0
+    visual_budget_floor: float = 0.1
+    visual_budget_step: float = 0.1
+    visual_budget_window_s: float = 30.0
     # stored form of visual tokens: int4 (group-wise) | bf16 | fp32; with pruning none and a VLM
     # checkpoint, fp32 is exact mode (the checkpoint's own image features, unchanged)
     visual_tokens: str = "int4"
@@ -237,6 +246,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         need(self.session_ttl_s >= 1, "session_ttl_s", "must be >= 1 second")
         need(self.vision_cache_bytes >= 0, "vision_cache_bytes", "must be >= 0")
         need(self.kv_budget_bytes >= 0, "kv_budget_bytes", "must be >= 0")
+        need(0.0 < self.visual_budget_floor <= 1.0, "visual_budget_floor", "must be in (0, 1]")
+        need(0.0 < self.visual_budget_step <= 1.0, "visual_budget_step", "must be in (0, 1]")
+        for name in ("visual_budget_ttft_ms", "visual_budget_window_s"):
+            need(getattr(self, name) > 0, name, "must be > 0")
         need(
             self.redis_url is None or _redis_url_problem(self.redis_url) is None,
             "redis_url",

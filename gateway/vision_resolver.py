@@ -184,6 +184,19 @@ class VisionResolver:
     def fingerprint(self) -> str:
         return self.encoder.fingerprint
 
+    def _fingerprints(self) -> tuple[str, ...]:
+        """The fingerprints an image's tokens may be cached under: the encoder's, and with an
+        adaptive visual budget each smaller budget's after it."""
+        return getattr(self.encoder, "fingerprints", None) or (self.fingerprint,)
+
+    async def _cached(self, name: str):
+        """The vision-cache entry of `name` under the first fingerprint that has one."""
+        for fingerprint in self._fingerprints():
+            hit = await self.cache.get(fingerprint, name)
+            if hit is not None:
+                return hit
+        return None
+
     def _scope(self, owner: str) -> str | None:
         return None if self.share_across_keys else owner
 
@@ -205,14 +218,14 @@ class VisionResolver:
         name = self._name(owner, digest)
         if await self.images.contains(digest, scope=self._scope(owner)):
             return True
-        return await self.cache.get(self.fingerprint, name) is not None
+        return await self._cached(name) is not None
 
     async def cached(self, owner: str, digest: str) -> EncodedImage | None:
         """The tokens, if `owner` has been given them before and they are still cached (a key
         that has not is told nothing about another key's encode)."""
         if not is_sha256_hex(digest) or await self.owners.state(owner, digest) != "used":
             return None
-        hit = await self.cache.get(self.fingerprint, self._name(owner, digest))
+        hit = await self._cached(self._name(owner, digest))
         return None if hit is None else self._unpack(hit.payload, digest)
 
     async def original(self, owner: str, digest: str) -> bytes:
@@ -276,7 +289,7 @@ class VisionResolver:
         if held is None:
             raise _not_found(digest)
         name = self._name(owner, digest)
-        hit = await self.cache.get(self.fingerprint, name)
+        hit = await self._cached(name)
         image = None if hit is None else self._unpack(hit.payload, digest)
         if hit is not None and image is not None:
             self._lookup(hit.tier, "hit")
@@ -343,7 +356,9 @@ class VisionResolver:
             done = _Encoded(image, None, 0.0, owner)
         else:
             t_put = time.perf_counter()
-            await self.cache.put(self.fingerprint, name, pack_encoded(image))
+            # under the fingerprint of the budget it was encoded with (`gateway.visual_budget`)
+            fingerprint = image.fingerprint if image.fingerprint in self._fingerprints() else None
+            await self.cache.put(fingerprint or self.fingerprint, name, pack_encoded(image))
             done = _Encoded(image, started_ns, (time.perf_counter() - t_put) * 1e3, owner)
         # the tokens are the encoding owner's own, even if every caller has gone away
         await self.owners.mark_used(owner, digest)

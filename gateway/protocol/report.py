@@ -38,6 +38,9 @@ class CacheReport(Struct):
     # of kv_tokens_reused, prompt tokens a KV warm-up prefilled while the client was still
     # composing its question (the image's item arrived first)
     kv_warmed_tokens: int = 0
+    # with an adaptive visual budget: the keep-ratio cap new images were encoded under when
+    # this response ran (lower than the configured one while the TTFT objective burns)
+    visual_budget: float | None = None
 
     @classmethod
     def of(cls, finished: Finished) -> CacheReport:
@@ -47,4 +50,5 @@ class CacheReport(Struct):
             vision_misses=finished.vision_misses,
             kv_tokens_reused=finished.cached_tokens,
             kv_warmed_tokens=finished.kv_warmed_tokens,
+            visual_budget=finished.visual_budget,
         )

@@ -187,6 +187,11 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "visiongate.cache.lookups": ("counter", "{lookup}", "Cache lookups by cache, tier and result"),
     "visiongate.kv.reused_tokens": ("counter", "{token}", "Prompt tokens served from reused KV"),
     "visiongate.kv.prefill_tokens": ("counter", "{token}", "Prompt tokens prefilled anew"),
+    "visiongate.encode.budget": (
+        "counter",
+        "{image}",
+        "Images encoded, by the keep-ratio cap in force (adaptive visual budget)",
+    ),
     "visiongate.kv.warmups": (
         "counter",
         "{warmup}",
@@ -248,6 +253,7 @@ PROMETHEUS_NAMES: dict[str, str] = {
     "visiongate.cache.lookups": "visiongate_cache_lookups_total",
     "visiongate.kv.reused_tokens": "visiongate_kv_reused_tokens_total",
     "visiongate.kv.prefill_tokens": "visiongate_kv_prefill_tokens_total",
+    "visiongate.encode.budget": "visiongate_encode_budget_total",
     "visiongate.kv.warmups": "visiongate_kv_warmups_total",
     "visiongate.kv.warmed_tokens": "visiongate_kv_warmed_tokens_total",
     "visiongate.errors": "visiongate_errors_total",
@@ -408,6 +414,10 @@ class GatewayMetrics:
         """Prompt tokens taken from a session's KV blocks vs. prefilled for one response."""
         self._add("visiongate.kv.reused_tokens", reused_tokens, {})
         self._add("visiongate.kv.prefill_tokens", prefill_tokens, {})
+
+    def record_visual_budget(self, *, keep_ratio_cap: float) -> None:
+        """One image encoded under the adaptive visual budget's cap."""
+        self._add("visiongate.encode.budget", 1, {"keep_ratio_cap": f"{keep_ratio_cap:g}"})
 
     def record_kv_warmup(self, *, outcome: str, computed_tokens: int) -> None:
         """One KV warm-up's end, and the prompt tokens it prefilled."""

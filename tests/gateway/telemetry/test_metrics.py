@@ -44,6 +44,7 @@ def record_one_of_each(m: GatewayMetrics) -> None:
     m.record_cache_lookup(cache="vision", tier="memory", result="hit")
     m.record_kv_reuse(reused_tokens=40, prefill_tokens=10)
     m.record_kv_warmup(outcome="warmed", computed_tokens=120)
+    m.record_visual_budget(keep_ratio_cap=0.3)
     m.record_error(code="image_too_large", api="chat_completions")
     m.ws_connection_opened()
     m.observe_gauges(
