@@ -272,7 +272,10 @@ async def _load_models(state: GatewayState, encoder: Encoder | None) -> None:
     try:
         await engine.start()
         encoder = encoder or build_encoder(settings, engine)
-        if settings.visual_budget_adaptive and hasattr(encoder, "fingerprint_for"):
+        # the in-process engine keys KV by the tokens themselves; an upstream's content ids
+        # name the encoder's fingerprint, so the budget applies to the local engine only
+        adaptive = settings.visual_budget_adaptive and settings.engine == "local"
+        if adaptive and hasattr(encoder, "fingerprint_for"):
             from gateway.visual_budget import BudgetedEncoder, VisualBudget
 
             cfg = encoder.config  # type: ignore[attr-defined]

@@ -118,3 +118,51 @@ async def test_images_encoded_under_a_cap_are_cached_by_its_fingerprint() -> Non
         assert vision.encodes == 2
     finally:
         await encoder.aclose()
+
+
+@pytest.mark.slow
+def test_a_gateway_over_its_objective_encodes_new_images_smaller() -> None:
+    """Served for real: TTFTs over a 1 ms objective lower the cap; the turn reports it."""
+    import httpx
+
+    from gateway.app import create_app
+    from gateway.server import ServerThread
+    from tests.gateway.conftest import gateway_settings
+
+    settings = gateway_settings(visual_budget_adaptive=True, visual_budget_ttft_ms=1.0)
+    with ServerThread(create_app(settings), settings) as server:
+        server.wait_ready()
+        with httpx.Client(base_url=server.http_url, timeout=120) as client:
+            model = client.get("/v1/models").json()["data"][0]["id"]
+
+            def ask(content) -> dict:
+                body = {
+                    "model": model,
+                    "max_tokens": 1,
+                    "messages": [{"role": "user", "content": content}],
+                }
+                reply = client.post("/v1/chat/completions", json=body)
+                assert reply.status_code == 200, reply.text
+                return reply.json()["usage"]["visiongate"]
+
+            first = ask("Hi")
+            assert first["cache"]["visual_budget"] == 0.5  # the configured cap, in force
+            for i in range(8):
+                ask(f"Say {i}.")
+            url = data_url_of(photo_bytes("rocket"))
+            turn = ask(
+                [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": "What is it?"},
+                ]
+            )
+            assert turn["cache"]["visual_budget"] == 0.4
+            assert turn["image_tokens"] <= round(0.4 * turn["image_tokens_total"]) + 1
+            metrics = client.get("/metrics").text
+            assert 'visiongate_encode_budget_total{keep_ratio_cap="0.4"' in metrics
+
+
+def data_url_of(data: bytes) -> str:
+    import base64
+
+    return "data:image/jpeg;base64," + base64.b64encode(data).decode()
