@@ -547,6 +547,12 @@ class RealtimeConnection:
             )
         params = event.response or rt.ResponseParams()
         check_output_modalities(params.output_modalities, "response.output_modalities")
+        if params.conversation not in (None, "auto", "none"):
+            raise GatewayError(
+                "invalid_request",
+                'conversation is "auto" (the session\'s) or "none" (out-of-band)',
+                param="response.conversation",
+            )
         options = response_options(
             self.limits,
             where="response.",

@@ -359,6 +359,7 @@ async def test_session_tools_are_checked_and_a_refusal_changes_nothing(
     [
         ({"tool_choice": "required"}, "response.tool_choice"),
         ({"tools": [{"type": "retrieval"}]}, "response.tools[0].type"),
+        ({"conversation": "conv_other"}, "response.conversation"),
         (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_time"}},
             "response.tool_choice.name",
