@@ -531,7 +531,9 @@ class RealtimeConnection:
             await self._send_error(failed, event_id)
             return
         await self._send(rt.ConversationItemDone(self._eid(), wire_item(stored), previous))
-        if self.state.settings.kv_warmup:  # prefill the conversation through it while they type
+        # prefill the conversation through it while they type (not with session tools: the
+        # warm-up renders no tools prompt, so its prefix would not be the response's)
+        if self.state.settings.kv_warmup and not self.tools.tools:
             self.state.require().service.schedule_warm_up(
                 self.session.id, self.owner, pending=self.pending
             )

@@ -22,12 +22,13 @@ from gateway.engine.interface import (
     GenerationResult,
     ImageInput,
     TextDelta,
+    WarmUpResult,
 )
 from gateway.tool_stream import call_id, render_tool_call, render_tool_result
 from tests.conftest import unique_photo
 from tests.fakes import FakeEncoder, FakeEngine
 from tests.gateway.realtime_helpers import Peer, data_url
-from tests.unit.conftest import FakeGateway, start_gateway, unit_settings
+from tests.unit.conftest import FakeGateway, eventually, start_gateway, unit_settings
 
 TIMEOUT = 10.0
 WEATHER = {
@@ -51,6 +52,11 @@ class ScriptedEngine(FakeEngine):
     def __init__(self) -> None:
         super().__init__()
         self.script: list[str] = []
+        self.warm_ups: list[GenerationRequest] = []
+
+    async def warm_up(self, request: GenerationRequest) -> WarmUpResult:
+        self.warm_ups.append(request)
+        return WarmUpResult("warmed")
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         if not self.script:
@@ -595,3 +601,22 @@ async def test_a_resumed_session_shows_its_calls_and_results(gateway: FakeGatewa
         "status": "completed",
     }
     assert (items[2]["call_id"], items[2]["output"]) == (call.call_id, "sun")
+
+
+async def test_no_kv_warm_up_with_session_tools(gateway: FakeGateway) -> None:
+    """A warm-up renders the conversation without the tools prompt: with session tools it
+    would prefill a prefix no response uses, so none is started."""
+    engine: ScriptedEngine = gateway.engine  # type: ignore[assignment]
+    image = {"type": "input_image", "image_url": data_url(unique_photo("coffee"))}
+    async with realtime(gateway) as conn:
+        before = len(engine.warm_ups)
+        await add(conn, user(image))
+        await eventually(lambda: len(engine.warm_ups) > before)
+        await conn.session.update(session={"type": "realtime", "tools": [WEATHER]})
+        await until(conn, "session.updated")
+        warmed = len(engine.warm_ups)
+        rocket = {"type": "input_image", "image_url": data_url(unique_photo("rocket"))}
+        await add(conn, user(rocket))
+        await conn.response.create()  # the warm-up would have been scheduled before this ran
+        await until(conn, "response.done")
+    assert len(engine.warm_ups) == warmed
