@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt 2>/
 # pip prints a warning per package for local index paths that do not exist; keep the output readable
 QUIET  := 2>&1 | sed '/^WARNING: Location/d'
 
-.PHONY: install lint demo test test-fast test-unit bench gpu-check clean system-deps stack
+.PHONY: install lint demo test test-fast test-unit bench gpu-check clean system-deps node-deps stack
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,16 @@ install: $(STAMP)
 
 system-deps:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+	@(command -v node && command -v npm) >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm)
+
+# the official Node SDK the framework tests run (tests/frameworks/node), from its lock file
+NODE_DIR   := tests/frameworks/node
+NODE_STAMP := $(NODE_DIR)/node_modules/.installed-$(shell sha1sum $(NODE_DIR)/package-lock.json 2>/dev/null | cut -c1-12)
+$(NODE_STAMP): $(NODE_DIR)/package-lock.json
+	cd $(NODE_DIR) && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+node-deps: system-deps $(NODE_STAMP)
 
 demo: install
 	$(VENV)/bin/visiongate demo
@@ -46,7 +56,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: install system-deps lint
+test: install system-deps node-deps lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # the fast suite: the real gateway over a fake engine and encoder, no model loaded (seconds)

@@ -27,7 +27,7 @@ API_KEY = "framework-key"
 
 
 @dataclass(frozen=True)
-class TestCA:
+class LocalCA:
     ca_pem: Path  # what clients trust
     cert_pem: Path  # the server's chain, for 127.0.0.1 and localhost
     key_pem: Path
@@ -36,7 +36,7 @@ class TestCA:
         return ssl.create_default_context(cafile=str(self.ca_pem))
 
 
-def make_ca(folder: Path) -> TestCA:
+def make_ca(folder: Path) -> LocalCA:
     """A self-signed CA and a server certificate it signed (EC P-256, valid for a day)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -101,7 +101,7 @@ def make_ca(folder: Path) -> TestCA:
         .sign(ca_key, hashes.SHA256())
     )
     pem = serialization.Encoding.PEM
-    out = TestCA(folder / "ca.pem", folder / "cert.pem", folder / "key.pem")
+    out = LocalCA(folder / "ca.pem", folder / "cert.pem", folder / "key.pem")
     out.ca_pem.write_bytes(ca.public_bytes(pem))
     out.cert_pem.write_bytes(cert.public_bytes(pem))
     out.key_pem.write_bytes(
@@ -111,12 +111,12 @@ def make_ca(folder: Path) -> TestCA:
 
 
 @pytest.fixture(scope="session")
-def test_ca(tmp_path_factory: pytest.TempPathFactory) -> TestCA:
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> LocalCA:
     return make_ca(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="session")
-def tls_gateway(test_ca: TestCA) -> Iterator[ServerThread]:
+def tls_gateway(test_ca: LocalCA) -> Iterator[ServerThread]:
     """The real gateway over TLS, with an API key (the clients send it as they would to
     OpenAI). Answers are capped at 96 tokens, room for a tool call or a small JSON object."""
     settings = Settings.load(
@@ -143,14 +143,14 @@ def base_url(tls_gateway: ServerThread) -> str:
 
 
 @pytest.fixture(scope="session")
-def https_client(test_ca: TestCA) -> Iterator[httpx.Client]:
+def https_client(test_ca: LocalCA) -> Iterator[httpx.Client]:
     """What the Python clients send through: httpx trusting the test CA only."""
     with httpx.Client(verify=test_ca.context(), timeout=300) as client:
         yield client
 
 
 @pytest.fixture(scope="session")
-def async_https_client(test_ca: TestCA) -> httpx.AsyncClient:
+def async_https_client(test_ca: LocalCA) -> httpx.AsyncClient:
     return httpx.AsyncClient(verify=test_ca.context(), timeout=300)
 
 
