@@ -344,8 +344,8 @@ class ResponseExtension(Struct):
 class ResponseState(Struct, omit_defaults=True):
     id: str
     status: Literal["in_progress", "completed", "cancelled", "incomplete", "failed"]
+    conversation_id: str | None  # null for an out-of-band response (always sent)
     object: Literal["realtime.response"] = "realtime.response"
-    conversation_id: str | None = None
     output: list[Item] = msgspec.field(default_factory=list)
     output_modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
     max_output_tokens: int | Literal["inf"] | None = None

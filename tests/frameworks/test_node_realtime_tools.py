@@ -1,7 +1,9 @@
 """The official Node SDK's Realtime client (`openai/realtime/ws`, over the gateway's own TLS) in a
 tool round trip with an image: the model's call as a `function_call` item with its arguments
 streamed, the tool's result sent back as a `function_call_output`, the answer after it; and the
-same two turns over the Node SDK's Chat Completions answer token for token the same (greedy).
+same two turns over the Node SDK's Chat Completions answer token for token the same (greedy);
+then an out-of-band response over its own input, and the item retrieve, truncate and delete
+events.
 The packages are those of `node/package-lock.json` (`npm ci`), as for `test_node_sdk.py`."""
 
 from __future__ import annotations
@@ -76,3 +78,19 @@ def test_node_realtime_tool_round_trip_matches_chat_completions(
     for turn in ("call_usage", "answer_usage"):
         assert chat[turn]["prompt_tokens"] == realtime[turn]["input_tokens"]
         assert chat[turn]["completion_tokens"] == realtime[turn]["output_tokens"]
+
+    items = out["items"]
+    side = items["side"]
+    assert side["status"] in ("completed", "incomplete") and side["conversation_id"] is None
+    assert side["metadata"] == {"run": "side"} and side["output"][0]["type"] == "message"
+    assert not [t for t in items["side_events"] if t.startswith("conversation.")]
+    assert items["retrieved"] == {**call, "status": "completed"}
+    truncated, answer_id = items["truncated"], items["answer_id"]
+    assert (truncated["item_id"], truncated["content_index"], truncated["audio_end_ms"]) == (
+        answer_id,
+        0,
+        0,
+    )
+    assert items["deleted"]["item_id"] == answer_id
+    gone = items["gone"]
+    assert (gone["code"], gone["param"], gone["event_id"]) == ("item_not_found", "item_id", "gone")

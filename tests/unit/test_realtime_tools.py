@@ -500,6 +500,7 @@ async def test_out_of_band_response_reads_its_own_input_and_stores_nothing(
         done, events = await until(conn, "response.done")
         response = done.response
         assert response.conversation_id is None and response.metadata == {"topic": "triage"}
+        assert "conversation_id" in response.model_fields_set  # sent as null
         assert events[0].type == "response.created"
         assert events[0].response.metadata == {"topic": "triage"}
         assert response.output[0].content[0].text == "side question [1 images]"

@@ -1,6 +1,7 @@
 // A Realtime tool round trip with an image through the official Node SDK's Realtime client
-// (openai/realtime/ws), then the same two turns over its Chat Completions; prints what each
-// answered as one JSON object. Run by tests/frameworks/test_node_realtime_tools.py.
+// (openai/realtime/ws), then the same two turns over its Chat Completions; then an out-of-band
+// response and the item events (retrieve, truncate, delete); prints what came back as one JSON
+// object. Run by tests/frameworks/test_node_realtime_tools.py.
 import fs from 'node:fs';
 import OpenAI from 'openai';
 import { OpenAIRealtimeWS } from 'openai/realtime/ws';
@@ -34,12 +35,14 @@ await new Promise((resolve, reject) => {
   rt.socket.once('error', reject);
 });
 
-async function until(type) {
+async function until(type, { errors = false } = {}) {
   const seen = [];
   for (;;) {
     while (queue.length === 0) await new Promise((resolve) => (wake = resolve));
     const event = queue.shift();
-    if (event.type === 'error') throw new Error(`error event: ${JSON.stringify(event.error)}`);
+    if (event.type === 'error' && !(errors && type === 'error')) {
+      throw new Error(`error event: ${JSON.stringify(event.error)}`);
+    }
     if (event.type === type) return [event, seen];
     seen.push(event);
   }
@@ -68,7 +71,7 @@ rt.send({
     ],
   },
 });
-await until('conversation.item.done');
+const [questionDone] = await until('conversation.item.done');
 rt.send({ type: 'response.create', response: { max_output_tokens: 40 } });
 const [called, callEvents] = await until('response.done');
 const call = called.response.output[0];
@@ -88,6 +91,31 @@ const text = answerEvents
   .filter((e) => e.type === 'response.output_text.delta')
   .map((e) => e.delta)
   .join('');
+
+// out of band: its own input (a reference to the question, and a message), nothing stored
+rt.send({
+  type: 'response.create',
+  response: {
+    conversation: 'none',
+    instructions: 'Answer in one word.',
+    metadata: { run: 'side' },
+    max_output_tokens: 4,
+    input: [
+      { type: 'item_reference', id: questionDone.item.id },
+      { type: 'message', role: 'user', content: [{ type: 'input_text', text: 'Is it sunny?' }] },
+    ],
+  },
+});
+const [side, sideEvents] = await until('response.done');
+const answerId = answered.response.output[0].id;
+rt.send({ type: 'conversation.item.retrieve', item_id: call.id });
+const [retrieved] = await until('conversation.item.retrieved');
+rt.send({ type: 'conversation.item.truncate', item_id: answerId, content_index: 0, audio_end_ms: 0 });
+const [truncated] = await until('conversation.item.truncated');
+rt.send({ type: 'conversation.item.delete', item_id: answerId });
+const [deleted] = await until('conversation.item.deleted');
+rt.send({ type: 'conversation.item.retrieve', item_id: answerId, event_id: 'gone' });
+const [gone] = await until('error', { errors: true });
 rt.close();
 
 const tools = [{ type: 'function', function: { name: 'get_weather', description, parameters } }];
@@ -127,6 +155,15 @@ const final = await client.chat.completions.create({
 
 console.log(
   JSON.stringify({
+    items: {
+      side: side.response,
+      side_events: sideEvents.map((e) => e.type),
+      retrieved: retrieved.item,
+      truncated,
+      deleted,
+      gone: gone.error,
+      answer_id: answerId,
+    },
     realtime: {
       call,
       arguments_done: argumentsDone,
