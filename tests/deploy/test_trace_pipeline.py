@@ -124,7 +124,9 @@ def pipeline(
         )  # fmt: skip
         services += [gateway.start(), worker.start()]
         gateway.wait_ready(timeout_s=300)  # ready once the model is loaded and a worker is up
-        yield Pipeline(gateway, worker, collector, broker, forwarder, log_dir)
+        pipeline = Pipeline(gateway, worker, collector, broker, forwarder, log_dir)
+        yield pipeline
+        services.append(pipeline.broker)  # a test may have started another one
     finally:
         for service in reversed(services):
             service.stop()
