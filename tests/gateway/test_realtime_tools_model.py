@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from openai import AsyncOpenAI
 
-from tests.conftest import unique_photo
+from tests.conftest import photo_bytes
 from tests.gateway.realtime_helpers import data_url
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,7 @@ async def until(conn: Any, kind: str) -> tuple[Any, list[Any]]:
 async def test_realtime_tool_round_trip_with_an_image_matches_chat_completions(
     gateway_server,
 ) -> None:
-    photo = data_url(unique_photo("astronaut"))
+    photo = data_url(photo_bytes("astronaut", size=320))  # one photo: a reproducible answer
     client = AsyncOpenAI(base_url=f"{gateway_server.http_url}/v1", api_key="unused")
     try:
         async with client.realtime.connect(model=MODEL) as conn:
