@@ -191,6 +191,13 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
             text = medians["text_followup"]
             summary[f"{gateway}/{name}"] = {
                 "ttft_ms_median": medians,
+                # what each first turn prefilled after its question arrived (timing-free)
+                "prefill_tokens_median": {
+                    c: statistics.median(
+                        r["prefill_tokens"] for r in ph["rows"] if r["condition"] == c
+                    )
+                    for c in CONDITIONS
+                },
                 "ratio_vs_text_followup": {
                     c: round(medians[c] / text, 3) if text else None for c in CONDITIONS
                 },
@@ -266,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         p95 = s["other_sessions_decode_p95_ms"]
         print(f"  {key:<22}{cells}   {'-' if p95 is None else f'{p95:.0f} ms'}")
+    print("prompt tokens prefilled after the question arrived, median")
+    for key, s in summary.items():
+        if isinstance(s, dict) and "prefill_tokens_median" in s:
+            tokens = s["prefill_tokens_median"]
+            print(f"  {key:<22}" + "".join(f"{tokens[c]:>28g}" for c in CONDITIONS))
     print(
         f"goal: photo_ahead <= {summary['goal_photo_ahead_vs_text_followup']}x text_followup, "
         "and no worse decode P95 for the other sessions than without warm-up"

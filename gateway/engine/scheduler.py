@@ -120,8 +120,10 @@ HEAVY_PREFILL_STEPS = 4
 HEAVY_DEMAND_STEPS = 2
 # beside a light key, the heavy keys together feed prefill_chunk_tokens // this a step
 HEAVY_TOKENS_DIVISOR = 16
-# beside running decodes, warm-ups together feed prefill_chunk_tokens // this a step
-WARMUP_BESIDE_DIVISOR = 16
+# beside running decodes, warm-ups together feed prefill_chunk_tokens // this a step: enough to
+# finish a photo's prompt within seconds beside 8 decoding sessions (bench.warmup), little
+# beside the step's decodes
+WARMUP_BESIDE_DIVISOR = 8
 # sessions whose last warm-up is remembered for their next turn's report
 WARMED_KEPT = 4096
 
