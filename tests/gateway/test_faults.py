@@ -158,7 +158,7 @@ async def test_oversized_text_and_bad_sampling_values_are_refused(gateway_server
             {
                 "type": "response.create",
                 "event_id": "tl",
-                "response": {"tools": [{"type": "function", "name": "f"}]},
+                "response": {"tools": [{"type": "mcp", "server_label": "f"}]},  # not run here
             },
             "invalid_request",
         ),
