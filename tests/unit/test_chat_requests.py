@@ -83,7 +83,9 @@ def test_limits_are_read_from_settings() -> None:
         environ={},
     )
     limits = RequestLimits.of(settings)
-    assert limits == RequestLimits(300, 7, 3, 9, 2 * MiB, 5000, ("https://img.example.com/a/",))
+    assert limits == RequestLimits(
+        300, 7, 3, 9, 2 * MiB, 5000, ("https://img.example.com/a/",), max_output_tokens=30
+    )
     assert limits.max_parts_per_message == 3 + EXTRA_PARTS
 
 

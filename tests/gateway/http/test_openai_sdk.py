@@ -239,3 +239,23 @@ def test_a_prompt_past_the_context_is_a_bad_request(openai_client: OpenAI, model
             max_tokens=4,
         )
     assert caught.value.status_code == 400 and caught.value.code == "context_length_exceeded"
+
+
+def test_completions_take_token_id_prompts(
+    openai_client: OpenAI, model: str, gateway_server
+) -> None:
+    """Token ids, as evaluation harnesses send them, answer what the same text does (greedy);
+    an id outside the vocabulary is refused naming where it sits."""
+    tokenizer = gateway_server.app.state["gateway"].engine.tokenizer
+    text = "The capital of France is"
+    ids = [int(i) for i in tokenizer(text)["input_ids"]]
+    by_text = openai_client.completions.create(model=model, prompt=text, max_tokens=5)
+    by_ids = openai_client.completions.create(model=model, prompt=ids, max_tokens=5)
+    assert by_ids.choices[0].text == by_text.choices[0].text != ""
+    assert by_ids.usage.prompt_tokens == len(ids) == by_text.usage.prompt_tokens
+    both = openai_client.completions.create(model="default", prompt=[ids, ids[:3]], max_tokens=2)
+    assert [c.index for c in both.choices] == [0, 1] and both.model == model
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.completions.create(model=model, prompt=[[5, len(tokenizer)]], max_tokens=2)
+    assert info.value.body["param"] == "prompt[0][1]"
+    assert f"0..{len(tokenizer) - 1}" in info.value.body["message"]
