@@ -593,7 +593,9 @@ class RealtimeConnection:
                 started=set(self.pending),
                 quota=self.encode_quota,
             )
-            if not context and not (options.instructions or self.session.instructions):
+            if not context and not (
+                options.instructions or self.session.instructions or options.tools_prompt
+            ):
                 permit.close()
                 raise GatewayError(
                     "invalid_request",
@@ -604,9 +606,11 @@ class RealtimeConnection:
         view = msgspec.structs.replace(self.session, items=joined(context))
         self.response_options = options
         self.response_task = asyncio.create_task(
-            self._run_response(options, params, view, permit, event.event_id, received),
+            self._run_response(options, params, view, event.event_id, received),
             name=f"response {options.response_id}",
         )
+        if permit is not None:  # the input's encode slots, held until the response ends
+            self.response_task.add_done_callback(lambda _: permit.close())
 
     def _response_tools(self, params: rt.ResponseParams, budget: int) -> ToolPlan | None:
         """The response's tools, each field its own or else the session's."""
@@ -641,7 +645,6 @@ class RealtimeConnection:
         options: ResponseOptions,
         params: rt.ResponseParams,
         view: Session,
-        permit: EncodePermit | None,
         event_id: str | None,
         received: float,
     ) -> None:
@@ -671,9 +674,6 @@ class RealtimeConnection:
             if not finished:
                 error = GatewayError("internal_error", f"the response failed: {type(exc).__name__}")
                 await self._finish(Finished(rid, iid, "failed", "", error=error), output, event_id)
-        finally:
-            if permit is not None:
-                permit.close()
 
     async def _finish(self, ev: Finished, output: ResponseOutput, event_id: str | None) -> None:
         options = output.options

@@ -28,7 +28,13 @@ from gateway.tool_stream import call_id, render_tool_call, render_tool_result
 from tests.conftest import unique_photo
 from tests.fakes import FakeEncoder, FakeEngine
 from tests.gateway.realtime_helpers import Peer, data_url
-from tests.unit.conftest import FakeGateway, eventually, start_gateway, unit_settings
+from tests.unit.conftest import (
+    FakeGateway,
+    GatewayFactory,
+    eventually,
+    start_gateway,
+    unit_settings,
+)
 
 TIMEOUT = 10.0
 WEATHER = {
@@ -621,3 +627,23 @@ async def test_no_kv_warm_up_with_session_tools(gateway: FakeGateway) -> None:
         await conn.response.create()  # the warm-up would have been scheduled before this ran
         await until(conn, "response.done")
     assert len(engine.warm_ups) == warmed
+
+
+async def test_out_of_band_images_give_their_encode_slots_back(
+    make_gateway: GatewayFactory,
+) -> None:
+    """An input's images hold encode slots only while their response runs: one response after
+    another, each with a new image, is never refused under a cap of one pending encode."""
+    small = make_gateway(
+        settings=dict(max_pending_encodes_per_connection=1, max_pending_encodes_per_key=1)
+    )
+    async with realtime(small) as conn:
+        for name in ("astronaut", "coffee", "chelsea"):
+            image = {"type": "input_image", "image_url": data_url(unique_photo(name))}
+            await conn.response.create(
+                response={"conversation": "none", "input": [user(image, text("what?"))]}
+            )
+            done, _ = await until(conn, "response.done", "error")
+            assert done.type == "response.done", done.error
+            assert done.response.usage.input_token_details.image_tokens > 0
+    assert small.state.require().vision.pending("anonymous") == 0
