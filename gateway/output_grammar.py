@@ -86,6 +86,7 @@ __all__ = (
     "ToolSpec",
     "bound_schema",
     "call_id",
+    "plain_text_grammar",
     "plan_tools",
     "render_answer",
     "render_tool_call",
@@ -569,9 +570,7 @@ def plan_tools(
     if choice == "none":
         # the tools stay listed (the same prompt as under any other choice, so the KV of a
         # conversation that called them is reused); the grammar allows plain text only
-        grammar = text_grammar or _checked(
-            "start: TEXT\n" + _PLAIN_TEXT, "tools", "the plain-text grammar"
-        )
+        grammar = text_grammar or plain_text_grammar()
         return ToolPlan(tuple(tools), choice, None, parallel, prompt, grammar)
     offered = [t for t in tools if t.name == function] if function else tools
     grammar = _checked(
@@ -581,6 +580,13 @@ def plan_tools(
     )
     log.debug("tools planned", tools=len(tools), choice=choice, grammar_chars=len(grammar))
     return ToolPlan(tuple(tools), choice, function, parallel, prompt, grammar)
+
+
+def plain_text_grammar() -> str:
+    """Plain text that does not start with `<` and never holds a call's tag. Also for an answer
+    after tool results when no tools are offered: a small model otherwise imitates the
+    results' markup (`<tool_response>...`) instead of answering."""
+    return _checked("start: TEXT\n" + _PLAIN_TEXT, "tools", "the plain-text grammar")
 
 
 def _parse_choice(tool_choice: object, names: set[str], param: str) -> tuple[Choice, str | None]:

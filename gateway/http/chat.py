@@ -46,7 +46,12 @@ from gateway.chat_requests import (
 from gateway.http import protocol as p
 from gateway.http.event_streams import close_shielded, read_ahead, replay
 from gateway.http.messages import Conversation, all_parts, parse_messages, reconcile
-from gateway.output_grammar import plan_tools, response_format_grammar, tools_from_chat
+from gateway.output_grammar import (
+    plain_text_grammar,
+    plan_tools,
+    response_format_grammar,
+    tools_from_chat,
+)
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import Session
 from gateway.tool_stream import (
@@ -416,6 +421,8 @@ def _options(request: p.ChatCompletionRequest, limits: RequestLimits) -> Respons
         budget=budget,
     )
     options.grammar = text_grammar if plan is None else plan.grammar
+    if options.grammar is None and any(m.role == "tool" for m in request.messages):
+        options.grammar = plain_text_grammar()  # no tools now: answer the results in words
     if plan is not None:
         # listed under every choice (one prompt, one KV prefix); under "none" the grammar
         # keeps the answer plain text, so it is never read for calls

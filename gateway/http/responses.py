@@ -50,7 +50,12 @@ from gateway.http import protocol as p
 from gateway.http import responses_protocol as r
 from gateway.http.chat import EventStream
 from gateway.http.event_streams import close_shielded, read_ahead, replay
-from gateway.output_grammar import plan_tools, text_format_grammar, tools_from_responses
+from gateway.output_grammar import (
+    plain_text_grammar,
+    plan_tools,
+    text_format_grammar,
+    tools_from_responses,
+)
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.response_records import ResponseRecord
 from gateway.sessions.session import Session, StoredItem, new_id
@@ -249,6 +254,8 @@ class ResponsesServing:
             budget=budget,
         )
         options.grammar = grammar if plan is None else plan.grammar
+        if options.grammar is None and _has_tool_results(request.input):
+            options.grammar = plain_text_grammar()  # no tools now: answer the results in words
         if plan is not None:  # listed under every choice; "none" answers in plain text
             options.tools_prompt, options.tools = plan.prompt, plan.choice != "none"
         notes = []
@@ -759,6 +766,12 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
                 f"metadata values hold at most {MAX_METADATA_VALUE_CHARS} characters",
                 param=f"metadata.{key}",
             )
+
+
+def _has_tool_results(value: str | list) -> bool:
+    return isinstance(value, list) and any(
+        isinstance(item, dict) and item.get("type") == "function_call_output" for item in value
+    )
 
 
 def _unknown_response(response_id: str, param: str, why: str = "") -> GatewayError:

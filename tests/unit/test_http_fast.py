@@ -462,3 +462,33 @@ def test_tool_choice_without_tools_is_plain_text(
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model=MODEL, input="hi", tool_choice="required")
     assert info.value.body["param"] == "tool_choice"
+
+
+def test_an_answer_to_tool_results_without_tools_is_plain_text(
+    client: openai.OpenAI, fake_gateway: FakeGateway
+) -> None:
+    """No tools offered now, but results in the history: the answer is words, not an imitation
+    of the results' markup (what a small model otherwise writes), on both APIs."""
+    from gateway.output_grammar import plain_text_grammar
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+    )
+    assert fake_gateway.engine.requests[-1].sampling.grammar == plain_text_grammar()
+    client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "weather?"},
+            {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        ],
+    )
+    assert fake_gateway.engine.requests[-1].sampling.grammar == plain_text_grammar()
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert fake_gateway.engine.requests[-1].sampling.grammar is None  # no results: free text
