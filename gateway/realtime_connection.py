@@ -53,6 +53,7 @@ from gateway.chat_requests import (
     resolve_references,
     response_options,
 )
+from gateway.output_grammar import plain_text_grammar
 from gateway.protocol import realtime_events as rt
 from gateway.protocol.errors import GatewayError
 from gateway.ratelimit import SMALL_BODY, counts_as_refused, refused_error
@@ -604,6 +605,8 @@ class RealtimeConnection:
                 )
         # what the model reads: function_call items joined to the answer that made them
         view = msgspec.structs.replace(self.session, items=joined(context))
+        if options.grammar is None and any(i.role == "tool" for i in view.items):
+            options.grammar = plain_text_grammar()  # no tools now: answer the results in words
         self.response_options = options
         self.response_task = asyncio.create_task(
             self._run_response(options, params, view, event.event_id, received),

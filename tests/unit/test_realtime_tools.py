@@ -24,6 +24,7 @@ from gateway.engine.interface import (
     TextDelta,
     WarmUpResult,
 )
+from gateway.output_grammar import plain_text_grammar
 from gateway.tool_stream import call_id, render_tool_call, render_tool_result
 from tests.conftest import unique_photo
 from tests.fakes import FakeEncoder, FakeEngine
@@ -300,6 +301,8 @@ async def test_parallel_calls_are_items_of_their_own_and_join_again_for_the_mode
             )
         await conn.response.create()  # the session has no tools: a plain answer
         await until(conn, "response.done")
+    # as over Chat Completions: with no tools offered, results are answered in words
+    assert last_request(gateway).sampling.grammar == plain_text_grammar()
     assert shown(last_request(gateway))[-3:] == [
         ("assistant", [both]),
         ("user", [render_tool_result("rain")]),
