@@ -533,8 +533,10 @@ class RealtimeConnection:
             return
         await self._send(rt.ConversationItemDone(self._eid(), wire_item(stored), previous))
         # prefill the conversation through it while they type (not with session tools: the
-        # warm-up renders no tools prompt, so its prefix would not be the response's)
-        if self.state.settings.kv_warmup and not self.tools.tools:
+        # warm-up renders no tools prompt, so its prefix would not be the response's; nor when
+        # a response was already asked for: it prefills the conversation itself)
+        asked = self.response_task is not None and not self.response_task.done()
+        if self.state.settings.kv_warmup and not self.tools.tools and not asked:
             self.state.require().service.schedule_warm_up(
                 self.session.id, self.owner, pending=self.pending
             )
