@@ -49,12 +49,16 @@ class ImageLayout(msgspec.Struct, frozen=True, array_like=True):
     the image's first position, flattened as [t0, h0, w0, t1, h1, w1, ...]; a dropped patch's row
     is absent and the kept ones keep their original positions. `mrope_advance`: how far the text
     position moves past the image (the unpruned grid's max(t, h, w) + 1). Empty for 1-D RoPE.
+    `mrope_merge`: the checkpoint's spatial merge size (vision_config.spatial_merge_size): each
+    row is one merged token of `mrope_merge` x `mrope_merge` patches, so the image's patch grid
+    is the positions' (t, h * mrope_merge, w * mrope_merge). Layouts stored before it read as 2.
     """
 
     placeholder: str
     pieces: tuple[str | int, ...]
     mrope: tuple[int, ...] = ()
     mrope_advance: int = 0
+    mrope_merge: int = 2
 
     @property
     def rows(self) -> int:

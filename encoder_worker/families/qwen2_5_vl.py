@@ -312,4 +312,5 @@ class Family:
             pieces=(kept,),
             mrope=flat,
             mrope_advance=int(out.mrope_advance),
+            mrope_merge=self.merge,
         )

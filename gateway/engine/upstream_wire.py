@@ -218,13 +218,14 @@ def tensor_b64(tensor: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def grid_thw(mrope: tuple[int, ...], rows: int) -> list[list[int]] | None:
-    """The [t, h, w] patch grid of an M-RoPE image from its rows' (t, h, w) positions (after
-    the 2x2 merge), or None when rows were dropped (the grid would not match the rows)."""
+def grid_thw(mrope: tuple[int, ...], rows: int, merge: int = 2) -> list[list[int]] | None:
+    """The [t, h, w] patch grid of an M-RoPE image from its rows' (t, h, w) positions, which
+    are of merged tokens (`merge` x `merge` patches each, the checkpoint's spatial merge size),
+    or None when rows were dropped (the grid would not match the rows)."""
     t, h, w = (max(mrope[i::3]) + 1 for i in range(3))
     if t * h * w != rows:
         return None
-    return [[t, h * 2, w * 2]]
+    return [[t, h * merge, w * merge]]
 
 
 class ImageParts:
@@ -284,7 +285,7 @@ def render_image(image: ImageInput, kind: ImageInputKind) -> tuple[dict[str, Any
     size = len(embeds)
     layout = image.layout
     if layout is not None and layout.mrope:
-        grid = grid_thw(layout.mrope, int(image.embeds.shape[0]))
+        grid = grid_thw(layout.mrope, int(image.embeds.shape[0]), layout.mrope_merge)
         if grid is None:
             raise EngineError(
                 "an upstream M-RoPE model takes an image's whole grid of visual tokens; run the "

@@ -859,3 +859,46 @@ async def test_the_last_frame_at_max_tokens_keeps_its_finish_reason() -> None:
         async with started(a) as engine:
             _, (filtered,) = await collect(engine, request())
     assert filtered.finish_reason == "stop" and filtered.text == "Hello, world"
+
+
+@pytest.mark.parametrize("merge", [1, 2])
+def test_qwen_grid_follows_the_checkpoints_spatial_merge(merge: int, tmp_path: Path) -> None:
+    """The image_grid_thw a replica gets for a Qwen2.5-VL image is the checkpoint processor's
+    own, whatever the checkpoint's spatial merge size (1 merges nothing, 2 is 2x2)."""
+    import msgspec
+    import skimage.data
+    from PIL import Image
+
+    from encoder_worker.families import load_family
+    from gateway.engine.upstream_wire import render_image
+    from tests.vlm_checkpoints import qwen2_5_vl as builder
+
+    side = builder.PATCH * merge
+    checkpoint = builder.build(
+        tmp_path / f"qwen-merge{merge}",
+        vision={"spatial_merge_size": merge},
+        min_pixels=side**2 * 4,
+        max_pixels=side**2 * 40,
+    )
+    family = load_family(checkpoint, torch.device("cpu"), torch.float32)
+    rgb = skimage.data.rocket()  # 427 x 640: a grid wider than tall
+    out = family.encode(rgb)
+    layout = family.layout(out.runs, out)
+    assert layout.mrope_merge == merge
+    # the layout reaches the gateway inside the vision-cache entry's msgpack header
+    layout = msgspec.msgpack.decode(msgspec.msgpack.encode(layout), type=ImageLayout)
+    part, _ = render_image(ImageInput("ab" * 32, out.embeds, layout=layout), "embeds")
+    thw = _saved_tensor_bytes(part["image_embeds"]["image_grid_thw"])
+    got = torch.frombuffer(bytearray(thw), dtype=torch.int64).view(-1, 3).tolist()
+    processor = builder.load_processor(checkpoint).image_processor
+    expected = processor(images=[Image.fromarray(rgb)], return_tensors="pt")["image_grid_thw"]
+    assert got == expected.tolist()
+    t, h, w = got[0]
+    assert h != w and t * h * w == out.embeds.shape[0] * merge**2
+
+
+def test_a_layout_stored_before_the_merge_size_reads_as_2x2() -> None:
+    import msgspec
+
+    old = msgspec.msgpack.encode(["<|image_pad|>", [4], [0, 0, 0, 0, 0, 1, 0, 1, 0, 0, 1, 1], 2])
+    assert msgspec.msgpack.decode(old, type=ImageLayout).mrope_merge == 2
