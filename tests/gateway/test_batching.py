@@ -123,8 +123,10 @@ async def test_batch_of_eight_is_token_identical_to_alone(batch_server: ServerTh
     for i, ((text_a, resp_a), (text_b, resp_b)) in enumerate(zip(alone, together, strict=False)):
         assert text_a and text_a == text_b, f"session {i} changed in a batch"
         assert resp_a["usage"]["output_tokens"] == resp_b["usage"]["output_tokens"]
-        # the other key's KV was never reused: the batch prefilled its prompts itself
-        assert resp_b["usage"]["input_token_details"]["cached_tokens"] == 0
+        # the other key's KV was never reused: the batch prefilled its prompts itself (or its
+        # own KV warm-up did, between the photo's item and the response)
+        cached = resp_b["usage"]["input_token_details"]["cached_tokens"]
+        assert cached == resp_b["visiongate"]["cache"]["kv_warmed_tokens"]
 
 
 async def test_cancelling_one_of_eight_leaves_the_others_unchanged(batch_server) -> None:
