@@ -359,6 +359,8 @@ class LocalEngine:
             return WarmUpResult("failed", reason="engine not started")
         if request.kv_key is None:
             return WarmUpResult("failed", reason="a warm-up needs the session's kv_key")
+        if not self._prefix_caching:  # nothing computed ahead could be kept
+            return WarmUpResult("dropped", reason="prefix caching is off")
         if request.warm_up is None:
             request.warm_up = "message"
         job = Job(request, asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter())
