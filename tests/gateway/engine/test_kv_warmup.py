@@ -199,3 +199,16 @@ async def test_kv_pressure_drops_warm_ups_first(engine, collect) -> None:
         assert "kept" in sched.cache._pins
     finally:
         await twin.aclose()
+
+
+async def test_no_warm_up_without_prefix_caching(engine) -> None:
+    twin = engine.replica(prefix_caching=False)
+    await twin.start()
+    try:
+        ahead = [SYSTEM, Message("user", [image(engine, 6)])]
+        before = twin._scheduler.prefill_positions
+        result = await twin.warm_up(request(ahead, "uncached"))
+        assert result.outcome == "dropped" and result.positions == 0
+        assert twin._scheduler.prefill_positions == before  # nothing was computed for it
+    finally:
+        await twin.aclose()
