@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt 2>/
 # pip prints a warning per package for local index paths that do not exist; keep the output readable
 QUIET  := 2>&1 | sed '/^WARNING: Location/d'
 
-.PHONY: install lint demo test test-fast test-unit bench gpu-check clean system-deps node-deps stack
+.PHONY: install lint docs demo test test-fast test-unit bench gpu-check clean system-deps node-deps stack
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,7 +56,11 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: install system-deps node-deps lint
+# the docs site (mkdocs.yml, docs/) into site/; --strict fails on a broken link or anchor
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
+
+test: install system-deps node-deps lint docs
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # the fast suite: the real gateway over a fake engine and encoder, no model loaded (seconds)
@@ -75,4 +79,4 @@ gpu-check: install
 	scripts/gpu-check.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info site
