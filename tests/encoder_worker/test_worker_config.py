@@ -59,12 +59,12 @@ def start_worker(redis_url: str, log_path: Path, *flags: str) -> subprocess.Pope
         )  # fmt: skip
 
 
-def readme_scale_out(redis_url: str) -> tuple[list[str], list[str]]:
-    """The README's scale-out commands (worker, serve) as a user copies them, with only the
+def guide_scale_out(redis_url: str) -> tuple[list[str], list[str]]:
+    """The scale-out guide's commands (worker, serve) as a user copies them, with only the
     Redis URL pointed at the test's server."""
     import shlex
 
-    section = (ROOT / "README.md").read_text().split("## Scale-out", 1)[1]
+    section = (ROOT / "docs" / "guides" / "scale-out.md").read_text()
     block = section.split("```sh\n", 1)[1].split("```", 1)[0]
     commands = [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
     found = {}
@@ -75,9 +75,9 @@ def readme_scale_out(redis_url: str) -> tuple[list[str], list[str]]:
     return found["worker"], found["serve"]
 
 
-def start_readme_worker(argv: list[str], log_path: Path) -> subprocess.Popen:
+def start_guide_worker(argv: list[str], log_path: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VISIONGATE_")}
-    program = ROOT / argv[0]  # .venv/bin/visiongate in a checkout set up as the README says
+    program = ROOT / argv[0]  # .venv/bin/visiongate in a checkout set up as the quickstart says
     command = [str(program)] if program.exists() else [sys.executable, "-m", "gateway.cli"]
     with log_path.open("wb") as log:
         return subprocess.Popen(
@@ -85,7 +85,7 @@ def start_readme_worker(argv: list[str], log_path: Path) -> subprocess.Popen:
         )
 
 
-def readme_gateway_settings(argv: list[str], *extra: str):
+def guide_gateway_settings(argv: list[str], *extra: str):
     from gateway.cli import _overrides, build_parser
     from tests.gateway.conftest import gateway_settings
 
@@ -177,25 +177,26 @@ def _ask(base_url: str, image: bytes) -> dict:
 
 
 @pytest.mark.slow
-def test_the_readme_scale_out_commands_serve_bfloat16_then_float32_gateways(
+def test_the_scale_out_guide_commands_serve_bfloat16_then_float32_gateways(
     redis_url, tmp_path
 ) -> None:
-    """The README's worker command, run as written, serves a gateway started with the README's
-    serve command under each `--lm-dtype`: the worker has no token flags and adopts each."""
+    """The scale-out guide's worker command (docs/guides/scale-out.md), run as written, serves a
+    gateway started with the guide's serve command under each `--lm-dtype`: the worker has no
+    token flags and adopts each."""
     from gateway.app import create_app
     from gateway.server import ServerThread
 
-    worker_argv, serve_argv = readme_scale_out(redis_url)
+    worker_argv, serve_argv = guide_scale_out(redis_url)
     assert worker_argv[1:] == ["worker", "--redis-url", redis_url]  # no copied numbers
     log_path = tmp_path / "worker.log"
     r = redis.Redis.from_url(redis_url)
     fingerprints = []
-    with running(start_readme_worker(worker_argv, log_path), log_path) as proc:
+    with running(start_guide_worker(worker_argv, log_path), log_path) as proc:
         for dtype, rms, name in (
             ("bfloat16", BF16_RMS, "chelsea"),
             ("float32", FP32_RMS, "coffee"),
         ):
-            settings = readme_gateway_settings(serve_argv, "--lm-dtype", dtype)
+            settings = guide_gateway_settings(serve_argv, "--lm-dtype", dtype)
             assert (settings.encoder, settings.redis_url) == ("redis", redis_url)
             with ServerThread(create_app(settings), settings) as server:
                 # ready only once a worker serves this gateway's encoder: the worker adopted it
