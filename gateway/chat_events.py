@@ -42,6 +42,9 @@ class ResponseOptions:
     truncation: Literal["auto", "disabled"] | None = None  # None: the session's
     store: bool = True  # append the answer to the conversation
     response_id: str = field(default_factory=lambda: new_id("resp"))
+    # the id the client is given for the response when it is not `response_id` (Chat
+    # Completions' chatcmpl-...): what the trace and the access log name the response by
+    client_id: str | None = None
     item_id: str = field(default_factory=lambda: new_id("item"))
     api: str = "realtime"
     session_load_ns: tuple[int, int] | None = None  # when the caller loaded the session (epoch ns)

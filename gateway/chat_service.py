@@ -96,7 +96,7 @@ class ChatService:
             self.telemetry,
             model=self.engine.model_id,
             api=options.api,
-            response_id=options.response_id,
+            response_id=options.client_id or options.response_id,
             session_id=session.id,
             started_ns=time.time_ns() - int((time.perf_counter() - t0) * 1e9),
         )

@@ -224,13 +224,15 @@ class ChatCompletionServing:
                 kept_items=kept,
                 items=len(session.items),
             )
+        # the id the client gets names the response in its trace too
+        options.client_id = f"chatcmpl-{secrets.token_hex(12)}"
         return _Prepared(
             session=session,
             stored=stored,
             options=options,
             conversation=conv,
             request=request,
-            completion_id=f"chatcmpl-{secrets.token_hex(12)}",
+            completion_id=options.client_id,
             created=int(time.time()),
             model=model,
             permit=permit,

@@ -203,7 +203,7 @@ async def test_the_id_is_on_the_log_lines_and_the_response_span(traced: Traced) 
     [span] = [
         s for s in traced.response_spans() if s.attributes.get(REQUEST_ID_ATTR) == "http-span-1"
     ]
-    assert span.attributes["gen_ai.response.id"] == access["response_id"]
+    assert span.attributes["gen_ai.response.id"] == access["response_id"] == r.json()["id"]
     # a request that sends no id has one of its own on its span, never another request's
     async with httpx.AsyncClient(base_url=traced.http_url, timeout=TIMEOUT) as client:
         r = await client.post("/v1/chat/completions", json=chat_body("unnamed"))
