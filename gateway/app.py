@@ -296,6 +296,7 @@ async def _load_models(state: GatewayState, encoder: Encoder | None) -> None:
             metrics=state.metrics,
             share_across_keys=settings.share_encodes_across_keys,
             max_pending_per_key=settings.max_pending_encodes_per_key,
+            tracer=state.telemetry.tracer,
         )
         service = ChatService(
             engine=engine,

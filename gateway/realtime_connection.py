@@ -471,7 +471,9 @@ class RealtimeConnection:
         for index, digest in new_images:
             task = self.pending.get(digest)
             if task is None:
-                task = self.pending[digest] = vision.start(self.owner, digest)
+                task = self.pending[digest] = vision.start(
+                    self.owner, digest, item_id=stored.id, session_id=self.session.id
+                )
                 permit.attach(digest, task)
             tasks.append((index, digest, task))
         watcher = asyncio.create_task(self._watch_encodes(stored, previous, tasks, event.event_id))

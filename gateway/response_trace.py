@@ -123,9 +123,13 @@ class ResponseTrace:
         return span, traceparent(span)
 
     def image(self, parent: Any, resolved: Resolved) -> None:
-        """Close `image.resolve`; for an encode done in this process, record its stage spans
-        and `cache.put` beneath it (a remote worker records its own)."""
+        """Close `image.resolve`, linked to the pre-encode that made the tokens if one did
+        (its own trace: a remote worker's spans are beneath it); for an encode done in this
+        process, record its stage spans and `cache.put` beneath `image.resolve` (a remote
+        worker records its own)."""
         hit = resolved.source in ("memory", "redis")
+        if resolved.preencode is not None:
+            parent.add_link(resolved.preencode)
         parent.set_attributes(
             {
                 ATTR.CACHE_HIT: hit,

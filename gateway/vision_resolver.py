@@ -25,6 +25,12 @@ per owner (`max_pending_per_key`) and per any further holder the caller passes (
 connection's `EncodeQuota`), and refuses past a cap with `rate_limited` before anything is
 stored. The counts are this process's (per replica). The owner also travels to the encoder, so
 an encoder that shares its batches does so fairly between keys.
+
+A pre-encode (`start`) runs before the response that will use its tokens exists, so it is
+traced as `image.preencode`, the root of a trace of its own (with the item and session it came
+with); its traceparent goes with the encode job, so a remote worker's spans land beneath it.
+The `Resolved` it returns names that span (`preencode`), and the response's `image.resolve`
+links to it: the encode is found from the response's trace by following the link.
 """
 
 from __future__ import annotations
@@ -36,13 +42,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 import structlog
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanContext, Status, StatusCode
 
 from encoder_worker.storage import pack_encoded, scoped_digest, unpack_encoded
 from encoder_worker.types import ENCODE_STAGES, EncodedImage, Encoder, ImageError
 from gateway.caching.image_store import is_sha256_hex
 from gateway.caching.ownership import MemoryOwnerIndex, OwnerIndex
 from gateway.protocol.errors import GatewayError
-from gateway.telemetry import NoopTelemetry
+from gateway.telemetry import ATTR, SPAN, NoopTelemetry, traceparent
 
 __all__ = ("EncodePermit", "EncodeQuota", "Resolved", "VisionResolver", "encode_ms")
 
@@ -68,6 +77,8 @@ class Resolved:
     put_ms: float = 0.0  # writing the tokens to the cache
     # the tokens came from another key's encode (reported and timed as this key's own)
     borrowed: bool = False
+    # the `image.preencode` span of the pre-encode that resolved them (`VisionResolver.start`)
+    preencode: SpanContext | None = None
 
 
 @dataclass(slots=True)
@@ -144,6 +155,7 @@ class VisionResolver:
         "_flight",
         "_metrics",
         "_quotas",
+        "_tracer",
         "cache",
         "encoder",
         "encodes",
@@ -163,9 +175,11 @@ class VisionResolver:
         owners: OwnerIndex | None = None,
         share_across_keys: bool = True,
         max_pending_per_key: int = 0,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         """`cache`: a `gateway.caching.VisionCache`; `images`: an `ImageStore`, whose ownership
-        index is used unless `owners` is given. `max_pending_per_key`: 0 is no cap."""
+        index is used unless `owners` is given. `max_pending_per_key`: 0 is no cap. `tracer`
+        records pre-encodes (none without it)."""
         from gateway.caching import SingleFlight
 
         self.encoder = encoder
@@ -177,6 +191,7 @@ class VisionResolver:
         # an encode runs to the end even if its callers go away: its tokens serve the next turn
         self._flight = SingleFlight(cancel_abandoned=False)
         self._metrics = metrics or NoopTelemetry().metrics
+        self._tracer: trace.Tracer = tracer or trace.NoOpTracer()
         self._quotas: dict[str, EncodeQuota] = {}  # owners with encodes admitted
         self.encodes = 0  # images actually run through the encoder by this resolver
 
@@ -316,9 +331,55 @@ class VisionResolver:
             borrowed=borrowed,
         )
 
-    def start(self, owner: str, digest: str) -> asyncio.Task[Resolved]:
-        """Pre-encode: begin resolving now, so a later response finds the tokens ready."""
-        return asyncio.create_task(self.resolve(owner, digest), name=f"pre-encode {digest[:12]}")
+    def start(
+        self,
+        owner: str,
+        digest: str,
+        *,
+        item_id: str | None = None,
+        session_id: str | None = None,
+    ) -> asyncio.Task[Resolved]:
+        """Pre-encode: begin resolving now, so a later response finds the tokens ready. Traced
+        as `image.preencode` (naming `item_id` and `session_id`, the item and session the image
+        came with), whose span context the result carries as `preencode`."""
+        attributes: dict[str, str] = {ATTR.IMAGE_DIGEST: digest[:12]}
+        if item_id:
+            attributes[ATTR.ITEM_ID] = item_id
+        if session_id:
+            attributes[ATTR.SESSION_ID] = session_id
+        return asyncio.create_task(
+            self._preencode(owner, digest, attributes, time.time_ns()),
+            name=f"pre-encode {digest[:12]}",
+        )
+
+    async def _preencode(
+        self, owner: str, digest: str, attributes: dict[str, str], started_ns: int
+    ) -> Resolved:
+        # no parent: the response that will use the tokens does not exist yet (it links here)
+        span = self._tracer.start_span(
+            SPAN.IMAGE_PREENCODE, context=Context(), attributes=attributes, start_time=started_ns
+        )
+        try:
+            resolved = await self.resolve(owner, digest, traceparent=traceparent(span))
+        except BaseException as exc:
+            span.set_status(Status(StatusCode.ERROR, str(exc) or type(exc).__name__))
+            span.set_attribute(ATTR.ERROR_TYPE, getattr(exc, "code", type(exc).__name__))
+            span.end()
+            raise
+        hit = resolved.source in ("memory", "redis")
+        span.set_attributes(
+            {
+                ATTR.CACHE_HIT: hit,
+                ATTR.CACHE_TIER: resolved.source if hit else "none",
+                ATTR.TOKENS_KEPT: resolved.image.tokens_kept,
+                ATTR.TOKENS_TOTAL: resolved.image.tokens_total,
+            }
+        )
+        span.end()
+        context = span.get_span_context()
+        if context.is_valid:
+            resolved.preencode = context
+        return resolved
 
     async def _encode(
         self, owner: str, digest: str, name: str, traceparent: str | None

@@ -38,6 +38,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 __all__ = (
     "OTLPReceiver",
     "ReceivedEvent",
+    "ReceivedLink",
     "ReceivedPoint",
     "ReceivedSpan",
     "any_value",
@@ -48,6 +49,14 @@ __all__ = (
 class ReceivedEvent(msgspec.Struct, frozen=True):
     name: str
     time_unix_nano: int
+    attributes: dict[str, Any]
+
+
+class ReceivedLink(msgspec.Struct, frozen=True):
+    """A span link: the span it points to (lowercase hex ids)."""
+
+    trace_id: str
+    span_id: str
     attributes: dict[str, Any]
 
 
@@ -66,6 +75,7 @@ class ReceivedSpan(msgspec.Struct, frozen=True):
     status_code: int
     scope: str
     resource: dict[str, Any]
+    links: list[ReceivedLink] = []
 
     @property
     def duration_ms(self) -> float:
@@ -240,6 +250,12 @@ def flatten_spans(requests: Iterable[Any]) -> list[ReceivedSpan]:
                             status_code=int(s.status.code),
                             scope=ss.scope.name,
                             resource=resource,
+                            links=[
+                                ReceivedLink(
+                                    link.trace_id.hex(), link.span_id.hex(), _attrs(link.attributes)
+                                )
+                                for link in s.links
+                            ],
                         )
                     )
     return out

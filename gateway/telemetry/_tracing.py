@@ -37,6 +37,9 @@ class SPAN:
 
     SESSION_LOAD = "session.load"
     IMAGE_RESOLVE = "image.resolve"
+    # an encode started when its image arrived, before any response asked for it: the root of
+    # a trace of its own, linked from the `image.resolve` of the response that uses the tokens
+    IMAGE_PREENCODE = "image.preencode"
     ENCODE_QUEUE = ENCODE_SPAN.QUEUE
     ENCODE_PREPROCESS = ENCODE_SPAN.PREPROCESS
     ENCODE_VISION = ENCODE_SPAN.VISION
@@ -65,6 +68,7 @@ class ATTR:
     CACHE_TIER = "visiongate.cache.tier"
     CACHE_HIT = "visiongate.cache.hit"
     IMAGE_DIGEST = ENCODE_ATTR.IMAGE_DIGEST
+    ITEM_ID = "visiongate.item.id"  # the conversation item an image came in
     PREFILL_TOKENS = "visiongate.llm.prefill_tokens"
     REUSED_KV_TOKENS = "visiongate.llm.reused_kv_tokens"
     DECODE_TOKENS = "visiongate.llm.decode_tokens"

@@ -168,6 +168,7 @@ async def converse(pipeline: Pipeline, turns: list[list[dict[str, Any]]]) -> lis
 @dataclass
 class Answer:
     request_id: str  # the response's x-request-id, which its root span carries
+    id: str  # the completion's id, as the client got it (chatcmpl-...)
     input_tokens: int
     output_tokens: int
     text: str
@@ -194,7 +195,8 @@ def chat(pipeline: Pipeline, messages: list[dict[str, Any]], session_id: str) ->
         chunks = list(response.parse())
     usage = next(c.usage for c in chunks if c.usage is not None)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    return Answer(request_id, usage.prompt_tokens, usage.completion_tokens, text)
+    (completion_id,) = {c.id for c in chunks}
+    return Answer(request_id, completion_id, usage.prompt_tokens, usage.completion_tokens, text)
 
 
 def trace_of(
@@ -292,6 +294,9 @@ def test_one_trace_per_response_with_the_workers_spans_inside(pipeline: Pipeline
         assert attrs["gen_ai.usage.output_tokens"] == d.output_tokens
         assert attrs["gen_ai.conversation.id"] == session_id
         assert [e.name for e in root.events] == ["ttft"]
+        # the id the client got names the response's trace
+        assert attrs["gen_ai.response.id"] == d.id and d.id.startswith("chatcmpl-")
+        assert trace_of(spans, d.id)[0] is root
     decode = next(s for s in children1 if s.name == "llm.decode")
     assert decode.attributes["visiongate.llm.decode_tokens"] == done[0].output_tokens
 
@@ -302,6 +307,96 @@ def test_one_trace_per_response_with_the_workers_spans_inside(pipeline: Pipeline
             assert API_KEY not in text, (s.name, text)
             assert b64[:64] not in text and "base64," not in text, s.name
             assert len(text) < 512, (s.name, len(text))
+
+
+def test_every_api_names_its_trace_by_the_id_its_client_got(pipeline: Pipeline) -> None:
+    """Completions (cmpl-) and Responses (resp_), beside Chat Completions and Realtime above."""
+    from openai import OpenAI
+
+    with OpenAI(base_url=pipeline.base_url, api_key=API_KEY) as client:
+        completion = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=2)
+        response = client.responses.create(model=MODEL, input="Hi?", max_output_tokens=2)
+    assert completion.id.startswith("cmpl-") and response.id.startswith("resp_")
+    with TopicSpans(pipeline.kafka) as topic:
+        spans = topic.wait_for(
+            lambda s: has_response(completion.id)(s) and has_response(response.id)(s)
+        )
+    for client_id, api in ((completion.id, "completions"), (response.id, "responses")):
+        root, children = trace_of(spans, client_id)
+        assert root.attributes["visiongate.api"] == api
+        assert {"llm.prefill", "llm.decode"} <= {s.name for s in children}
+
+
+async def test_an_image_sent_ahead_is_linked_from_the_response_that_uses_it(
+    pipeline: Pipeline,
+) -> None:
+    """Over Realtime an image is encoded when its item arrives, before any response exists: the
+    pre-encode is a trace of its own (`image.preencode`, the worker's spans beneath it), and the
+    `image.resolve` of the response that uses the tokens links to it."""
+    from openai import AsyncOpenAI
+
+    url = data_url(photo_bytes("coffee", size=96))  # not an image the other tests sent
+    client = AsyncOpenAI(base_url=pipeline.base_url, api_key=API_KEY)
+    try:
+        async with client.realtime.connect(model=MODEL) as conn:
+            session_id = image_item = None
+            await conn.conversation.item.create(
+                item={"type": "message", "role": "user", "content": [
+                    {"type": "input_image", "image_url": url}]}
+            )  # fmt: skip
+            async for event in conn:  # the item is done once its image is encoded
+                if event.type == "error":
+                    pytest.fail(f"error event: {event.error}")
+                if event.type == "session.created":
+                    session_id = event.session.id
+                if event.type == "conversation.item.done":
+                    image_item = event.item.id
+                    break
+            await conn.conversation.item.create(
+                item={"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": "What is it?"}]}
+            )  # fmt: skip
+            await conn.response.create(response={"max_output_tokens": 4})
+            async for event in conn:
+                if event.type == "error":
+                    pytest.fail(f"error event: {event.error}")
+                if event.type == "response.done":
+                    done = event
+                    break
+    finally:
+        await client.close()
+
+    def preencode_of(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
+        return [
+            s
+            for s in spans
+            if s.name == "image.preencode" and s.attributes.get("visiongate.item.id") == image_item
+        ]
+
+    with TopicSpans(pipeline.kafka) as topic:
+        spans = topic.wait_for(lambda s: has_response(done.response.id)(s) and preencode_of(s))
+        (preencode,) = preencode_of(spans)
+        spans = topic.wait_for(
+            lambda s: {x.name for x in s if x.trace_id == preencode.trace_id} >= WORKER_STAGES
+        )
+    root, children = trace_of(spans, done.response.id)
+    assert root.attributes["gen_ai.conversation.id"] == session_id
+    assert not {s.name for s in children} & WORKER_STAGES  # the encode is not the response's
+    (resolve,) = [s for s in children if s.name == "image.resolve"]
+    (link,) = resolve.links
+    assert (link.trace_id, link.span_id) == (preencode.trace_id, preencode.span_id)
+    # the pre-encode is the root of its trace and names the item and session it came with
+    assert preencode.parent_span_id == "" and preencode.trace_id != root.trace_id
+    assert preencode.attributes["gen_ai.conversation.id"] == session_id
+    assert preencode.attributes["visiongate.cache.hit"] is False
+    assert preencode.resource["service.name"] == "visiongate"
+    worker = [
+        s for s in spans if s.trace_id == preencode.trace_id and s.span_id != preencode.span_id
+    ]
+    assert {s.name for s in worker} >= WORKER_STAGES
+    for s in worker:  # joined via the traceparent the encode job carried
+        assert s.resource["service.name"] == "visiongate-encoder", s.name
+        assert s.parent_span_id == preencode.span_id, s.name
 
 
 async def test_collector_restart_loses_no_response_and_later_spans_arrive(
