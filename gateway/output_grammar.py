@@ -337,9 +337,9 @@ def _bound(node: object, length: int, items: int) -> object:
     kinds = set(kinds) if isinstance(kinds, list) else {kinds} if kinds else set()
     fixed = any(k in node for k in ("enum", "const", "$ref"))
     if "string" in kinds and not fixed and not {"maxLength", "pattern", "format"} & set(node):
-        out["maxLength"] = max(length, node.get("minLength", 0))
+        out["maxLength"] = max(length, _count(node, "minLength", 0))
     if "array" in kinds and not fixed and "maxItems" not in node:
-        out["maxItems"] = max(items, node.get("minItems", 0))
+        out["maxItems"] = max(items, _count(node, "minItems", 0))
     if "object" in kinds and not fixed:
         others = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
         if node.get("properties") and not others & set(node):
@@ -347,7 +347,7 @@ def _bound(node: object, length: int, items: int) -> object:
         elif not node.get("properties") and not others & set(node):
             out["patternProperties"] = {_FREE_KEY: _free_value(length, items)}
             out["additionalProperties"] = False
-            out.setdefault("maxProperties", max(items, node.get("minProperties", 0)))
+            out.setdefault("maxProperties", max(items, _count(node, "minProperties", 0)))
     return out
 
 
@@ -359,6 +359,20 @@ def _bound_child(key: str, value: object, length: int, items: int) -> object:
     if key in ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf", "allOf"):
         return _bound(value, length, items)
     return value  # enum and const values, descriptions, numbers: as they are
+
+
+def _count(node: dict, key: str, default: int) -> int:
+    """A schema's count keyword (`minItems`, `maxLength`, ...) if it is a non-negative integer,
+    else `default`: a malformed one is left for the grammar compiler to refuse."""
+    value = node.get(key)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return default
+
+
+def _listed(node: dict, key: str) -> list:
+    value = node.get(key)
+    return value if isinstance(value, list) else []
 
 
 def _free_value(length: int, items: int) -> dict:
@@ -382,7 +396,7 @@ def _longest(node: object, length: int) -> int:
         return max(len(json.dumps(value)) for value in node["enum"])
     if "$ref" in node:
         return _UNBOUNDED
-    branches = [b for key in ("anyOf", "oneOf") for b in node.get(key) or ()]
+    branches = [b for key in ("anyOf", "oneOf") for b in _listed(node, key)]
     if branches:
         return max(_longest(b, length) for b in branches)
     kinds = node.get("type")
@@ -392,26 +406,30 @@ def _longest(node: object, length: int) -> int:
 
 def _longest_of(kind: str, node: dict, length: int) -> int:
     if kind == "string":
-        return node.get("maxLength", length) + 2
+        return _count(node, "maxLength", length) + 2
     if kind in ("number", "integer"):
         return 24
     if kind in ("boolean", "null"):
         return 5
     if kind == "array":
-        count = node.get("maxItems", _UNBOUNDED)
+        count = _count(node, "maxItems", _UNBOUNDED)
         item = node.get("items")
-        prefix = node.get("prefixItems") or []
-        sizes = [_longest(p, length) + 2 for p in prefix]
+        prefix = _listed(node, "prefixItems")
+        # counted, never listed: a client's minItems may be in the billions
+        sizes = [_longest(p, length) + 2 for p in prefix[:count]]
+        total = 2 + sum(sizes)
         if isinstance(item, dict) or item is None:
-            sizes += [(_longest(item or {}, length) + 2)] * max(0, count - len(prefix))
-        return 2 + sum(sizes[:count])
+            total += (_longest(item or {}, length) + 2) * max(0, count - len(prefix))
+        return total
     if kind == "object":
         total = 2
-        for name, sub in (node.get("properties") or {}).items():
+        properties = node.get("properties")
+        for name, sub in (properties if isinstance(properties, dict) else {}).items():
             total += len(json.dumps(name)) + 4 + _longest(sub, length)
-        extra = node.get("patternProperties") or {}
+        extra = node.get("patternProperties")
+        extra = extra if isinstance(extra, dict) else {}
         for sub in extra.values():
-            total += node.get("maxProperties", _UNBOUNDED) * (38 + _longest(sub, length))
+            total += _count(node, "maxProperties", _UNBOUNDED) * (38 + _longest(sub, length))
         if node.get("additionalProperties", True) is not False and not extra:
             total += _UNBOUNDED
         return total
