@@ -59,6 +59,7 @@ from gateway.protocol.errors import GatewayError
 from gateway.ratelimit import SMALL_BODY, counts_as_refused, refused_error
 from gateway.realtime_items import (
     call_ids,
+    check_placement,
     content_parts,
     delete_item,
     find_item,
@@ -209,6 +210,8 @@ class RealtimeConnection:
         self.watchers: dict[asyncio.Task[None], list[asyncio.Task[Resolved]]] = {}
         self._send_lock = asyncio.Lock()
         self._event_seq = 0
+        self._warming: asyncio.Task[Any] | None = None  # this connection's KV warm-up
+        self._warm_again = False  # items arrived while it ran
 
     # ------------------------------------------------------------ lifecycle
 
@@ -457,7 +460,11 @@ class RealtimeConnection:
             check_conversation_size(
                 conversation_chars(session.instructions, [*session.items, stored]), limits, None
             )
-            return _insert(session.items, stored, event.previous_item_id)
+            previous = _insert(session.items, stored, event.previous_item_id)
+            check_placement(
+                session.items, next(n for n, i in enumerate(session.items) if i is stored)
+            )
+            return previous
 
         self.session, previous = await self.state.sessions.update(
             self.session.id, self.owner, insert
@@ -534,14 +541,30 @@ class RealtimeConnection:
             await self._send_error(failed, event_id)
             return
         await self._send(rt.ConversationItemDone(self._eid(), wire_item(stored), previous))
-        # prefill the conversation through it while they type (not with session tools: the
-        # warm-up renders no tools prompt, so its prefix would not be the response's; nor when
-        # a response was already asked for: it prefills the conversation itself)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Prefill the conversation through its latest item while they type (not with session
+        tools: the warm-up renders no tools prompt, so its prefix would not be the response's;
+        nor when a response was already asked for: it prefills the conversation itself).
+        One warm-up at a time per connection: items that arrive while one runs are warmed by
+        one more after it, from the session as it is then (a burst of items costs two)."""
         asked = self.response_task is not None and not self.response_task.done()
-        if self.state.settings.kv_warmup and not self.tools.tools and not asked:
-            self.state.require().service.schedule_warm_up(
-                self.session.id, self.owner, pending=self.pending
-            )
+        if not self.state.settings.kv_warmup or self.tools.tools or asked or not self.session:
+            return
+        if self._warming is not None and not self._warming.done():
+            self._warm_again = True
+            return
+        self._warm_again = False
+        self._warming = self.state.require().service.schedule_warm_up(
+            self.session.id, self.owner, pending=self.pending
+        )
+        if self._warming is not None:
+            self._warming.add_done_callback(self._warmed)
+
+    def _warmed(self, _: asyncio.Future[Any]) -> None:
+        if self._warm_again and self.conn_state is ConnState.OPEN:
+            self._warm_up()
 
     async def _response_create(self, event: rt.ResponseCreate) -> None:
         received = time.perf_counter()

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "call_ids",
+    "check_placement",
     "content_parts",
     "delete_item",
     "find_item",
@@ -196,9 +197,50 @@ def _refuse_in_progress(item: StoredItem) -> None:
         )
 
 
+def _refuse_read(items: Sequence[StoredItem], item: StoredItem) -> None:
+    """An item before an answer still being written is that response's context: taking it
+    out now would store the answer without what it answers."""
+    index = next(n for n, i in enumerate(items) if i is item)
+    for later in items[index + 1 :]:
+        if later.status == "in_progress":
+            raise GatewayError(
+                "invalid_request",
+                f"item {item.id!r} is read by the response writing item {later.id!r}; cancel "
+                "it or wait for response.done",
+                param="item_id",
+            )
+
+
+def check_placement(items: Sequence[StoredItem], index: int, param: str = "item") -> None:
+    """The item at `index` keeps calls and results paired: a function_call_output comes after
+    the call it answers, and a function_call's id is the only one of its conversation."""
+    item = items[index]
+    call_id = item.parts[0].call_id if item.parts else None
+    if item.role == "tool" and call_id is not None:
+        check_tool_result(call_id, call_ids(items[:index]), f"{param}.call_id")
+    elif is_call(item) and call_id in call_ids([*items[:index], *items[index + 1 :]]):
+        raise GatewayError(
+            "invalid_request",
+            f"the conversation already holds a function_call with call_id {clip(call_id, 64)!r}",
+            param=f"{param}.call_id",
+        )
+
+
 def delete_item(items: list[StoredItem], item_id: str) -> None:
+    """Remove an item; not one a response in progress writes or reads, nor a function_call
+    whose output is still in the conversation (the output would answer nothing)."""
     item = find_item(items, item_id)
     _refuse_in_progress(item)
+    _refuse_read(items, item)
+    if is_call(item):
+        answered = set(call_ids([item]))
+        for other in items:
+            if other.role == "tool" and any(p.call_id in answered for p in other.parts):
+                raise GatewayError(
+                    "invalid_request",
+                    f"item {other.id!r} is this call's output: delete it first",
+                    param="item_id",
+                )
     items.remove(item)
 
 
@@ -214,6 +256,7 @@ def truncate_item(
             "invalid_request", "only assistant messages can be truncated", param="item_id"
         )
     _refuse_in_progress(item)
+    _refuse_read(items, item)
     if not 0 <= content_index < len(item.parts):
         raise GatewayError(
             "invalid_request",
