@@ -171,6 +171,8 @@ async def _exchange(
                 else:
                     rec.itl_ms.append((now - last) * 1e3)
                 last = now
+            elif kind == "visiongate.image.encoded":
+                rec.image_encode = event.get("cache")  # "miss": encoded for this session
             elif kind == "error":
                 err = event.get("error") or {}
                 code = err.get("code") or "error"
@@ -198,6 +200,9 @@ def _done(
     rec.cached_tokens = int((usage.get("input_token_details") or {}).get("cached_tokens", 0))
     rec.encode_wait_ms = float((ext.get("timings") or {}).get("encode_ms", 0.0))
     rec.vision = (ext.get("cache") or {}).get("vision")
+    rec.visual_budget = (ext.get("cache") or {}).get("visual_budget")
+    rec.image_tokens = int((usage.get("input_token_details") or {}).get("image_tokens", 0))
+    rec.image_tokens_total = int(ext.get("image_tokens_total", 0))
     return "".join(
         p.get("text", "") for item in resp.get("output", []) for p in item.get("content", [])
     )

@@ -33,6 +33,7 @@ __all__ = (
     "qps_at_slo",
     "summarize",
     "to_jsonable",
+    "within_slo_share",
     "write_json",
 )
 
@@ -55,6 +56,13 @@ class TurnRecord:
     encode_wait_ms: float = 0.0  # the gateway's report: time the response waited for encoding
     vision: str | None = None  # the gateway's vision-cache report for the turn (hit/miss/none)
     error_code: str | None = None
+    image_tokens: int = 0  # visual tokens in the prompt (usage input_token_details.image_tokens)
+    image_tokens_total: int = 0  # the same images' visual tokens before patch dropping
+    # keep-ratio cap in force as the response finished (adaptive visual budget); None: fixed
+    visual_budget: float | None = None
+    # the gateway's visiongate.image.encoded for the session's photo seen during this turn:
+    # "miss" (encoded for it) or "hit" (from the vision cache)
+    image_encode: str | None = None
 
     @property
     def kind(self) -> str:
@@ -89,9 +97,14 @@ def _pcts(values: Sequence[float], prefix: str) -> dict[str, float | None]:
 
 
 def summarize(
-    records: Sequence[TurnRecord], window_s: float, *, count_drained: bool = False
+    records: Sequence[TurnRecord],
+    window_s: float,
+    *,
+    count_drained: bool = False,
+    slo_ms: float | None = None,
 ) -> dict[str, Any]:
-    """One point's published metrics (see the module docstring for the definitions)."""
+    """One point's published metrics (see the module docstring for the definitions); with
+    `slo_ms`, also the share of attempted turns whose TTFT is within it."""
     if window_s <= 0:
         raise ValueError(f"window_s must be > 0, got {window_s}")
     ok = [r for r in records if r.status == "ok"]
@@ -132,6 +145,34 @@ def summarize(
         "input_tokens_mean": _mean([r.input_tokens for r in ok]),
         "encode_wait_ms_mean": _mean([r.encode_wait_ms for r in ok]),
         "vision_hits": sum(1 for r in ok if r.vision == "hit"),
+        **_budget(ok),
+        "within_slo_share": None if slo_ms is None else within_slo_share(records, slo_ms),
+    }
+
+
+def within_slo_share(records: Sequence[TurnRecord], slo_ms: float) -> float | None:
+    """Share of attempted turns answered with a TTFT <= `slo_ms` (lost turns are not)."""
+    if not records:
+        return None
+    good = sum(
+        1 for r in records if r.status == "ok" and r.ttft_ms is not None and r.ttft_ms <= slo_ms
+    )
+    return good / len(records)
+
+
+def _budget(ok: Sequence[TurnRecord]) -> dict[str, Any]:
+    """Visual-token budget of a point: the kept-token ratio of the sessions' photos (first
+    turns: visual tokens in the prompt / before patch dropping), the keep-ratio cap the
+    responses reported in force, and how many photos the gateway encoded (cache miss)."""
+    first = [r for r in ok if r.turn == 0 and r.image_tokens_total > 0]
+    caps = [r.visual_budget for r in ok if r.visual_budget is not None]
+    return {
+        "image_tokens_mean": _mean([r.image_tokens for r in first]),
+        "kept_ratio_mean": _mean([r.image_tokens / r.image_tokens_total for r in first]),
+        "visual_budget_mean": _mean(caps),
+        "visual_budget_min": min(caps) if caps else None,
+        "visual_budget_max": max(caps) if caps else None,
+        "images_encoded": sum(1 for r in ok if r.turn == 0 and r.image_encode == "miss"),
     }
 
 

@@ -33,6 +33,9 @@ marked ">=", when a configuration met the SLO at the highest rate it ran). Rates
 nominal ones of the schedule; load.json also has each point's arrived rate (few sessions arrive
 at light load, so it can differ).
 
+`--adaptive-compare` runs instead the adaptive visual budget off vs on, open loop, in one run
+(see `bench._load_adaptive`): DIR/load_adaptive.json, DIR/load_adaptive.png.
+
 Progress goes to stderr (structlog), tables and headline ratios to stdout. The gateways are
 stopped at the end, on errors and on Ctrl-C or SIGTERM.
 """
@@ -70,6 +73,8 @@ SLO_RULE = (
     "TTFT P50; one SLO for both configurations"
 )
 DEFAULT_MULTIPLIERS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+# --adaptive-compare: multiples of the budget-off single-session capacity (it batches)
+ADAPTIVE_MULTIPLIERS = (0.5, 1.0, 2.0, 4.0)
 MAX_DISTINCT_PHOTOS = 6 * 2048  # the sample photos x their distinct crops and mirrors
 
 
@@ -170,6 +175,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="engine_max_queue of both gateways (default: the gateway's own)",
     )
     p.add_argument("--slo-ms", type=float, help="fixed TTFT SLO instead of the measured one")
+    p.add_argument(
+        "--adaptive-compare",
+        action="store_true",
+        help="adaptive visual budget off vs on (two visiongate gateways, stateful clients), "
+        "open loop at each rate, instead of baseline vs visiongate",
+    )
+    p.add_argument(
+        "--budget-objective-ms",
+        type=float,
+        help="--adaptive-compare: the budget's TTFT objective (visual_budget_ttft_ms; "
+        "default: the run's SLO)",
+    )
+    p.add_argument(
+        "--budget-floor", type=float, help="--adaptive-compare: visual_budget_floor (default 0.1)"
+    )
+    p.add_argument(
+        "--budget-step", type=float, help="--adaptive-compare: visual_budget_step (default 0.1)"
+    )
+    p.add_argument(
+        "--budget-window-s",
+        type=float,
+        help="--adaptive-compare: visual_budget_window_s (default: the gateway's, 30)",
+    )
     p.add_argument("--seed", type=int, default=1234, help="seed of the arrival schedules")
     p.add_argument(
         "--ready-timeout-s",
@@ -181,7 +209,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     quick = args.quick
     defaults = {
         "concurrency": [1, 2] if quick else [1, 2, 4, 8, 16],
-        "rate_multipliers": [0.5] if quick else list(DEFAULT_MULTIPLIERS),
+        "rate_multipliers": [0.5]
+        if quick
+        else list(ADAPTIVE_MULTIPLIERS if args.adaptive_compare else DEFAULT_MULTIPLIERS),
         "tokens": 8 if quick else 24,
         "point_s": 4.0 if quick else 20.0,
         "open_point_s": 4.0 if quick else 30.0,
@@ -205,6 +235,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     if args.extra_rungs < 0:
         p.error("--extra-rungs must be >= 0")
+    budget = (args.budget_objective_ms, args.budget_floor, args.budget_step, args.budget_window_s)
+    if any(v is not None for v in budget) and not args.adaptive_compare:
+        p.error("--budget-* options go with --adaptive-compare")
+    if any(v is not None and v <= 0 for v in budget):
+        p.error("--budget-* options must be > 0")
     points = (
         len(args.concurrency)
         + len(args.rates or args.rate_multipliers)
@@ -227,6 +262,7 @@ class LoadRun:
         self.args = args
         self.gateways = gateways
         self.source = source
+        self.modes: dict[str, str] = dict(MODES)  # the client each configuration gets
         self.points: list[dict[str, Any]] = []
         self.slo_ms: float | None = args.slo_ms
         self.ladder: dict[str, Any] = {}
@@ -252,7 +288,7 @@ class LoadRun:
             started = time.monotonic()
             records = await closed_loop(
                 gw.ws_url,
-                MODES[config],
+                self.modes[config],  # type: ignore[arg-type]
                 int(level),
                 plans,
                 window_s=window,
@@ -277,7 +313,7 @@ class LoadRun:
             started = time.monotonic()
             records = await open_loop(
                 gw.ws_url,
-                MODES[config],
+                self.modes[config],  # type: ignore[arg-type]
                 arrivals,
                 plans,
                 window_s=window,
@@ -290,7 +326,7 @@ class LoadRun:
                 "arrivals": len(arrivals),
                 "arrived_turns_per_s": len(arrivals) * len(QUESTIONS) / window,
             }
-        summary = summarize(records, window, count_drained=kind == "open")
+        summary = summarize(records, window, count_drained=kind == "open", slo_ms=self.slo_ms)
         point = {
             "kind": kind,
             "config": config,
@@ -426,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging("info", json=False)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per /readyz poll
+    if args.adaptive_compare:
+        from bench._load_adaptive import adaptive_main
+
+        return adaptive_main(args, out)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     gateways = {
         name: GatewayProcess(name, config_overrides(name, args), out / f"gateway-{name}.log")
