@@ -304,6 +304,7 @@ async def input_context(
         refs.update(parsed.refs)
         item_id = item.id or new_id("item")
         context.append(StoredItem(id=item_id, role=stored_role(item), parts=parsed.parts))
+        check_placement(context, len(context) - 1, param)
     digests = {p.digest for i in context for p in i.parts if p.kind == "image" and p.digest}
     check_image_count(digests, limits, "response.input")
     check_conversation_size(conversation_chars(None, context), limits, "response.input")

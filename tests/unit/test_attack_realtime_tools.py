@@ -167,6 +167,15 @@ async def test_function_call_outputs_stay_paired_with_their_calls(gateway) -> No
             reply = await answer(peer, {"type": delete, "item_id": item_id})
             assert reply["type"] == "conversation.item.deleted", reply
         assert await stored_items(gateway, peer.session_id) == []
+        # an out-of-band context is checked the same way
+        twice, early = [call_item("c2"), call_item("c2")], [output_item("c3"), call_item("c3")]
+        for items, at in ((twice, 1), (early, 0)):
+            event = {
+                "type": "response.create",
+                "response": {"conversation": "none", "input": items},
+            }
+            error = await refused(peer, event, "invalid_request")
+            assert error["param"] == f"response.input[{at}].call_id", error
     finally:
         await peer.close()
 
