@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ import httpx
 import pytest
 
 from gateway.engine.interface import GenerationRequest, WarmUpResult
+from gateway.output_grammar import bound_schema
 from tests.conftest import unique_photo
 from tests.fakes import FakeEncoder, FakeEngine
 from tests.gateway.realtime_helpers import Peer, data_url
@@ -380,8 +382,7 @@ async def test_schema_counts_of_any_size_are_cheap(gateway) -> None:
             }
             return await client.post("/v1/chat/completions", json=body)
 
-        # a billion items of a million characters: bounded by its count, never listed
-        huge = {"type": "array", "minItems": 10**9, "items": {"type": "string", "minLength": 10**6}}
+        huge = {"type": "array", "minItems": 10**7, "items": {"type": "string", "minLength": 10**6}}
         assert (await post(huge)).status_code == 200
         for malformed in (
             {"type": "array", "maxItems": "x"},
@@ -394,3 +395,16 @@ async def test_schema_counts_of_any_size_are_cheap(gateway) -> None:
             assert reply.status_code == 400, (malformed, reply.text)
             assert reply.json()["error"]["code"] == "invalid_request"
         assert (await client.get("/healthz")).status_code == 200
+
+
+def test_the_budget_estimate_of_a_huge_min_items_takes_no_memory() -> None:
+    # ten million items (a billion took gigabytes): counted, never listed
+    schema = {"type": "array", "minItems": 10**7, "items": {"type": "string"}}
+    tracemalloc.start()
+    try:
+        bounded = bound_schema(schema, 32)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert bounded["maxItems"] == 10**7  # never narrower than the schema's own minimum
+    assert peak < 1024 * 1024, peak
