@@ -564,6 +564,7 @@ def _planner(chunk: int, running: list[_Seq], served: dict[str, float]):
     sched = Scheduler.__new__(Scheduler)
     sched.cfg = SimpleNamespace(prefill_chunk_tokens=chunk)
     sched._running, sched._heavy, sched._hold_decodes, sched._steps = running, set(), True, 0
+    sched._warming = []  # no KV warm-ups in these plans
     sched._served = RecentService(10.0, clock=lambda: now[0])
     for owner, amount in served.items():
         sched._served.add(owner, amount)
