@@ -38,6 +38,7 @@ import itertools
 import math
 import signal
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -241,23 +242,21 @@ def adaptive_chart(
 # ---------------------------------------------------------------- the run
 
 
-def _load_run():
-    from bench.load import LoadRun
-
-    return LoadRun
-
-
 class _Run:
     """Reference point, then the rate sweep, over a `LoadRun` whose configurations are the
     budget off and on (both stateful clients)."""
 
-    def __init__(self, args: argparse.Namespace, gateways: dict[str, GatewayProcess]) -> None:
-        from bench.load import SLO_FACTOR
-
-        self.run = _load_run()(args, gateways, SessionSource())
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        gateways: dict[str, GatewayProcess],
+        load_run: Callable[..., Any],
+        slo_factor: float,
+    ) -> None:
+        self.run = load_run(args, gateways, SessionSource())
         self.run.modes = dict.fromkeys(ADAPTIVE_CONFIGS, "stateful")
         self.args = args
-        self.slo_factor = SLO_FACTOR
+        self.slo_factor = slo_factor
         self.block = itertools.count()
         self.reference: dict[str, Any] | None = None
 
@@ -313,7 +312,11 @@ def _effective(gw: GatewayProcess) -> dict[str, Any] | str:
         return f"unavailable: {type(exc).__name__}: {exc}"
 
 
-def adaptive_main(args: argparse.Namespace, out: Path) -> int:
+def adaptive_main(
+    args: argparse.Namespace, out: Path, load_run: Callable[..., Any], slo_factor: float
+) -> int:
+    """`bench.load --adaptive-compare`; `load_run` (its `LoadRun`) and `slo_factor` come from
+    `bench.load`, which imports this module (never the reverse)."""
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     objective = args.budget_objective_ms or args.slo_ms  # else the measured SLO, set below
     gateways = {
@@ -332,7 +335,7 @@ def adaptive_main(args: argparse.Namespace, out: Path) -> int:
         )
         return gw
 
-    run = _Run(args, gateways)
+    run = _Run(args, gateways, load_run, slo_factor)
     status, error = "complete", None
     started = datetime.now(UTC)
     try:

@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.adaptive_compare:
         from bench._load_adaptive import adaptive_main
 
-        return adaptive_main(args, out)
+        return adaptive_main(args, out, LoadRun, SLO_FACTOR)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     gateways = {
         name: GatewayProcess(name, config_overrides(name, args), out / f"gateway-{name}.log")
