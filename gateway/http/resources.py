@@ -148,7 +148,7 @@ class ImageServing:
                 return p.error_response(exc)
             try:
                 await vision.add(owner, digest, data)
-                task = vision.start(owner, digest)
+                task = vision.start(owner, digest, session_id=session_id)
                 permit.attach(digest, task)
                 self._track(owner, digest, task)
             finally:
