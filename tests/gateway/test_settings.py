@@ -36,7 +36,7 @@ def test_ws_frame_limit_leaves_room_for_an_oversized_image_error() -> None:
 
 
 def test_variables_of_other_parts_are_not_refused_as_unknown_settings() -> None:
-    # VISIONGATE_KERNELS is read by kernels/ in any process (the README documents it)
+    # VISIONGATE_KERNELS is read by kernels/ in any process (docs/configuration.md documents it)
     settings = Settings.load(environ={"VISIONGATE_KERNELS": "torch", "VISIONGATE_PORT": "9001"})
     assert settings.port == 9001
     with pytest.raises(SettingsError, match="VISIONGATE_KERNEL: unknown setting"):
