@@ -37,9 +37,7 @@ import asyncio
 import itertools
 import math
 import signal
-import sys
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +47,7 @@ from bench._load_client import QUESTIONS, SessionSource
 from bench._load_report import machine_info
 from bench._load_server import GatewayProcess
 from bench._load_stats import qps_at_slo, write_json
+from bench._outcome import RunOutcome
 
 __all__ = (
     "ADAPTIVE_CONFIGS",
@@ -336,67 +335,64 @@ def adaptive_main(
         return gw
 
     run = _Run(args, gateways, load_run, slo_factor)
-    status, error = "complete", None
-    started = datetime.now(UTC)
+    outcome = RunOutcome()
     try:
-        # with the objective known beforehand both gateways load together; otherwise the
-        # budget-on one loads once the reference has measured the SLO it takes as objective
-        for gw in [gateways["budget_off"], *([budget_on(objective)] if objective else [])]:
-            gw.start()
-        for gw in list(gateways.values()):
-            gw.wait_ready(args.ready_timeout_s)
-        print(
-            f"reference: budget off, closed loop, 1 session, {2 * args.point_s:g} s "
-            f"(photo + question + {len(QUESTIONS) - 1} follow-ups, {args.tokens} tokens each)",
-            flush=True,
-        )
-        asyncio.run(run.measure_reference())
-        ref = run.reference or {}
-        if objective is None:
-            objective = run.run.slo_ms
+        with outcome.recording(log):
+            # with the objective known beforehand both gateways load together; otherwise the
+            # budget-on one loads once the reference has measured the SLO it takes as objective
+            for gw in [gateways["budget_off"], *([budget_on(objective)] if objective else [])]:
+                gw.start()
+            for gw in list(gateways.values()):
+                gw.wait_ready(args.ready_timeout_s)
+            print(
+                f"reference: budget off, closed loop, 1 session, {2 * args.point_s:g} s "
+                f"(photo + question + {len(QUESTIONS) - 1} follow-ups, {args.tokens} tokens each)",
+                flush=True,
+            )
+            asyncio.run(run.measure_reference())
+            ref = run.reference or {}
             if objective is None:
-                raise RuntimeError("the reference point measured no first-turn TTFT")
-            budget_on(objective).start().wait_ready(args.ready_timeout_s)
-        on = gateways["budget_on"]
-        print(
-            f"  first-turn TTFT P50 {ref.get('ttft_first_p50_ms') or 0:.0f} ms, "
-            f"mean turn {ref.get('turn_ms_mean') or 0:.0f} ms, kept ratio "
-            f"{ref.get('kept_ratio_mean') or 0:.3f}",
-            flush=True,
-        )
-        slo = run.run.slo_ms
-        rule = "--slo-ms" if args.slo_ms else f"{run.slo_factor:g}x the reference first-turn P50"
-        note = (
-            "the run's SLO"
-            if objective == slo
-            else f"{objective / slo:.2f}x the SLO, set below it by --budget-objective-ms so the "
-            "controller engages within a short run"
-            if slo and objective < slo
-            else "set by --budget-objective-ms"
-        )
-        eff = _effective(on)
-        knobs = (
-            {
-                k: eff.get(k)
-                for k in ("visual_budget_floor", "visual_budget_step", "visual_budget_window_s")
-            }
-            if isinstance(eff, dict)
-            else {}
-        )
-        print(
-            f"\nopen loop: Poisson session arrivals (seed {args.seed}), {args.open_point_s:g} s "
-            f"per rate; rates {run.run.ladder['source']}\nSLO: P95 TTFT <= {slo:.0f} ms ({rule}); "
-            f"budget on: objective visual_budget_ttft_ms={objective:.0f} ms ({note}), "
-            + ", ".join(f"{k}={v}" for k, v in knobs.items()),
-            flush=True,
-        )
-        asyncio.run(run.sweep())
-    except KeyboardInterrupt:
-        status, error = "interrupted", "interrupted"
-        log.warning("interrupted")
-    except Exception as exc:
-        status, error = "failed", f"{type(exc).__name__}: {exc}"
-        log.error("run_failed", error=error)
+                objective = run.run.slo_ms
+                if objective is None:
+                    raise RuntimeError("the reference point measured no first-turn TTFT")
+                budget_on(objective).start().wait_ready(args.ready_timeout_s)
+            on = gateways["budget_on"]
+            print(
+                f"  first-turn TTFT P50 {ref.get('ttft_first_p50_ms') or 0:.0f} ms, "
+                f"mean turn {ref.get('turn_ms_mean') or 0:.0f} ms, kept ratio "
+                f"{ref.get('kept_ratio_mean') or 0:.3f}",
+                flush=True,
+            )
+            slo = run.run.slo_ms
+            rule = (
+                "--slo-ms" if args.slo_ms else f"{run.slo_factor:g}x the reference first-turn P50"
+            )
+            note = (
+                "the run's SLO"
+                if objective == slo
+                else f"{objective / slo:.2f}x the SLO, set below it by --budget-objective-ms "
+                "so the controller engages within a short run"
+                if slo and objective < slo
+                else "set by --budget-objective-ms"
+            )
+            eff = _effective(on)
+            knobs = (
+                {
+                    k: eff.get(k)
+                    for k in ("visual_budget_floor", "visual_budget_step", "visual_budget_window_s")
+                }
+                if isinstance(eff, dict)
+                else {}
+            )
+            print(
+                f"\nopen loop: Poisson session arrivals (seed {args.seed}), "
+                f"{args.open_point_s:g} s per rate; rates {run.run.ladder['source']}\n"
+                f"SLO: P95 TTFT <= {slo:.0f} ms ({rule}); "
+                f"budget on: objective visual_budget_ttft_ms={objective:.0f} ms ({note}), "
+                + ", ".join(f"{k}={v}" for k, v in knobs.items()),
+                flush=True,
+            )
+            asyncio.run(run.sweep())
     finally:
         for gw in gateways.values():
             gw.stop()
@@ -406,11 +402,7 @@ def adaptive_main(
     slo = run.run.slo_ms
     head = adaptive_headline(points, slo)
     report = {
-        "benchmark": "load_adaptive",
-        "status": status,
-        "error": error,
-        "started": started.isoformat(),
-        "finished": datetime.now(UTC).isoformat(),
+        **outcome.report_fields("load_adaptive"),
         "args": vars(args),
         "machine": machine_info(),
         "workload": {
@@ -449,7 +441,4 @@ def adaptive_main(
         f"wrote {out / 'load_adaptive.json'}"
         + (f" and {out / 'load_adaptive.png'}" if opened else "")
     )
-    if status != "complete":
-        print(f"run {status}: {error}", file=sys.stderr)
-        return 130 if status == "interrupted" else 1
-    return 0
+    return outcome.exit_code()

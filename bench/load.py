@@ -47,10 +47,8 @@ import asyncio
 import itertools
 import logging
 import signal
-import sys
 import time
 from dataclasses import asdict
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +58,7 @@ from bench._load_client import QUESTIONS, SessionSource, closed_loop, open_loop
 from bench._load_report import TABLE_HEADER, chart, headline, headline_text, machine_info, table_row
 from bench._load_server import GatewayProcess
 from bench._load_stats import poisson_arrivals, qps_at_slo, summarize, write_json
+from bench._outcome import RunOutcome
 
 __all__ = ("CONFIGS", "main", "parse_args")
 
@@ -473,20 +472,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     source = SessionSource()
     run = LoadRun(args, gateways, source)
-    status, error = "complete", None
-    started = datetime.now(UTC)
+    outcome = RunOutcome()
     try:
-        for gw in gateways.values():
-            gw.start()
-        for gw in gateways.values():
-            gw.wait_ready(args.ready_timeout_s)
-        asyncio.run(run.run())
-    except KeyboardInterrupt:
-        status, error = "interrupted", "interrupted"
-        log.warning("interrupted")
-    except Exception as exc:
-        status, error = "failed", f"{type(exc).__name__}: {exc}"
-        log.error("run_failed", error=error)
+        with outcome.recording(log):
+            for gw in gateways.values():
+                gw.start()
+            for gw in gateways.values():
+                gw.wait_ready(args.ready_timeout_s)
+            asyncio.run(run.run())
     finally:
         for gw in gateways.values():
             gw.stop()
@@ -502,11 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     head = headline(run.points, qps)
     report = {
-        "benchmark": "load",
-        "status": status,
-        "error": error,
-        "started": started.isoformat(),
-        "finished": datetime.now(UTC).isoformat(),
+        **outcome.report_fields("load"),
         "args": vars(args),
         "machine": machine_info(),
         "workload": {
@@ -537,10 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         chart(run.points, run.slo_ms, out / "load.png")
     print("\n" + headline_text(head, run.slo_ms, "--slo-ms" if args.slo_ms else SLO_RULE))
     print(f"wrote {out / 'load.json'}" + (f" and {out / 'load.png'}" if run.points else ""))
-    if status != "complete":
-        print(f"run {status}: {error}", file=sys.stderr)
-        return 130 if status == "interrupted" else 1
-    return 0
+    return outcome.exit_code()
 
 
 if __name__ == "__main__":

@@ -33,9 +33,7 @@ import itertools
 import logging
 import secrets
 import signal
-import sys
 from dataclasses import asdict
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +44,7 @@ from bench._load_client import QUESTIONS, SessionSource, session_image
 from bench._load_report import machine_info
 from bench._load_server import redacted
 from bench._load_stats import write_json
+from bench._outcome import RunOutcome
 from bench._soak_abuse import ABUSE_KINDS, AbusePayloads, Abuser
 from bench._soak_report import (
     GOAL_RATIO,
@@ -485,19 +484,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     gateway = SoakGateway(overrides, out / "gateway-soak.log", fake=args.fake)
     run: SoakRun | None = None
-    status, error = "complete", None
-    started = datetime.now(UTC)
+    outcome = RunOutcome()
     try:
-        gateway.start()
-        gateway.wait_ready(args.ready_timeout_s)
-        run = SoakRun(args, gateway, _target(gateway, next(iter(good.values()))), good, bad)
-        asyncio.run(run.run())
-    except KeyboardInterrupt:
-        status, error = "interrupted", "interrupted"
-        log.warning("interrupted")
-    except Exception as exc:
-        status, error = "failed", f"{type(exc).__name__}: {exc}"
-        log.error("run_failed", error=error)
+        with outcome.recording(log):
+            gateway.start()
+            gateway.wait_ready(args.ready_timeout_s)
+            run = SoakRun(args, gateway, _target(gateway, next(iter(good.values()))), good, bad)
+            asyncio.run(run.run())
     finally:
         gateway.stop()
         signal.signal(signal.SIGTERM, previous)
@@ -515,11 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     )
     report = {
-        "benchmark": "soak",
-        "status": status,
-        "error": error,
-        "started": started.isoformat(),
-        "finished": datetime.now(UTC).isoformat(),
+        **outcome.report_fields("soak"),
         "args": {k: v for k, v in vars(args).items()},
         "machine": machine_info(),
         "engine": "fake (tests/fakes.py)" if args.fake else "real embedded engine",
@@ -559,10 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     if run is not None and measured["phases"]:
         print(report_text(report, args.bad_keys, args.abuse, args.duration))
     print(f"\nwrote {out / 'soak.json'}" + (f" and {out / 'soak.png'}" if charted else ""))
-    if status != "complete":
-        print(f"run {status}: {error}", file=sys.stderr)
-        return 130 if status == "interrupted" else 1
-    return 0
+    return outcome.exit_code()
 
 
 def _effective(gw: SoakGateway) -> dict[str, Any] | str:
