@@ -45,10 +45,10 @@ import torch.nn.functional as F
 from encoder_worker.config import EncoderConfig
 from encoder_worker.pipeline import EncoderPipeline
 from encoder_worker.types import ENCODE_STAGES, EncodedImage, ImageError
-from gateway.engine.batch import SeqKV, Slice, cache_param, install_attention, run_step
 from gateway.engine.interface import ImageInput, Message
-from gateway.engine.prompt import Prompt, embed_positions, render
-from gateway.engine.weights import LoadedModel, load_weights
+from gateway.engine.local.batch import SeqKV, Slice, cache_param, install_attention, run_step
+from gateway.engine.local.prompt import Prompt, embed_positions, render
+from gateway.engine.local.weights import LoadedModel, load_weights
 
 __all__ = (
     "CONFIGS",

@@ -103,7 +103,7 @@ class SessionSource:
         self._photos: dict[str, Any] = {}
 
     def plan(self, index: int) -> SessionPlan:
-        from gateway.client import image_data_url
+        from gateway.sdk.client import image_data_url
 
         url = self._urls.get(index)
         if url is None:

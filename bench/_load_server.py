@@ -13,16 +13,15 @@ started (SIGTERM, then SIGKILL after a grace period), and is safe to call more t
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import structlog
+
+from gateway.testing.ports import free_port
+from gateway.testing.processes import terminate, wait_for_readyz
 
 __all__ = ("GatewayProcess", "redacted", "settings_fields")
 
@@ -49,59 +48,11 @@ def _env_value(value: Any) -> str:
     return str(value)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def redacted(settings: dict[str, Any] | str) -> dict[str, Any] | str:
     """`settings` with its API keys replaced by how many there are (for logs and reports)."""
     if isinstance(settings, dict) and "api_keys" in settings:
         return {**settings, "api_keys": f"<{len(settings['api_keys'])} keys>"}
     return settings
-
-
-def wait_for_readyz(
-    proc: subprocess.Popen[bytes],
-    http_url: str,
-    name: str,
-    log_path: Path,
-    tail: Callable[[], str],
-    timeout_s: float,
-) -> dict[str, Any]:
-    """Poll a starting gateway's `/readyz` until it answers 200 (its body); RuntimeError with
-    the log's `tail()` when the process exits or reports a failed load, TimeoutError after
-    `timeout_s`."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"{name} exited with {proc.returncode} during start-up; see {log_path}:\n{tail()}"
-            )
-        try:
-            r = httpx.get(f"{http_url}/readyz", timeout=5)
-            body = r.json()
-            if r.status_code == 200:
-                return body
-            if body.get("status") == "failed":
-                raise RuntimeError(f"{name} failed to load: {body.get('error')}\n{tail()}")
-        except (httpx.TransportError, ValueError):
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{name} not ready within {timeout_s:.0f} s; see {log_path}:\n{tail()}")
-
-
-def terminate(proc: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM, then SIGKILL after `grace_s`."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
 
 
 class GatewayProcess:
@@ -121,7 +72,7 @@ class GatewayProcess:
         self.requested = dict(overrides)
         self.applied = {k: v for k, v in overrides.items() if k in fields}
         self.skipped = sorted(k for k in overrides if k not in fields)
-        self.port = _free_port()
+        self.port = free_port()
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
         inherited = {ENV_PREFIX + name.upper() for name in INHERITED}

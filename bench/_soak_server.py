@@ -2,7 +2,8 @@
 
 `SoakGateway` is the load benchmark's `GatewayProcess` (settings through `VISIONGATE_*`, only
 those this build has, stopped in order) that can also start `python -m bench._soak_server`:
-the same app, server and stores as `visiongate serve`, with tests/fakes.py's instant engine and
+the same app, server and stores as `visiongate serve`, with gateway/testing/fakes.py's instant
+engine and
 encoder in place of the models (`--fake`: a quick look at the benchmark's own mechanics).
 `SOAK_FAKE_DELAY_S` spaces the fake engine's text deltas (default 0.01 s). API keys are never
 logged (`bench._load_server.redacted` replaces them by their count).
@@ -43,10 +44,10 @@ def serve_fake() -> None:
     root = Path(__file__).resolve().parents[1]
     if str(root) not in sys.path:  # tests/ is not an installed package
         sys.path.insert(0, str(root))
-    from gateway.app import create_app
-    from gateway.server import serve
+    from gateway.server.app import create_app
+    from gateway.server.runner import serve
     from gateway.settings import Settings
-    from tests.fakes import FakeEncoder, FakeEngine
+    from gateway.testing.fakes import FakeEncoder, FakeEngine
 
     settings = Settings.load()
     delay_s = float(os.environ.get("SOAK_FAKE_DELAY_S", "0.01"))

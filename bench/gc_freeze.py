@@ -3,7 +3,8 @@
     python -m bench.gc_freeze --out DIR              # beside the embedded engine (loads it)
     python -m bench.gc_freeze --out DIR --no-model   # beside the gateway's modules only
 
-`visiongate serve` calls `gc.freeze()` once its models are loaded (gateway/app.py): what is alive
+`visiongate serve` calls `gc.freeze()` once its models are loaded (gateway/server/app.py): what is
+alive
 then lives as long as the process, and the cyclic collector's passes stop walking it. A request
 body of many small JSON values allocates one object per value, and every few hundred
 allocations the collector runs; its older generations walk the whole heap. In one process, with
@@ -66,12 +67,12 @@ def _decode_ms(body: bytes, repeats: int) -> float:
 
 
 def _load_heap(load_model: bool) -> Any:
-    from gateway.app import create_app
+    from gateway.server.app import create_app
     from gateway.settings import Settings
 
     settings = Settings.load({}, environ={})
     if not load_model:
-        from tests.fakes import FakeEncoder, FakeEngine
+        from gateway.testing.fakes import FakeEncoder, FakeEngine
 
         return create_app(settings, engine=FakeEngine(), encoder=FakeEncoder())
     from gateway.engine import LocalEngine

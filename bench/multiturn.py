@@ -41,8 +41,8 @@ CONVERSATIONS: dict[str, list[tuple[list[str], str]]] = {
 async def play(
     url: str, turns: list[tuple[list[str], str]], *, max_tokens: int, pre_encode_s: float = 0.0
 ) -> list[dict[str, Any]]:
-    from gateway.client import RealtimeClient, image_data_url
-    from gateway.demo import photo_jpeg
+    from gateway.cli.demo import photo_jpeg
+    from gateway.sdk.client import RealtimeClient, image_data_url
 
     rows = []
     async with await RealtimeClient.connect(url) as client:
@@ -88,8 +88,8 @@ async def play(
 
 
 def start_gateway(**overrides: Any):
-    from gateway.app import create_app
-    from gateway.server import ServerThread
+    from gateway.server.app import create_app
+    from gateway.server.runner import ServerThread
     from gateway.settings import Settings
 
     settings = Settings.load({"log_level": "warning", **overrides})

@@ -21,7 +21,7 @@ by code (failed well-behaved turns; every abusive request's outcome; the gateway
 `visiongate_errors_total` over each phase); the gateway's RSS over time. DIR/soak.png charts
 them. Progress goes to stderr (structlog), one line every few seconds with the gateway's
 scheduler gauges (running, waiting, batch), which soak.json keeps too. `--fake` serves the
-fake engine and encoder of tests/fakes.py (bench/_soak_server.py): a quick look at the
+fake engine and encoder of gateway/testing/fakes.py (bench/_soak_server.py): a quick look at the
 benchmark itself, not at the engine's fairness.
 """
 
@@ -98,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--fake",
         action="store_true",
-        help="serve the fake engine and encoder (tests/fakes.py) instead of the models",
+        help="serve the fake engine and encoder (gateway/testing/fakes.py) instead of the models",
     )
     p.add_argument("--good-keys", type=int, default=3, help="well-behaved keys (default 3)")
     p.add_argument("--bad-keys", type=int, default=2, help="abusive keys (default 2)")
@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         **outcome.report_fields("soak"),
         "args": {k: v for k, v in vars(args).items()},
         "machine": machine_info(),
-        "engine": "fake (tests/fakes.py)" if args.fake else "real embedded engine",
+        "engine": "fake (gateway/testing/fakes.py)" if args.fake else "real embedded engine",
         "keys": {"well_behaved": list(good), "abusive": list(bad)},
         "gateway": {
             "requested": redacted(gateway.requested),

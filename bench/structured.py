@@ -133,7 +133,7 @@ def replay_grammar(tokenizer: Any, texts: list[str], batch: int) -> float:
     tokens consumed in step), without a forward pass to overlap with."""
     import torch
 
-    from gateway.engine.grammar import GrammarMasks, TokenVocab, compile_grammar
+    from gateway.engine.local.grammar import GrammarMasks, TokenVocab, compile_grammar
 
     vocab = TokenVocab(tokenizer, [tokenizer.eos_token_id])
     answers = [
@@ -196,7 +196,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from gateway.engine.local import LocalEngine
+    from gateway.engine.local.local_engine import LocalEngine
 
     top = max(args.batches)
     engine = LocalEngine(

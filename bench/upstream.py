@@ -5,7 +5,8 @@ the time to first token, and what session-affinity routing saves on follow-ups, 
 
 Two `visiongate serve` replicas (the embedded model, one engine thread each) and a front
 gateway, `visiongate serve --engine openai --upstream R1,R2`, run as child processes on
-loopback ports (tests/replicas.py). Every request is a streamed chat completion sent with the
+loopback ports (gateway/testing/processes.py). Every request is a streamed chat completion sent
+with the
 official `openai` client; TTFT is request sent -> first text delta, as the client sees it.
 
 (a) overhead: `--requests` prompts (a photo and a question) go through the front gateway and
@@ -45,7 +46,7 @@ from bench._load_stats import percentile
 if TYPE_CHECKING:
     from openai import OpenAI
 
-    from tests.replicas import ServeProcess
+    from gateway.testing.processes import ServeProcess
 
 __all__ = ("main", "parse_args", "summarize_overhead", "summarize_routing", "table")
 
@@ -148,7 +149,7 @@ def stream_turn(target: Target, messages: list[dict[str, Any]], max_tokens: int)
 
 
 def _user(photo: bytes | None, question: str) -> dict[str, Any]:
-    from gateway.client import image_data_url
+    from gateway.sdk.client import image_data_url
 
     content: list[dict[str, Any]] = []
     if photo is not None:
@@ -176,7 +177,7 @@ def measure_overhead(
     front: Target, replicas: list[Target], procs: list[ServeProcess], args: argparse.Namespace
 ) -> dict[str, Any]:
     from bench._load_client import session_image
-    from tests.replicas import responses_served, which_served
+    from gateway.testing.processes import responses_served, which_served
 
     # one photo for every prompt (a fixed index far from (b)'s), a different question each
     photo = session_image(4093)
@@ -288,7 +289,7 @@ def measure_routing(
     front: Target, replicas: list[Target], procs: list[ServeProcess], args: argparse.Namespace
 ) -> dict[str, Any]:
     from bench._load_client import session_image
-    from tests.replicas import responses_served, which_served
+    from gateway.testing.processes import responses_served, which_served
 
     rng = random.Random(args.seed)
 
@@ -435,7 +436,7 @@ def chart(report: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from tests.replicas import front, replica, running
+    from gateway.testing.processes import front, replica, running
 
     args.out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="visiongate-upstream-bench-"))

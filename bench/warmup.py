@@ -103,7 +103,7 @@ def _row(condition: str, ttft: float, r: Any) -> dict[str, Any]:
 
 async def viewer_trial(url: str, index: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One photo sent ahead, its question, a text follow-up; then a photo with its question."""
-    from gateway.client import RealtimeClient, image_data_url
+    from gateway.sdk.client import RealtimeClient, image_data_url
 
     rows = []
     async with await RealtimeClient.connect(url) as client:
@@ -136,7 +136,7 @@ async def viewer_trial(url: str, index: int, args: argparse.Namespace) -> list[d
 
 async def load_session(url: str, index: int, stop: asyncio.Event, gaps: list[float], tokens: int):
     """Keep asking text questions until `stop`; record the gaps between text deltas."""
-    from gateway.client import RealtimeClient
+    from gateway.sdk.client import RealtimeClient
 
     async with await RealtimeClient.connect(url) as client:
         turn = 0
@@ -219,8 +219,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def start_gateway(**overrides: Any):
-    from gateway.app import create_app
-    from gateway.server import ServerThread
+    from gateway.server.app import create_app
+    from gateway.server.runner import ServerThread
     from gateway.settings import Settings
 
     settings = Settings.load({"log_level": "warning", **overrides})

@@ -426,7 +426,7 @@ def gateway(
         "OTEL_BSP_SCHEDULE_DELAY": "500",
         **(env or {}),
     }
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), *args]
+    argv = [sys.executable, "-m", "gateway.cli.main", "serve", "--port", str(port), *args]
     return Service(
         name,
         argv,

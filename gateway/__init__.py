@@ -14,10 +14,10 @@ __all__ = ("Client", "RealtimeClient", "Settings", "create_app")
 __version__ = "0.1.0"
 
 _WHERE = {
-    "create_app": "gateway.app",
+    "create_app": "gateway.server.app",
     "Settings": "gateway.settings",
-    "RealtimeClient": "gateway.client",
-    "Client": "gateway.sync_client",
+    "RealtimeClient": "gateway.sdk.client",
+    "Client": "gateway.sdk.resuming_client",
 }
 
 

@@ -44,7 +44,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # OpenAI-compatible upstream replicas: vLLM, SGLang, trtllm-serve, another visiongate)
     engine: str = "local"
     # with engine "openai": the replicas, each URL[#model=NAME&api_key_env=VAR]
-    # (gateway.engine.upstream_config); VISIONGATE_UPSTREAMS takes them comma-separated
+    # (gateway.engine.upstream.endpoints); VISIONGATE_UPSTREAMS takes them comma-separated
     upstreams: list[str] = []
     upstream_model: str | None = None  # model name sent upstream; None: each replica's first
     # how images reach the upstream: data_url (the bytes, with the gateway's sha256 content id
@@ -354,7 +354,7 @@ def _redis_url_problem(url: str | None) -> str | None:
 
 def _upstreams_problem(upstreams: list[str]) -> str | None:
     """What is wrong with the upstream list of engine "openai", or None."""
-    from gateway.engine.upstream_config import parse_upstreams
+    from gateway.engine.upstream.endpoints import parse_upstreams
 
     try:
         parse_upstreams(upstreams)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -15,22 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from gateway.testing.ports import free_port, wait_for_port
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_for_port(port: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+__all__ = ("free_port",)  # tests import it from here too
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +26,7 @@ def redis_server() -> Iterator[str]:
     workdir = tempfile.mkdtemp(prefix="visiongate-redis-")
     proc = start_redis(port, workdir)
     try:
-        _wait_for_port(port)
+        wait_for_port(port)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         proc.terminate()
@@ -125,7 +111,7 @@ def redis_cluster(masters: int = 3) -> Iterator[tuple[str, list[subprocess.Popen
                 )
             )
         for port in ports:
-            _wait_for_port(port)
+            wait_for_port(port)
         subprocess.run(
             [
                 cli,

@@ -6,10 +6,10 @@ not a public name. The index records, per (owner, digest), one of two states:
 
     "sent"  the owner sent the bytes (inline, uploaded, or fetched for it)
     "used"  ... and has been given the image's visual tokens at least once, so a vision-cache
-            hit is now that owner's own hit (see `gateway.vision_resolver`)
+            hit is now that owner's own hit (see `gateway.chat.vision_resolver`)
 
 It decides nothing and stores no images; the vision resolver asks it before it touches a cache.
-`owner` is the owner id (`gateway.auth`), never an API key.
+`owner` is the owner id (`gateway.policy.auth`), never an API key.
 
 `MemoryOwnerIndex` is an in-process LRU, bounded per owner and in total. `RedisOwnerIndex` puts
 it in front of Redis keys `{namespace}:owner:{owner}:{digest}` (`encoder_worker.storage`) with a

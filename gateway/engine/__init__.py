@@ -22,7 +22,7 @@ from gateway.engine.interface import (
 )
 
 if TYPE_CHECKING:
-    from gateway.engine.local import LocalEngine
+    from gateway.engine.local.local_engine import LocalEngine
 
 __all__ = (
     "Delta",
@@ -42,7 +42,7 @@ __all__ = (
 
 def __getattr__(name: str) -> Any:
     if name == "LocalEngine":
-        from gateway.engine.local import LocalEngine
+        from gateway.engine.local.local_engine import LocalEngine
 
         return LocalEngine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ("ERROR_CODES", "GatewayError", "clip")
+from msgspec import Struct
+
+__all__ = ("ERROR_CODES", "ErrorBody", "ErrorResponse", "GatewayError", "clip", "error_response")
 
 # code -> (error type, HTTP status)
 ERROR_CODES: dict[str, tuple[str, int]] = {
@@ -79,3 +81,37 @@ def clip(text: object, limit: int = 200) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text)} chars)"
+
+
+# ---------------------------------------------------------------- the HTTP error body
+
+
+class ErrorBody(Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(Struct, omit_defaults=True):
+    """`{"error": {"message", "type", "param", "code"}}` as OpenAI sends it, plus the status.
+
+    `retry_after` (seconds) is set when the engine's queue is full: the answer is then 429 with
+    a `Retry-After` header rather than the 503 of a model still loading."""
+
+    error: ErrorBody
+    retry_after: int | None = None
+
+    @property
+    def status_code(self) -> int:
+        if self.retry_after is not None and self.error.code == "busy":
+            return 429
+        return ERROR_CODES.get(self.error.code or "", ("", 500))[1]
+
+
+def error_response(exc: GatewayError) -> ErrorResponse:
+    retry = None if exc.retry_after_s is None else max(1, round(exc.retry_after_s))
+    return ErrorResponse(
+        ErrorBody(message=exc.message, type=exc.type, param=exc.param, code=exc.code),
+        retry_after=retry,
+    )

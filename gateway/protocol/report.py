@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Literal
 from msgspec import Struct
 
 if TYPE_CHECKING:
-    from gateway.chat_events import Finished
+    from gateway.chat.events import Finished
 
 __all__ = ("CacheReport", "Timings")
 

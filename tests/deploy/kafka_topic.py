@@ -3,7 +3,7 @@
 `TopicSpans` is a `confluent-kafka` (librdkafka) consumer assigned to every partition of the
 span topic from offset 0 (no consumer group: nothing to rebalance when the broker restarts);
 each message is one OTLP protobuf `ExportTraceServiceRequest`, as a Collector's Kafka exporter
-writes it, flattened with `tests.otlp_receiver.flatten_spans`.
+writes it, flattened with `gateway.testing.otlp_receiver.flatten_spans`.
 
 `Forwarder` is a TCP port that forwards every connection to the broker's current port. tansu
 does not bind with SO_REUSEADDR, so a broker stopped with clients connected cannot listen on
@@ -25,7 +25,7 @@ from typing import Self
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from deploy.stack import TOPIC
-from tests.otlp_receiver import ReceivedSpan, flatten_spans
+from gateway.testing.otlp_receiver import ReceivedSpan, flatten_spans
 
 __all__ = ("Forwarder", "TopicSpans")
 

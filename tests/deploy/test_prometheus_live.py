@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from gateway.telemetry import Telemetry, config_from_env
-from tests.conftest import _wait_for_port, free_port
+from tests.conftest import free_port, wait_for_port
 from tests.deploy.conftest import PROMETHEUS_DIR
 
 P95 = "visiongate:gen_ai_server_time_to_first_token_seconds:p95_5m"
@@ -96,7 +96,7 @@ def run_prometheus(prometheus_bin: str, target: str, tmp_path: Path) -> Iterator
         stderr=subprocess.STDOUT,
     )
     try:
-        _wait_for_port(port, timeout=15)
+        wait_for_port(port, timeout=15)
         base = f"http://127.0.0.1:{port}"
         _wait_ready(base, proc)
         yield base

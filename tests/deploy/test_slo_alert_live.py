@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from deploy import stack
+from gateway.testing.fakes import FakeEncoder, FakeEngine
 from tests.deploy.conftest import PROMETHEUS_DIR
-from tests.fakes import FakeEncoder, FakeEngine
 from tests.unit.conftest import FakeGateway, start_gateway, unit_settings
 
 SCALE = 1 / 120

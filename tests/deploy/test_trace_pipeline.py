@@ -28,11 +28,11 @@ import pytest
 
 from deploy import stack
 from encoder_worker.spans import STAGE_PREFIX
+from gateway.testing.otlp_receiver import ReceivedSpan
 from tests.conftest import photo_bytes
 from tests.deploy.kafka_topic import Forwarder, TopicSpans
 from tests.gateway.realtime_helpers import data_url
 from tests.gateway.test_readyz import tiny_clip  # noqa: F401  (a fixture: a small CLIP tower)
-from tests.otlp_receiver import ReceivedSpan
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +82,7 @@ def pipeline(
     tiny_clip: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Pipeline]:
-    from tests.conftest import _wait_for_port, free_port, start_redis
+    from tests.conftest import free_port, start_redis, wait_for_port
 
     log_dir = tmp_path_factory.mktemp("trace-pipeline")
     redis_port = free_port()
@@ -91,7 +91,7 @@ def pipeline(
     services: list[stack.Service] = []
     forwarder = Forwarder(0).start()
     try:
-        _wait_for_port(redis_port)
+        wait_for_port(redis_port)
         broker_port = stack.free_port()
         forwarder.target = broker_port
         broker = stack.broker(broker_port, log_dir, advertised_port=forwarder.port)
@@ -109,7 +109,7 @@ def pipeline(
         gateway = stack.gateway(stack.free_port(), http_port, log_dir, *args, env=env)
         worker = stack.Service(
             "worker",
-            [sys.executable, "-m", "gateway.cli", "worker", "--redis-url", redis_url,
+            [sys.executable, "-m", "gateway.cli.main", "worker", "--redis-url", redis_url,
              "--device", "cpu", "--block-ms", "200"],
             log_dir / "worker.log",
             env=stack._clean_env(

@@ -19,7 +19,7 @@ from encoder_worker.payload import FloatTokens
 from encoder_worker.storage import pack_encoded, unpack_encoded
 from encoder_worker.types import ImageLayout
 from encoder_worker.worker import EncoderWorker
-from gateway.redis_encoder import RedisEncoder
+from gateway.encoders.redis_encoder import RedisEncoder
 from tests.encoder_worker.test_family_llava import hf_image_features
 from tests.encoder_worker.test_worker import serving
 from tests.vlm_checkpoints import llava
@@ -179,8 +179,8 @@ async def test_remote_worker_round_trip_keeps_the_layout(ckpt, photos, redis_url
 
 def test_settings_cli_and_app_wiring(ckpt, tmp_path) -> None:
     from encoder_worker.process import worker_config
-    from gateway.app import encoder_config
-    from gateway.cli import build_parser
+    from gateway.cli.main import build_parser
+    from gateway.server.app import encoder_config
     from gateway.settings import Settings, SettingsError
 
     s = Settings.load(
@@ -229,7 +229,7 @@ def test_settings_cli_and_app_wiring(ckpt, tmp_path) -> None:
 
 
 def test_model_card_labels_the_vision_encoder(ckpt) -> None:
-    from gateway.http.resources import SYNTHETIC_VISION_LABEL, vision_label
+    from gateway.api.openai.resources import SYNTHETIC_VISION_LABEL, vision_label
     from gateway.settings import Settings
 
     state = types.SimpleNamespace(settings=Settings.load(environ={}), serving=None)
@@ -249,9 +249,9 @@ def test_model_card_labels_the_vision_encoder(ckpt) -> None:
 
 
 def test_service_hands_the_layout_to_the_engine(exact, photos) -> None:
-    from gateway.chat_service import ChatService
+    from gateway.chat.service import ChatService
+    from gateway.chat.vision_resolver import Resolved
     from gateway.sessions.session import Session, StoredItem, StoredPart
-    from gateway.vision_resolver import Resolved
 
     (image,) = exact.encode_batch([photos["coffee"]])
     service = ChatService(

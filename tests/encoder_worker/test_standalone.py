@@ -14,7 +14,7 @@ from pathlib import Path
 
 from encoder_worker import EncodedImage, EncoderConfig, EncoderPipeline
 from encoder_worker.storage import GROUP, JOBS_STREAM
-from gateway.redis_encoder import RedisEncoder
+from gateway.encoders.redis_encoder import RedisEncoder
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,7 +2,7 @@
 
 Workers run in-process (sharing one pipeline) where the test is about the queue, and as real
 processes where it is about process death (a worker killed with SIGKILL from outside), signals
-and telemetry (`python -m gateway.cli worker`).
+and telemetry (`python -m gateway.cli.main worker`).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from encoder_worker.storage import (
     vision_key,
 )
 from encoder_worker.worker import EncoderWorker
+from gateway.encoders.redis_encoder import RedisEncoder
 from gateway.protocol.errors import GatewayError
-from gateway.redis_encoder import RedisEncoder
 from tests.conftest import photo_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,7 +124,7 @@ def worker_process(redis_url: str, log_path: Path, *args: str, env: dict[str, st
         [
             sys.executable,
             "-m",
-            "gateway.cli",
+            "gateway.cli.main",
             "worker",
             "--redis-url",
             redis_url,
@@ -154,7 +154,7 @@ def test_worker_job_and_result_formats_round_trip() -> None:
 
 
 def test_worker_cli_help_and_settings(capsys: pytest.CaptureFixture[str]) -> None:
-    from gateway.cli import build_parser, main
+    from gateway.cli.main import build_parser, main
     from gateway.settings import Settings, SettingsError
 
     with pytest.raises(SystemExit) as exc:
@@ -480,7 +480,7 @@ async def test_worker_spans_join_the_callers_trace(redis_url, images, tmp_path) 
     from opentelemetry.sdk.trace import TracerProvider
 
     from gateway.telemetry import traceparent
-    from tests.otlp_receiver import OTLPReceiver
+    from gateway.testing.otlp_receiver import OTLPReceiver
 
     tracer = TracerProvider().get_tracer("test")
     with OTLPReceiver() as receiver:
@@ -551,8 +551,8 @@ async def test_worker_spans_join_the_callers_trace(redis_url, images, tmp_path) 
 
 @pytest.mark.slow
 async def test_gateway_in_redis_mode_answers_about_an_image(redis_url, pipeline, images) -> None:
-    from gateway.app import create_app
-    from gateway.server import ServerThread
+    from gateway.server.app import create_app
+    from gateway.server.runner import ServerThread
     from tests.gateway.conftest import gateway_settings
     from tests.gateway.realtime_helpers import Peer, data_url
 

@@ -36,9 +36,9 @@ from encoder_worker.storage import (
     vision_key,
     workers_key,
 )
-from gateway import redis_encoder
+from gateway.encoders import redis_encoder
+from gateway.encoders.redis_encoder import RedisEncoder, live_workers
 from gateway.protocol.errors import GatewayError
-from gateway.redis_encoder import RedisEncoder, live_workers
 from tests.conftest import unique_photo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ class WorkerPool:
         env = {k: v for k, v in os.environ.items() if not k.startswith("VISIONGATE_")}
         with self.log(name).open("wb") as out:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "gateway.cli", "worker", "--redis-url", self.url,
+                [sys.executable, "-m", "gateway.cli.main", "worker", "--redis-url", self.url,
                  "--device", "cpu", "--consumer", name, "--block-ms", "2000",
                  "--claim-idle-ms", "1000", "--max-batch", "4"],
                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -35,8 +35,8 @@ from encoder_worker.storage import (
     workers_key,
 )
 from encoder_worker.worker import ConfigConflict, EncoderWorker
+from gateway.encoders.redis_encoder import RedisEncoder, live_workers
 from gateway.protocol.errors import GatewayError
-from gateway.redis_encoder import RedisEncoder, live_workers
 from tests.conftest import photo_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +53,7 @@ def start_worker(redis_url: str, log_path: Path, *flags: str) -> subprocess.Pope
     env = {k: v for k, v in os.environ.items() if not k.startswith("VISIONGATE_")}
     with log_path.open("wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "worker", "--redis-url", redis_url,
+            [sys.executable, "-m", "gateway.cli.main", "worker", "--redis-url", redis_url,
              "--device", "cpu", "--block-ms", "200", *flags],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -78,7 +78,7 @@ def guide_scale_out(redis_url: str) -> tuple[list[str], list[str]]:
 def start_guide_worker(argv: list[str], log_path: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VISIONGATE_")}
     program = ROOT / argv[0]  # .venv/bin/visiongate in a checkout set up as the quickstart says
-    command = [str(program)] if program.exists() else [sys.executable, "-m", "gateway.cli"]
+    command = [str(program)] if program.exists() else [sys.executable, "-m", "gateway.cli.main"]
     with log_path.open("wb") as log:
         return subprocess.Popen(
             [*command, *argv[1:]], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -86,7 +86,7 @@ def start_guide_worker(argv: list[str], log_path: Path) -> subprocess.Popen:
 
 
 def guide_gateway_settings(argv: list[str], *extra: str):
-    from gateway.cli import _overrides, build_parser
+    from gateway.cli.main import _overrides, build_parser
     from tests.gateway.conftest import gateway_settings
 
     args = build_parser().parse_args([*argv[1:], *extra])
@@ -183,8 +183,8 @@ def test_the_scale_out_guide_commands_serve_bfloat16_then_float32_gateways(
     """The scale-out guide's worker command (docs/guides/scale-out.md), run as written, serves a
     gateway started with the guide's serve command under each `--lm-dtype`: the worker has no
     token flags and adopts each."""
-    from gateway.app import create_app
-    from gateway.server import ServerThread
+    from gateway.server.app import create_app
+    from gateway.server.runner import ServerThread
 
     worker_argv, serve_argv = guide_scale_out(redis_url)
     assert worker_argv[1:] == ["worker", "--redis-url", redis_url]  # no copied numbers

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.server import ServerThread
+from gateway.server.app import create_app
+from gateway.server.runner import ServerThread
 from gateway.settings import Settings
 from tests.conftest import photo_bytes
 

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.cli import _load_settings, build_parser
+from gateway.cli.main import _load_settings, build_parser
 from gateway.settings import Settings, SettingsError
 from tests.frameworks.conftest import API_KEY, LocalCA
 

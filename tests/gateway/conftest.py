@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.app import create_app
-from gateway.server import ServerThread
+from gateway.server.app import create_app
+from gateway.server.runner import ServerThread
 from gateway.settings import Settings
 
 MiB = 1024 * 1024

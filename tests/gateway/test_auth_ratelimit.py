@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import pytest
 import websockets
 
-from gateway.app import create_app
-from gateway.auth import Authenticator
+from gateway.policy.auth import Authenticator
+from gateway.policy.ratelimit import MemoryRateLimiter, RedisRateLimiter
 from gateway.protocol.errors import GatewayError
-from gateway.ratelimit import MemoryRateLimiter, RedisRateLimiter
-from gateway.server import ServerThread
+from gateway.server.app import create_app
+from gateway.server.runner import ServerThread
 from tests.gateway.conftest import gateway_settings
 
 
@@ -159,7 +159,7 @@ def test_http_takes_keys_from_the_header_only(keyed_server: ServerThread) -> Non
 
 @pytest.mark.slow
 async def test_browsers_send_the_key_as_a_subprotocol(keyed_server: ServerThread) -> None:
-    from gateway.auth import QUERY_KEY_REFUSED
+    from gateway.policy.auth import QUERY_KEY_REFUSED
 
     url = keyed_server.ws_url
     ws = await websockets.connect(url, subprotocols=["realtime", "openai-insecure-api-key.key-bob"])

@@ -15,8 +15,8 @@ import pytest
 import websockets
 from openai import OpenAI
 
-from gateway.app import create_app
-from gateway.server import ServerThread
+from gateway.server.app import create_app
+from gateway.server.runner import ServerThread
 from tests.conftest import photo_bytes
 from tests.gateway.conftest import gateway_settings, gateway_state
 from tests.gateway.realtime_helpers import Peer, data_url, deltas

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gateway.chat_service import kv_key_for
+from gateway.chat.service import kv_key_for
 from tests.gateway.conftest import gateway_state
 from tests.gateway.realtime_helpers import Peer, data_url, deltas
 from tests.gateway.test_session_cache import fresh_image

@@ -16,14 +16,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from encoder_worker.types import EncodedImage
 from gateway.caching import make_image_store, make_vision_cache
-from gateway.chat_events import Finished, ResponseOptions
-from gateway.chat_service import ChatService
+from gateway.chat.events import Finished, ResponseOptions
+from gateway.chat.service import ChatService
+from gateway.chat.vision_resolver import VisionResolver
 from gateway.protocol.errors import GatewayError
 from gateway.sessions import MemorySessionStore, Session, StoredItem, StoredPart
 from gateway.telemetry import ATTR, SPAN, Telemetry, config_from_env, context_from_traceparent
-from gateway.vision_resolver import VisionResolver
+from gateway.testing.fakes import FakeEncoder, FakeEngine
 from tests.conftest import photo_bytes
-from tests.fakes import FakeEncoder, FakeEngine
 
 MiB = 1024 * 1024
 OWNER = "key_owner"

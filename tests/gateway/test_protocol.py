@@ -3,8 +3,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gateway.image_input import ImageRef, parse_image_url, sniff_image
-from gateway.protocol import realtime_events as rt
+from gateway.api.realtime import protocol as rt
+from gateway.chat.image_input import ImageRef, parse_image_url, sniff_image
 from gateway.protocol.errors import GatewayError
 from tests.conftest import photo_bytes
 

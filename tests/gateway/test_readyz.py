@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.server import ServerThread
-from tests.conftest import _wait_for_port, free_port
+from gateway.server.app import create_app
+from gateway.server.runner import ServerThread
+from tests.conftest import free_port, wait_for_port
 from tests.gateway.conftest import gateway_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def private_redis() -> Iterator[tuple[str, subprocess.Popen]]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        _wait_for_port(port)
+        wait_for_port(port)
         yield f"redis://127.0.0.1:{port}/0", proc
     finally:
         if proc.poll() is None:
@@ -102,7 +102,7 @@ def test_readyz_names_missing_encoder_workers_and_redis(tiny_clip: str, tmp_path
             env = {k: v for k, v in os.environ.items() if not k.startswith("VISIONGATE_")}
             with log_path.open("wb") as log:
                 worker = subprocess.Popen(
-                    [sys.executable, "-m", "gateway.cli", "worker", "--redis-url", redis_url,
+                    [sys.executable, "-m", "gateway.cli.main", "worker", "--redis-url", redis_url,
                      "--device", "cpu", "--block-ms", "200"],
                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                 )  # fmt: skip

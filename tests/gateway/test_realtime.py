@@ -309,7 +309,7 @@ async def test_msgpack_subprotocol(ws_url: str) -> None:
 
 
 async def test_sdk_client_two_turns_and_cancel(ws_url: str) -> None:
-    from gateway.client import RealtimeClient, RealtimeError
+    from gateway.sdk.client import RealtimeClient, RealtimeError
 
     image = photo_bytes("coffee")
     async with await RealtimeClient.connect(ws_url) as client:

@@ -14,8 +14,8 @@ import pytest
 from encoder_worker.redis_conn import sync_client
 from encoder_worker.storage import image_key, owner_key, vision_key
 from gateway.caching import MemoryImageStore, MemoryVisionCache, RedisImageStore, TieredVisionCache
+from gateway.policy.ratelimit import RedisRateLimiter
 from gateway.protocol.errors import GatewayError
-from gateway.ratelimit import RedisRateLimiter
 
 FINGERPRINT = "f" * 64
 
@@ -60,7 +60,7 @@ async def test_images_owners_and_visual_tokens_are_shared_through_the_cluster(
 
 
 def test_kv_spilled_by_one_replica_is_loaded_by_another(redis_cluster_url, raw_cluster) -> None:
-    from gateway.engine.kvredis import RedisKVStore
+    from gateway.engine.local.kv.redis_store import RedisKVStore
     from tests.gateway.engine.test_engine_kvstore import SEED, make_entry, same
 
     writer = RedisKVStore(redis_cluster_url, 1 << 20, seed=SEED)
@@ -106,7 +106,7 @@ async def test_an_unreachable_cluster_is_a_cache_miss_not_an_error(unused_tcp_po
     assert images.redis_errors >= 1
     limiter = RedisRateLimiter(1, url)
     await limiter.acquire("owner-a")  # fails open while Redis is away, as on one node
-    from gateway.engine.kvredis import RedisKVStore
+    from gateway.engine.local.kv.redis_store import RedisKVStore
 
     kv = RedisKVStore(url, 1 << 20, seed=b"s" * 16)  # made without a connection: starts anyway
     assert kv.get("session-1") is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.image_input import fetch_remote_images, parse_image_url
+from gateway.chat.image_input import fetch_remote_images, parse_image_url
 from gateway.protocol.errors import GatewayError
 from tests.gateway.realtime_helpers import Peer
 

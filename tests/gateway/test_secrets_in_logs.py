@@ -16,12 +16,12 @@ import websockets
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway.app import create_app
-from gateway.auth import QUERY_KEY_REFUSED
-from gateway.server import ServerThread
+from gateway.policy.auth import QUERY_KEY_REFUSED
+from gateway.server.app import create_app
+from gateway.server.runner import ServerThread
 from gateway.settings import Settings
 from gateway.telemetry import configure_logging
-from tests.fakes import FakeEncoder, FakeEngine
+from gateway.testing.fakes import FakeEncoder, FakeEngine
 
 KEY = "sk-live-5b8e0f2d9c41a7"
 WRONG = "sk-guess-0c7d3e9a6b12f4"

@@ -8,8 +8,8 @@ import io
 import numpy as np
 import pytest
 
-from gateway.app import create_app
-from gateway.server import ServerThread
+from gateway.server.app import create_app
+from gateway.server.runner import ServerThread
 from tests.gateway.conftest import gateway_settings, gateway_state
 from tests.gateway.realtime_helpers import Peer, data_url
 

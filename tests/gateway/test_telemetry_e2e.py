@@ -9,14 +9,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.server import ServerThread
+from gateway.server.app import create_app
+from gateway.server.runner import ServerThread
+from gateway.testing.otlp_receiver import OTLPReceiver
 from tests.deploy.conftest import _ensure
 from tests.deploy.test_prometheus_live import run_prometheus, wait_for
 from tests.gateway.conftest import gateway_settings, gateway_state
 from tests.gateway.realtime_helpers import Peer, data_url
 from tests.gateway.test_session_cache import fresh_image
-from tests.otlp_receiver import OTLPReceiver
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,8 @@
 own checkpoint (a tiny random-weight LLaVA built with transformers' classes) and sends vLLM
 `image_embeds` parts holding exactly the visual tokens its encoder made.
 
-The replica is `tests.upstream_fake.FakeUpstream`, a scripted OpenAI-compatible server: it stands
+The replica is `gateway.testing.upstream_fake.FakeUpstream`, a scripted OpenAI-compatible server:
+it stands
 in for vLLM started with `--enable-mm-embeds`, which needs a GPU.
 """
 
@@ -18,13 +19,13 @@ import numpy as np
 import openai
 import pytest
 
-from gateway.app import build_encoder, create_app
-from gateway.server import ServerThread
+from gateway.server.app import build_encoder, create_app
+from gateway.server.runner import ServerThread
 from gateway.settings import Settings
+from gateway.testing.upstream_fake import FakeUpstream, Script, wait_until
 from tests.conftest import free_port, photo_bytes
 from tests.gateway.engine.test_upstream_engine import _saved_tensor_bytes
 from tests.gateway.realtime_helpers import data_url
-from tests.upstream_fake import FakeUpstream, Script, wait_until
 
 pytestmark = pytest.mark.slow
 

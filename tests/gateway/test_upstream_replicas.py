@@ -3,7 +3,7 @@ replicas (each running the embedded model), all three real processes on loopback
 
 Which replica served a turn is read from the replicas themselves (their
 `visiongate_responses_total` and their access log lines), never from the front gateway's
-own account. The processes are started once for the module (tests/replicas.py); the tests
+own account. The processes are started once for the module (gateway/testing/processes.py); the tests
 that kill replicas run last, and a test that needs both replicas restarts a killed one.
 """
 
@@ -18,9 +18,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.conftest import unique_photo
-from tests.gateway.realtime_helpers import Peer, data_url, deltas
-from tests.replicas import (
+from gateway.testing.processes import (
     ServeProcess,
     front,
     replica,
@@ -29,6 +27,8 @@ from tests.replicas import (
     sample_sum,
     which_served,
 )
+from tests.conftest import unique_photo
+from tests.gateway.realtime_helpers import Peer, data_url, deltas
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ from encoder_worker.config import EncoderConfig
 from encoder_worker.local_encoder import LocalEncoder
 from encoder_worker.pipeline import budget_config
 from gateway.caching import make_image_store, make_vision_cache
-from gateway.image_input import digest_of
-from gateway.vision_resolver import VisionResolver
-from gateway.visual_budget import BudgetedEncoder, VisualBudget
+from gateway.chat.image_input import digest_of
+from gateway.chat.vision_resolver import VisionResolver
+from gateway.chat.visual_budget import BudgetedEncoder, VisualBudget
 from tests.conftest import photo_bytes
 
 MiB = 1024 * 1024
@@ -125,8 +125,8 @@ def test_a_gateway_over_its_objective_encodes_new_images_smaller() -> None:
     """Served for real: TTFTs over a 1 ms objective lower the cap; the turn reports it."""
     import httpx
 
-    from gateway.app import create_app
-    from gateway.server import ServerThread
+    from gateway.server.app import create_app
+    from gateway.server.runner import ServerThread
     from tests.gateway.conftest import gateway_settings
 
     settings = gateway_settings(visual_budget_adaptive=True, visual_budget_ttft_ms=1.0)

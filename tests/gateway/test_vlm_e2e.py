@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import torch
 
-from gateway.app import create_app
-from gateway.server import ServerThread
+from gateway.server.app import create_app
+from gateway.server.runner import ServerThread
 from tests.conftest import photo_bytes
 from tests.gateway.conftest import gateway_settings
 from tests.gateway.realtime_helpers import Peer, data_url, deltas
@@ -245,7 +245,7 @@ def vlm_worker(checkpoint, redis_url, tmp_path) -> Iterator[tuple[subprocess.Pop
             [
                 sys.executable,
                 "-m",
-                "gateway.cli",
+                "gateway.cli.main",
                 "worker",
                 "--redis-url",
                 redis_url,

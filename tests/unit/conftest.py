@@ -1,4 +1,5 @@
-"""Fast tests: the real gateway (Litestar, uvicorn, stores, codecs) over `tests.fakes`' engine
+"""Fast tests: the real gateway (Litestar, uvicorn, stores, codecs) over `gateway.testing.fakes`'
+engine
 and encoder, so nothing loads a model and the whole directory runs in seconds.
 
 Every test collected here is marked `unit` (`pytest -m unit tests/unit`). `fake_gateway` is one
@@ -15,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from gateway.app import create_app
-from gateway.server import ServerThread
+from gateway.server.app import create_app
+from gateway.server.runner import ServerThread
 from gateway.settings import Settings
-from tests.fakes import FakeEncoder, FakeEngine
+from gateway.testing.fakes import FakeEncoder, FakeEngine
 
 if TYPE_CHECKING:
-    from gateway.state import GatewayState
+    from gateway.server.state import GatewayState
 
 UNIT_DIR = Path(__file__).resolve().parent
 MiB = 1024 * 1024

@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.chat.output_grammar import bound_schema
 from gateway.engine.interface import GenerationRequest, WarmUpResult
-from gateway.output_grammar import bound_schema
+from gateway.testing.fakes import FakeEncoder, FakeEngine
 from tests.conftest import unique_photo
-from tests.fakes import FakeEncoder, FakeEngine
 from tests.gateway.realtime_helpers import Peer, data_url
 from tests.unit.conftest import FakeGateway, eventually, start_gateway, unit_settings
 

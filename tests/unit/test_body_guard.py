@@ -1,5 +1,5 @@
 """A key whose large bodies keep being refused gets its large bodies and frames refused unread
-(gateway/http/body_guard.py), over a real gateway on loopback; other keys are untouched."""
+(gateway/api/http/body_guard.py), over a real gateway on loopback; other keys are untouched."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import httpx
 import pytest
 import websockets
 
-from gateway.auth import Authenticator
-from gateway.http import bodies
-from gateway.http.body_guard import BodyGuard
-from gateway.ratelimit import SMALL_BODY, RefusedBytes
+from gateway.api.http import bodies
+from gateway.api.http.body_guard import BodyGuard
+from gateway.policy.auth import Authenticator
+from gateway.policy.ratelimit import SMALL_BODY, RefusedBytes
 from tests.unit.conftest import GatewayFactory, MiB
 
 

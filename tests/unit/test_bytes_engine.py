@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from encoder_worker.storage import scoped_digest
+from gateway.encoders.passthrough_encoder import PassThroughEncoder
 from gateway.engine.interface import ImageInput
-from gateway.passthrough_encoder import PassThroughEncoder
+from gateway.testing.fakes import FakeEngine
 from tests.conftest import photo_bytes, unique_photo
-from tests.fakes import FakeEngine
 from tests.gateway.realtime_helpers import data_url
 from tests.unit.conftest import FakeGateway, start_gateway, unit_settings
 from tests.unit.test_image_privacy import chat_body, peer_for, send_image

@@ -9,7 +9,8 @@ import math
 import pytest
 
 from gateway.caching import make_image_store, make_vision_cache
-from gateway.chat_requests import (
+from gateway.chat.image_input import REF_PREFIX, digest_of
+from gateway.chat.requests import (
     EXTRA_PARTS,
     MAX_SEED,
     ContentPart,
@@ -30,13 +31,12 @@ from gateway.chat_requests import (
     resolve_references,
     response_options,
 )
+from gateway.chat.vision_resolver import VisionResolver
 from gateway.engine.interface import EngineError, GenerationRequest, Message, SamplingParams
-from gateway.engine.sequence import MAX_STOP_CHARS, MAX_STOPS, check_request
-from gateway.image_input import REF_PREFIX, digest_of
+from gateway.engine.local.sequence import MAX_STOP_CHARS, MAX_STOPS, check_request
 from gateway.protocol.errors import ERROR_CODES, GatewayError
 from gateway.settings import Settings
-from gateway.vision_resolver import VisionResolver
-from tests.fakes import FakeEncoder
+from gateway.testing.fakes import FakeEncoder
 
 MiB = 1024 * 1024
 LIMITS = RequestLimits(

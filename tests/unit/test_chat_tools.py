@@ -12,9 +12,9 @@ import openai
 import pydantic
 import pytest
 
+from gateway.chat.tool_stream import render_tool_call, render_tool_result
 from gateway.engine.interface import Delta, GenerationRequest, GenerationResult, TextDelta
-from gateway.tool_stream import render_tool_call, render_tool_result
-from tests.fakes import FakeEngine
+from gateway.testing.fakes import FakeEngine
 from tests.unit.conftest import FakeGateway, GatewayFactory
 
 TIMEOUT = 10.0

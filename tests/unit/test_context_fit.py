@@ -9,12 +9,12 @@ import asyncio
 import pytest
 
 from gateway.caching import make_image_store, make_vision_cache
-from gateway.chat_events import Finished, ResponseOptions, TextChunk
-from gateway.chat_service import ChatService
+from gateway.chat.events import Finished, ResponseOptions, TextChunk
+from gateway.chat.service import ChatService
+from gateway.chat.vision_resolver import VisionResolver
 from gateway.protocol.errors import GatewayError
 from gateway.sessions import MemorySessionStore, Session, StoredItem, StoredPart
-from gateway.vision_resolver import VisionResolver
-from tests.fakes import FakeEncoder, FakeEngine
+from gateway.testing.fakes import FakeEncoder, FakeEngine
 
 OWNER = "owner-a"
 

@@ -27,8 +27,8 @@ from encoder_worker.config import EncoderConfig
 from encoder_worker.local_encoder import FairQueue, LocalEncoder
 from encoder_worker.payload import float_tokens
 from encoder_worker.types import EncodedImage
+from gateway.testing.fakes import FakeEncoder
 from tests.conftest import unique_photo
-from tests.fakes import FakeEncoder
 from tests.gateway.realtime_helpers import Peer, data_url
 from tests.unit.conftest import FakeGateway, GatewayFactory, eventually
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from gateway.fair_gate import FairGate
+from gateway.policy.fair_gate import FairGate
 
 
 async def test_waiters_enter_in_turn_by_owner_first_in_first_out_within_one() -> None:

@@ -40,13 +40,14 @@ import pytest
 import websockets
 
 from bench._soak_abuse import png_claiming
-from gateway.app import create_app
-from gateway.http import protocol as hp
-from gateway.protocol import realtime_events as rt
+from gateway.api.openai.chat import protocol as hp
+from gateway.api.realtime import protocol as rt
 from gateway.protocol.errors import ERROR_CODES, GatewayError
-from gateway.server import ServerThread
+from gateway.protocol.subprotocols import MSGPACK_SUBPROTOCOL
+from gateway.server.app import create_app
+from gateway.server.runner import ServerThread
 from gateway.settings import Settings
-from tests.fakes import FakeEncoder, FakeEngine
+from gateway.testing.fakes import FakeEncoder, FakeEngine
 
 KiB = 1024
 MODEL = FakeEngine.model_id
@@ -650,7 +651,7 @@ class Peer:
     async def open(cls, url: str, *, binary: bool, group: str) -> Peer:
         ws = await websockets.connect(
             url,
-            subprotocols=[rt.MSGPACK_SUBPROTOCOL] if binary else None,
+            subprotocols=[MSGPACK_SUBPROTOCOL] if binary else None,
             max_size=None,
             proxy=None,
             open_timeout=10,
@@ -658,7 +659,7 @@ class Peer:
             ping_interval=None,
             compression=None,
         )
-        assert ws.subprotocol == (rt.MSGPACK_SUBPROTOCOL if binary else None)
+        assert ws.subprotocol == (MSGPACK_SUBPROTOCOL if binary else None)
         peer = cls(ws, binary, group)
         first = await peer.recv()
         assert first["type"] == "session.created", first
@@ -1542,7 +1543,7 @@ async def test_tiny_image_bytes(
 
 async def test_long_upgrade_request_line(gateway: ServerThread) -> None:
     """An upgrade the WebSocket parser refuses (a request line over its 8 KiB line limit) is
-    answered 400 and closed (gateway.server.RealtimeWSProtocol), and the gateway goes on."""
+    answered 400 and closed (gateway.server.runner.RealtimeWSProtocol), and the gateway goes on."""
     reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
     try:
         writer.write(
@@ -1607,7 +1608,7 @@ class _GoneSocket:
 async def test_send_to_a_client_gone_is_quiet(gateway: ServerThread) -> None:
     # over the network this is a race (the send must land between the disconnect and the
     # connection's own close); here the send fails for certain
-    from gateway.realtime_connection import ConnState, RealtimeConnection
+    from gateway.api.realtime.connection import ConnState, RealtimeConnection
 
     conn = RealtimeConnection(_GoneSocket(), gateway.app.state["gateway"], "anonymous")
     conn.conn_state = ConnState.OPEN

@@ -8,9 +8,9 @@ import gc
 import pytest
 import uvicorn
 
-from gateway.app import create_app
-from gateway.server import ServerThread, serve
-from tests.fakes import FakeEncoder, FakeEngine
+from gateway.server.app import create_app
+from gateway.server.runner import ServerThread, serve
+from gateway.testing.fakes import FakeEncoder, FakeEngine
 from tests.unit.conftest import unit_settings
 
 

@@ -17,10 +17,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from encoder_worker.decode import ALLOWED_FORMATS, check_image
 from encoder_worker.types import ImageError
-from gateway.auth import QUERY_KEY_REFUSED, Authenticator, public_subprotocol
-from gateway.image_input import normalise_url, sniff_image, url_allowed
+from gateway.chat.image_input import normalise_url, sniff_image, url_allowed
+from gateway.policy.auth import QUERY_KEY_REFUSED, Authenticator, public_subprotocol
 from gateway.protocol.errors import GatewayError, clip
-from gateway.protocol.realtime_events import MSGPACK_SUBPROTOCOL
+from gateway.protocol.subprotocols import MSGPACK_SUBPROTOCOL
 from gateway.telemetry import configure_logging
 from gateway.telemetry._logging import scrub_secrets
 from tests.conftest import photo_bytes

@@ -14,9 +14,9 @@ import pytest
 import websockets
 
 from encoder_worker.types import ImageError
-from gateway.protocol.realtime_events import MSGPACK_SUBPROTOCOL
+from gateway.protocol.subprotocols import MSGPACK_SUBPROTOCOL
+from gateway.testing.fakes import FakeEncoder, FakeEngine
 from tests.conftest import free_port, photo_bytes
-from tests.fakes import FakeEncoder, FakeEngine
 from tests.unit.conftest import eventually
 
 MODEL = FakeEngine.model_id

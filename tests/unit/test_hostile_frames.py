@@ -11,7 +11,7 @@ import httpx
 import msgspec
 import websockets
 
-from gateway.protocol.realtime_events import MSGPACK_SUBPROTOCOL
+from gateway.protocol.subprotocols import MSGPACK_SUBPROTOCOL
 from gateway.telemetry import register_secrets
 from gateway.telemetry._logging import scrub_secrets
 

@@ -12,10 +12,10 @@ import httpx
 import openai
 import pytest
 
-from gateway.chat_service import kv_key_for
+from gateway.chat.service import kv_key_for
 from gateway.engine.interface import EngineError
+from gateway.testing.fakes import FakeEngine
 from tests.conftest import photo_bytes, unique_photo
-from tests.fakes import FakeEngine
 from tests.gateway.realtime_helpers import data_url
 from tests.unit.conftest import FakeGateway, GatewayFactory, eventually
 
@@ -469,7 +469,7 @@ def test_an_answer_to_tool_results_without_tools_is_plain_text(
 ) -> None:
     """No tools offered now, but results in the history: the answer is words, not an imitation
     of the results' markup (what a small model otherwise writes), on both APIs."""
-    from gateway.output_grammar import plain_text_grammar
+    from gateway.chat.output_grammar import plain_text_grammar
 
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     client.chat.completions.create(

@@ -30,10 +30,10 @@ from gateway.caching import (
     make_vision_cache,
 )
 from gateway.caching._redis_client import RedisTier
+from gateway.chat.vision_resolver import VisionResolver
 from gateway.protocol.errors import GatewayError
-from gateway.vision_resolver import VisionResolver
+from gateway.testing.fakes import FakeEncoder
 from tests.conftest import unique_photo
-from tests.fakes import FakeEncoder
 from tests.gateway.realtime_helpers import Peer, data_url, deltas
 from tests.unit.conftest import FakeGateway, GatewayFactory
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gateway.http.bodies import MAX_JSON_VALUES, check_json_values
+from gateway.api.http.bodies import MAX_JSON_VALUES, check_json_values
 from gateway.protocol.errors import GatewayError
 from tests.unit.conftest import FakeGateway
 

@@ -19,7 +19,7 @@ import llguidance
 import numpy as np
 import pytest
 
-from gateway.output_grammar import (
+from gateway.chat.output_grammar import (
     MAX_DESCRIPTION_CHARS,
     MAX_GRAMMAR_CHARS,
     MAX_SCHEMA_BYTES,
@@ -213,9 +213,9 @@ def test_tool_choice_refusals(tools: Any, choice: Any, param: str, text: str) ->
 
 
 def test_grammars_stay_within_what_the_engine_compiles() -> None:
-    from gateway.engine.grammar import MAX_GRAMMAR_CHARS as ENGINE_MAX
-    from gateway.engine.grammar import PARSER_LIMITS as ENGINE_LIMITS
-    from gateway.output_grammar import PARSER_LIMITS
+    from gateway.chat.output_grammar import PARSER_LIMITS
+    from gateway.engine.local.grammar import MAX_GRAMMAR_CHARS as ENGINE_MAX
+    from gateway.engine.local.grammar import PARSER_LIMITS as ENGINE_LIMITS
 
     assert MAX_GRAMMAR_CHARS == ENGINE_MAX
     assert PARSER_LIMITS == ENGINE_LIMITS

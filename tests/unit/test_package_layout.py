@@ -16,9 +16,36 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("gateway", "encoder_worker", "kernels", "dashboards", "bench")
+# read for the layer rules only: what the shipped packages must never import
+OUTSIDE = ("tests",)
 # the wire protocol layer may lean on these leaf modules of the gateway, and nothing else
 # the engine boundary's types are a leaf too: the service events carry its token log-probabilities
-PROTOCOL_LEAVES = ("gateway.chat_events", "gateway.sessions.session", "gateway.engine.interface")
+PROTOCOL_LEAVES = ("gateway.chat.events", "gateway.sessions.session", "gateway.engine.interface")
+
+# modules named for their role inside one API's folder (gateway/api/<transport>/<api>/)
+ROLE_MODULES = ("protocol", "serving", "router")
+# who may import whom: a module of the left-hand prefix never imports one of the right-hand
+# prefixes. Transports sit over the chat core, the core over the engines; the encoder workers,
+# the shipped package and the benchmarks stand without what sits above them.
+LAYER_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("gateway.chat", ("gateway.api", "gateway.server", "gateway.cli")),
+    ("gateway.engine", ("gateway.chat", "gateway.api", "gateway.server", "gateway.cli")),
+    ("gateway.sessions", ("gateway.chat", "gateway.api", "gateway.server", "gateway.engine")),
+    ("gateway.caching", ("gateway.chat", "gateway.api", "gateway.server", "gateway.engine")),
+    ("gateway.policy", ("gateway.chat", "gateway.api", "gateway.server", "gateway.engine")),
+    ("gateway.telemetry", ("gateway.chat", "gateway.api", "gateway.server", "gateway.engine")),
+    ("gateway.protocol", ("gateway.api", "gateway.server", "gateway.engine", "gateway.policy")),
+    ("gateway.encoders", ("gateway.api", "gateway.server")),
+    ("gateway.api.realtime", ("gateway.api.openai",)),
+    ("gateway.api.openai", ("gateway.api.realtime",)),
+    ("gateway.api.http", ("gateway.api.openai", "gateway.api.realtime")),
+    ("gateway", ("tests", "bench")),
+    ("encoder_worker", ("gateway", "tests", "bench")),
+    ("kernels", ("gateway", "encoder_worker", "tests", "bench")),
+    # the boards name the gateway's metrics, from the telemetry that defines them
+    ("dashboards", ("gateway.api", "gateway.chat", "gateway.engine", "gateway.server", "tests")),
+    ("bench", ("tests",)),
+)
 
 Graph = dict[str, dict[str, int]]  # module -> imported project module -> first line
 
@@ -147,12 +174,17 @@ def describe_cycles(graph: Graph, modules: dict[str, Path]) -> list[str]:
 
 def shared_names(modules: dict[str, Path]) -> dict[str, list[str]]:
     """Module names (file name without .py or a leading underscore) held by more than one
-    module, `__init__` and `__main__` aside."""
+    module, `__init__` and `__main__` aside, and the role modules of the API folders: each API
+    under `gateway/api/` has one `protocol` (its wire shapes), `serving` and `router`, named for
+    their role, their folder naming the API."""
     by_name: dict[str, list[str]] = defaultdict(list)
     for path in modules.values():
         if path.stem in ("__init__", "__main__"):
             continue
-        by_name[path.stem.lstrip("_")].append(str(path.relative_to(ROOT)))
+        relative = path.relative_to(ROOT)
+        if path.stem in ROLE_MODULES and relative.parts[:2] == ("gateway", "api"):
+            continue
+        by_name[path.stem.lstrip("_")].append(str(relative))
     return {name: paths for name, paths in sorted(by_name.items()) if len(paths) > 1}
 
 
@@ -180,9 +212,11 @@ def test_the_walker_sees_every_kind_of_import(tmp_path: Path) -> None:
 
 def test_no_import_cycles() -> None:
     modules = project_modules()
-    assert "gateway.app" in modules and "encoder_worker" in modules  # the walk found the code
+    assert (
+        "gateway.server.app" in modules and "encoder_worker" in modules
+    )  # the walk found the code
     graph = import_graph(modules)
-    assert "gateway.chat_service" in graph["gateway.app"]  # and read their imports
+    assert "gateway.chat.service" in graph["gateway.server.app"]  # and read their imports
     cycles = describe_cycles(graph, modules)
     assert not cycles, "\n\n".join(cycles)
 
@@ -222,3 +256,47 @@ def test_protocol_imports_only_its_leaf_layers() -> None:
             reached[target] = f"{reached[module]} -> {target}"
             queue.append(target)
     assert not problems, "gateway.protocol reaches beyond its leaf layers:\n" + "\n".join(problems)
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def layer_violations(graph: Graph, modules: dict[str, Path]) -> list[str]:
+    """One line per import that breaks a rule of `LAYER_RULES`, file:line."""
+    problems = []
+    for module, edges in graph.items():
+        for prefix, forbidden in LAYER_RULES:
+            if not _under(module, prefix):
+                continue
+            for target, line in edges.items():
+                for banned in forbidden:
+                    if _under(target, banned) and not _under(target, prefix):
+                        problems.append(f"  {module} imports {target} ({modules[module]}:{line})")
+    return sorted(set(problems))
+
+
+def test_the_layer_rules_see_a_breach(tmp_path: Path) -> None:
+    """The checker itself: an engine module importing the chat core, and a bench module
+    importing the tests, are both reported; the allowed direction is not."""
+    for name in ("gateway/engine", "gateway/chat", "bench", "tests"):
+        (tmp_path / name).mkdir(parents=True)
+        (tmp_path / name / "__init__.py").write_text("")
+    (tmp_path / "gateway" / "__init__.py").write_text("")
+    (tmp_path / "gateway/engine/core.py").write_text("from gateway.chat import service\n")
+    (tmp_path / "gateway/chat/service.py").write_text("import gateway.engine.core\n")
+    (tmp_path / "bench/run.py").write_text("def f():\n    from tests import helpers\n")
+    (tmp_path / "tests/helpers.py").write_text("")
+    modules = project_modules(tmp_path, ("gateway", "bench", "tests"))
+    found = layer_violations(import_graph(modules), modules)
+    assert len(found) == 2, found
+    assert "gateway.engine.core imports gateway.chat.service" in found[1]
+    assert "bench.run imports tests.helpers" in found[0]
+
+
+def test_layers_import_only_downwards() -> None:
+    modules = project_modules(packages=PACKAGES + OUTSIDE)
+    graph = import_graph(modules)
+    outside = {m for m in graph if any(_under(m, o) for o in OUTSIDE)}
+    problems = layer_violations({m: e for m, e in graph.items() if m not in outside}, modules)
+    assert not problems, "imports against the layers:\n" + "\n".join(problems)

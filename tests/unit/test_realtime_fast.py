@@ -12,9 +12,9 @@ import msgspec
 import pytest
 import websockets
 
-from gateway.protocol.realtime_events import MSGPACK_SUBPROTOCOL
+from gateway.protocol.subprotocols import MSGPACK_SUBPROTOCOL
+from gateway.testing.fakes import FakeEncoder, FakeEngine
 from tests.conftest import photo_bytes, unique_photo
-from tests.fakes import FakeEncoder, FakeEngine
 from tests.gateway.realtime_helpers import Peer, data_url, deltas
 from tests.unit.conftest import FakeGateway, GatewayFactory
 

@@ -158,7 +158,7 @@ def test_default_instructions_are_empty_unless_an_operator_sets_them() -> None:
 def test_smollm2_template_applies_its_own_default_without_a_system_message() -> None:
     from transformers import AutoTokenizer
 
-    from gateway.engine.prompt import render
+    from gateway.engine.local.prompt import render
     from tests.vlm_checkpoints import smollm2_dir
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())

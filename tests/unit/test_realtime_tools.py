@@ -16,6 +16,8 @@ import httpx
 import openai
 import pytest
 
+from gateway.chat.output_grammar import plain_text_grammar
+from gateway.chat.tool_stream import call_id, render_tool_call, render_tool_result
 from gateway.engine.interface import (
     Delta,
     GenerationRequest,
@@ -24,10 +26,8 @@ from gateway.engine.interface import (
     TextDelta,
     WarmUpResult,
 )
-from gateway.output_grammar import plain_text_grammar
-from gateway.tool_stream import call_id, render_tool_call, render_tool_result
+from gateway.testing.fakes import FakeEncoder, FakeEngine
 from tests.conftest import unique_photo
-from tests.fakes import FakeEncoder, FakeEngine
 from tests.gateway.realtime_helpers import Peer, data_url
 from tests.unit.conftest import (
     FakeGateway,

@@ -17,12 +17,12 @@ import websockets
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway.app import create_app
-from gateway.request_ids import accept_request_id
-from gateway.response_trace import REQUEST_ID_ATTR
-from gateway.server import ServerThread
+from gateway.chat.response_trace import REQUEST_ID_ATTR
+from gateway.server.app import create_app
+from gateway.server.runner import ServerThread
 from gateway.telemetry import configure_logging
-from tests.fakes import FakeEncoder, FakeEngine
+from gateway.telemetry.request_ids import accept_request_id
+from gateway.testing.fakes import FakeEncoder, FakeEngine
 from tests.unit.conftest import eventually, unit_settings
 
 TIMEOUT = 10.0
@@ -256,7 +256,7 @@ def test_requests_on_one_connection_never_share_a_trace() -> None:
     """A large body makes the server pause and resume reading the connection from inside that
     request; the requests after it on the same keep-alive connection still start their own
     traces (no span of an earlier request becomes their parent)."""
-    from gateway.client import image_data_url
+    from gateway.sdk.client import image_data_url
     from tests.conftest import unique_photo
 
     settings = unit_settings()

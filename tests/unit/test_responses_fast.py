@@ -19,10 +19,11 @@ from openai.types import Completion
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from gateway.chat_events import Finished, ResponseOptions, TextChunk
+from gateway.api.openai.responses import protocol as r
+from gateway.api.openai.responses.serving import _Output, _Prepared
+from gateway.chat.events import Finished, ResponseOptions, TextChunk
+from gateway.chat.tool_stream import call_id, render_tool_call
 from gateway.engine.interface import EngineError, TokenLogprob
-from gateway.http import responses_protocol as r
-from gateway.http.responses import _Output, _Prepared
 from gateway.sessions.response_records import (
     MemoryResponseStore,
     RedisResponseStore,
@@ -30,9 +31,8 @@ from gateway.sessions.response_records import (
     ResponseStore,
 )
 from gateway.sessions.session import Session
-from gateway.tool_stream import call_id, render_tool_call
+from gateway.testing.fakes import FakeEngine
 from tests.conftest import unique_photo
-from tests.fakes import FakeEngine
 from tests.gateway.realtime_helpers import data_url
 from tests.unit.conftest import FakeGateway, GatewayFactory, eventually
 

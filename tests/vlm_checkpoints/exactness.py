@@ -214,8 +214,8 @@ def project_answers(
         SamplingParams,
         TextDelta,
     )
-    from gateway.engine.local import LocalEngine
-    from gateway.engine.prompt import render
+    from gateway.engine.local.local_engine import LocalEngine
+    from gateway.engine.local.prompt import render
 
     settings = {"pruning": "none", "visual_tokens": "fp32", **encoder}
     pipeline = EncoderPipeline(EncoderConfig(tower=str(path), device="cpu", **settings), None)

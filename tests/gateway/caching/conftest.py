@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import _wait_for_port, free_port, start_redis
+from tests.conftest import free_port, start_redis, wait_for_port
 
 
 def sha(data: bytes) -> str:
@@ -34,7 +34,7 @@ class RedisProcess:
 
     def start(self) -> None:
         self._proc = start_redis(self.port, self._dir)
-        _wait_for_port(self.port)
+        wait_for_port(self.port)
 
     def stop(self) -> None:
         if self._proc is not None:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from gateway.engine.interface import GenerationRequest, GenerationResult, TextDelta
-from gateway.engine.local import LocalEngine
+from gateway.engine.local.local_engine import LocalEngine
 
 
 @pytest.fixture(scope="session")

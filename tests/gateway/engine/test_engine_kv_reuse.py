@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gateway.engine.interface import GenerationRequest, ImageInput, Message, SamplingParams
-from gateway.engine.kvredis import RedisKVStore
-from gateway.engine.prompt import render
+from gateway.engine.local.kv.redis_store import RedisKVStore
+from gateway.engine.local.prompt import render
 
 pytestmark = pytest.mark.slow
 

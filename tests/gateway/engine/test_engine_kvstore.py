@@ -10,10 +10,16 @@ import redis
 import torch
 from structlog.testing import capture_logs
 
-from gateway.engine.kvblocks import KVEntry, block_hashes, chain_seed, common_prefix, position_keys
-from gateway.engine.kvredis import RedisKVStore, decode_entry, encode_entry
-from gateway.engine.kvstore import KVStore, MemoryKVStore
-from gateway.engine.prompt import ImageSpan
+from gateway.engine.local.kv.blocks import (
+    KVEntry,
+    block_hashes,
+    chain_seed,
+    common_prefix,
+    position_keys,
+)
+from gateway.engine.local.kv.redis_store import RedisKVStore, decode_entry, encode_entry
+from gateway.engine.local.kv.store import KVStore, MemoryKVStore
+from gateway.engine.local.prompt import ImageSpan
 
 SEED = chain_seed("test-model", "float32", 4)
 LAYERS, HEADS, DIM = 2, 1, 4

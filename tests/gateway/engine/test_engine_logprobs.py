@@ -98,7 +98,7 @@ async def test_values_are_the_models_log_softmax(engine) -> None:
     first = tokens_of(deltas, result)[0]
     from transformers import AutoModelForCausalLM
 
-    from gateway.engine.weights import ensure_default_converted
+    from gateway.engine.local.weights import ensure_default_converted
 
     model = AutoModelForCausalLM.from_pretrained(ensure_default_converted(), dtype=torch.float32)
     ids = engine.tokenizer(text, return_tensors="pt")["input_ids"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gateway.engine.generation import StreamDecoder, sample_next
-from gateway.engine.weights import cache_root
+from gateway.engine.local.generation import StreamDecoder, sample_next
+from gateway.engine.local.weights import cache_root
 
 
 def byte_decoder(stops=()) -> StreamDecoder:

@@ -196,7 +196,7 @@ async def test_raw_prompt_decodes_as_transformers_generate(engine, collect) -> N
     import torch
     from transformers import AutoModelForCausalLM
 
-    from gateway.engine.weights import ensure_default_converted
+    from gateway.engine.local.weights import ensure_default_converted
 
     text = "The three primary colours are"
     _, result = await collect(

@@ -1,6 +1,7 @@
 """Fair share of the engine between API keys (owners), on the queue policy and the real model.
 
-The policy alone (`gateway.engine.fair_queue`, pure Python): owners take turns, each owner's own
+The policy alone (`gateway.engine.local.fair_queue`, pure Python): owners take turns, each owner's
+own
 requests keep their order, a preempted request keeps its owner's place, the prefill budget is
 split max-min fairly, and the sequence preempted is never the oldest running one.
 
@@ -20,10 +21,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from gateway.app import build_engine
-from gateway.engine.fair_queue import FairQueue, newest_of_largest, share_budget
 from gateway.engine.interface import EngineBusy, GenerationRequest, Message, SamplingParams
-from gateway.engine.local import LocalEngine
+from gateway.engine.local.fair_queue import FairQueue, newest_of_largest, share_budget
+from gateway.engine.local.local_engine import LocalEngine
+from gateway.server.app import build_engine
 from gateway.settings import Settings, SettingsError
 
 # -- the policy, without the model ----------------------------------------------------------------
@@ -429,7 +430,7 @@ async def test_a_burst_into_an_idle_batch_is_not_held_to_the_share(engine, colle
 
 
 def test_least_served_owner_is_prefilled_first_after_a_floor_for_all() -> None:
-    from gateway.engine.fair_queue import share_budget_least_served
+    from gateway.engine.local.fair_queue import share_budget_least_served
 
     # a heavy owner (served 5000 lately) and a new one: the new one gets all it asks for
     assert share_budget_least_served([2000, 300], [5000.0, 0.0], 256) == [32, 224]
@@ -441,7 +442,7 @@ def test_least_served_owner_is_prefilled_first_after_a_floor_for_all() -> None:
 
 
 def test_recent_service_fades_by_half_life() -> None:
-    from gateway.engine.fair_queue import RecentService
+    from gateway.engine.local.fair_queue import RecentService
 
     now = [0.0]
     served = RecentService(10.0, clock=lambda: now[0])
@@ -557,8 +558,8 @@ class _Seq:
 def _planner(chunk: int, running: list[_Seq], served: dict[str, float]):
     from types import SimpleNamespace
 
-    from gateway.engine.fair_queue import RecentService
-    from gateway.engine.scheduler import Scheduler
+    from gateway.engine.local.fair_queue import RecentService
+    from gateway.engine.local.scheduler import Scheduler
 
     now = [0.0]
     sched = Scheduler.__new__(Scheduler)
@@ -608,7 +609,7 @@ async def test_a_heavy_key_waits_rather_than_evict_another_keys_session_kv(engin
     sequences and sessions' pinned blocks leave: its next long prompt waits for its first one
     to end instead of evicting another key's session, whose next turn then reuses its history.
     (Before, the admission emptied the cache, pins included, and the turn prefilled it all.)"""
-    from gateway.engine.sequence import GROW
+    from gateway.engine.local.sequence import GROW
 
     long_texts = [f"part{i} " * 150 + "How many parts?" for i in range(2)]
     first = GenerationRequest(

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from gateway.engine.interface import GenerationRequest, ImageInput, Message, SamplingParams
-from gateway.engine.prompt import render
-from gateway.engine.scheduler import WARMUP_BESIDE_DIVISOR
+from gateway.engine.local.prompt import render
+from gateway.engine.local.scheduler import WARMUP_BESIDE_DIVISOR
 
 pytestmark = pytest.mark.slow
 

@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.app import create_app
-from gateway.server import ServerThread
+from gateway.server.app import create_app
+from gateway.server.runner import ServerThread
 from tests.conftest import photo_bytes
 from tests.gateway.conftest import gateway_settings
 from tests.gateway.realtime_helpers import Peer, data_url, deltas

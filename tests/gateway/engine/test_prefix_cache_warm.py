@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gateway.engine.kvblocks import block_hashes, chain_seed, position_keys
-from gateway.engine.prefix_cache import PrefixCache
+from gateway.engine.local.kv.blocks import block_hashes, chain_seed, position_keys
+from gateway.engine.local.kv.prefix_cache import PrefixCache
 
 BS = 4
 SEED = chain_seed("m", "float32", BS)

@@ -28,10 +28,10 @@ from gateway.engine.interface import (
     SamplingParams,
     TextDelta,
 )
-from gateway.engine.kvblocks import block_hashes, chain_seed, position_keys
-from gateway.engine.local import LocalEngine
-from gateway.engine.prefix_cache import PrefixCache
-from gateway.engine.weights import DEFAULT_MODEL_ID, ensure_default_converted
+from gateway.engine.local.kv.blocks import block_hashes, chain_seed, position_keys
+from gateway.engine.local.kv.prefix_cache import PrefixCache
+from gateway.engine.local.local_engine import LocalEngine
+from gateway.engine.local.weights import DEFAULT_MODEL_ID, ensure_default_converted
 
 pytestmark = pytest.mark.slow
 

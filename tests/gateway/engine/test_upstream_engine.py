@@ -1,5 +1,5 @@
 """`OpenAIEngine` against scripted OpenAI-compatible replicas on loopback ports
-(tests/upstream_fake.py stands in for vLLM / SGLang): request bodies, streaming and usage,
+(gateway/testing/upstream_fake.py stands in for vLLM / SGLang): request bodies, streaming and usage,
 failover, error mapping, cancellation, start-up checks, metrics and spans, and one request
 through the whole gateway with the official `openai` client."""
 
@@ -32,11 +32,11 @@ from gateway.engine.interface import (
     SamplingParams,
     TextDelta,
 )
-from gateway.engine.openai_engine import OpenAIEngine
-from gateway.engine.upstream_config import Upstream, parse_upstream
-from gateway.engine.upstream_routing import Replica, Router, route_key
+from gateway.engine.upstream.endpoints import Upstream, parse_upstream
+from gateway.engine.upstream.openai_engine import OpenAIEngine
+from gateway.engine.upstream.routing import Replica, Router, route_key
+from gateway.testing.upstream_fake import FakeUpstream, Script, wait_until
 from tests.conftest import free_port, photo_bytes
-from tests.upstream_fake import FakeUpstream, Script, wait_until
 
 
 @asynccontextmanager
@@ -618,8 +618,8 @@ async def test_attempt_metrics_and_spans() -> None:
 
 
 def test_gateway_streams_an_image_chat_through_an_upstream() -> None:
-    from gateway.app import create_app
-    from gateway.server import ServerThread
+    from gateway.server.app import create_app
+    from gateway.server.runner import ServerThread
     from gateway.settings import Settings
 
     photo = photo_bytes("astronaut", size=128)
@@ -739,7 +739,7 @@ async def test_events_cut_anywhere_are_read_whole() -> None:
 
 
 async def test_an_endless_event_line_fails_the_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gateway.engine.openai_engine as module
+    import gateway.engine.upstream.openai_engine as module
 
     monkeypatch.setattr(module, "MAX_SSE_LINE_BYTES", 4096)
     pieces = [b"data: " + b"x" * 1024] * 8  # never a newline
@@ -870,7 +870,7 @@ def test_qwen_grid_follows_the_checkpoints_spatial_merge(merge: int, tmp_path: P
     from PIL import Image
 
     from encoder_worker.families import load_family
-    from gateway.engine.upstream_wire import render_image
+    from gateway.engine.upstream.wire import render_image
     from tests.vlm_checkpoints import qwen2_5_vl as builder
 
     side = builder.PATCH * merge

@@ -1,7 +1,7 @@
 """Replica choice for the upstream engine: rendezvous affinity, bounded load, health.
 
 The ordering rules run on `Router` itself; affinity and recovery also run through a real
-`OpenAIEngine` on scripted loopback replicas (tests/upstream_fake.py)."""
+`OpenAIEngine` on scripted loopback replicas (gateway/testing/upstream_fake.py)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from gateway.engine.interface import (
     Message,
     TextDelta,
 )
-from gateway.engine.openai_engine import OpenAIEngine
-from gateway.engine.upstream_config import parse_upstream
-from gateway.engine.upstream_routing import Replica, Router, route_key
-from tests.upstream_fake import FakeUpstream
+from gateway.engine.upstream.endpoints import parse_upstream
+from gateway.engine.upstream.openai_engine import OpenAIEngine
+from gateway.engine.upstream.routing import Replica, Router, route_key
+from gateway.testing.upstream_fake import FakeUpstream
 
 URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 4)]
 

@@ -26,9 +26,9 @@ import torch
 from encoder_worker.families import UnsupportedCheckpoint
 from encoder_worker.types import ImageLayout
 from gateway.engine.interface import ImageInput, Message
-from gateway.engine.kvblocks import position_keys
-from gateway.engine.prompt import STRUCTURED_CONTENT_ATTR, embed_positions, render
-from gateway.engine.weights import LoadedModel, load_weights
+from gateway.engine.local.kv.blocks import position_keys
+from gateway.engine.local.prompt import STRUCTURED_CONTENT_ATTR, embed_positions, render
+from gateway.engine.local.weights import LoadedModel, load_weights
 
 FAMILIES = ("llava", "idefics3", "qwen2_5_vl")
 SYSTEM = "You answer in one short sentence."

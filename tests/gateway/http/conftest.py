@@ -9,7 +9,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from gateway.server import ServerThread
+from gateway.server.runner import ServerThread
 from tests.conftest import photo_bytes
 
 

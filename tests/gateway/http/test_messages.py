@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gateway.chat_requests import RequestLimits
-from gateway.http.messages import parse_messages, reconcile, same_item
-from gateway.http.protocol import ChatCompletionRequest
+from gateway.api.openai.chat.messages import parse_messages, reconcile, same_item
+from gateway.api.openai.chat.protocol import ChatCompletionRequest
+from gateway.chat.requests import RequestLimits
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import Session, StoredItem, StoredPart
 from tests.conftest import photo_bytes

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.server import ServerThread
+from gateway.server.runner import ServerThread
 from tests.conftest import unique_photo
 
 REPO = Path(__file__).resolve().parents[3]
@@ -128,9 +128,9 @@ def test_playground_streams_an_answer_about_a_photo(
 def keyed_fake_server():
     """A gateway that wants an API key, over the fake engine and encoder (the test is about the
     playground's connection, not the model)."""
-    from gateway.app import create_app
+    from gateway.server.app import create_app
     from gateway.settings import Settings
-    from tests.fakes import FakeEncoder, FakeEngine
+    from gateway.testing.fakes import FakeEncoder, FakeEngine
 
     settings = Settings.load(dict(api_keys=["pg-key-4d1c9e"], max_output_tokens=16), environ={})
     with ServerThread(

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from gateway.client import RealtimeError
-from gateway.server import ServerThread
-from gateway.sync_client import Client, ResumingClient
+from gateway.sdk.client import RealtimeError
+from gateway.sdk.resuming_client import Client, ResumingClient
+from gateway.server.runner import ServerThread
 from tests.conftest import photo_bytes
 
 

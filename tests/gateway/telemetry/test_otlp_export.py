@@ -12,8 +12,8 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from gateway.telemetry import SPAN, setup_telemetry
+from gateway.testing.otlp_receiver import OTLPReceiver
 from tests.conftest import free_port
-from tests.otlp_receiver import OTLPReceiver
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-from gateway.chat_events import Finished
+from gateway.chat.events import Finished
+from gateway.chat.response_trace import ResponseTrace
 from gateway.engine.interface import EngineStats, GenerationResult
 from gateway.protocol.errors import GatewayError
-from gateway.response_trace import ResponseTrace
 from gateway.telemetry import ATTR, SPAN, Telemetry
 from tests.gateway.telemetry.test_metrics import samples, value
 

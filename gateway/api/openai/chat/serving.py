@@ -1,0 +1,584 @@
+"""Serving `POST /v1/chat/completions`: check, join the session, run the service, answer.
+
+The serving layer returns values, never raises for a bad request: a `ChatCompletion`, an
+`EventStream` of SSE frames, or an `ErrorResponse` that the route maps to its HTTP status.
+A streamed answer is started before the HTTP status is chosen: the first text (or the failure)
+decides between `200 text/event-stream` and an error with its proper code. A client that
+disconnects cancels generation, which frees the engine at once: mid-stream, and while a
+non-streamed answer is computed (the ASGI channel is watched for `http.disconnect`). The
+request's values are checked by the request layer (`gateway.chat.requests`, and
+`gateway.chat.output_grammar` for tools and response formats), as the WebSocket's are.
+
+With tools, each answer is read by a `ToolCallStream`: its text goes out as content, its calls
+as `tool_calls` (streamed: the first delta of a call carries id, type and name, the next ones
+pieces of the arguments). `n` answers are choices 0..n-1; `logprobs` go with the content.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+
+from gateway.api.http.event_streams import close_shielded, read_ahead, replay
+from gateway.api.openai.chat import protocol as p
+from gateway.api.openai.chat.messages import Conversation, all_parts, parse_messages, reconcile
+from gateway.chat.events import Finished, ResponseOptions, TextChunk
+from gateway.chat.output_grammar import (
+    plain_text_grammar,
+    plan_tools,
+    response_format_grammar,
+    tools_from_chat,
+)
+from gateway.chat.requests import (
+    RequestLimits,
+    add_inline_images,
+    admit_encodes,
+    check_cache_salt,
+    check_choices,
+    check_image_count,
+    check_item_count,
+    check_logprobs,
+    check_model,
+    check_session_id,
+    fetch_remote,
+    refuse_unsupported,
+    resolve_references,
+    response_options,
+)
+from gateway.chat.tool_stream import (
+    ArgumentsPiece,
+    CallStart,
+    Piece,
+    TextPiece,
+    ToolCallStream,
+    split_answer,
+)
+from gateway.protocol.errors import GatewayError
+from gateway.sessions.session import Session
+
+if TYPE_CHECKING:
+    from gateway.chat.events import ChoiceEnd, ServiceEvent
+    from gateway.chat.vision_resolver import EncodePermit
+    from gateway.engine.interface import TokenLogprob
+    from gateway.server.state import GatewayState
+
+__all__ = ("ChatCompletionServing", "EventStream")
+
+log = structlog.get_logger("visiongate.http")
+
+_json = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+Receive = Callable[[], Awaitable[Any]]  # the ASGI receive channel of the request
+
+
+@dataclass(slots=True)
+class EventStream:
+    """SSE frames of one streamed completion, ready to send."""
+
+    frames: AsyncIterator[bytes]
+    session_id: str | None
+
+
+@dataclass(slots=True)
+class _Prepared:
+    session: Session
+    stored: bool  # the session lives in the store (a session_id was given)
+    options: ResponseOptions
+    conversation: Conversation
+    request: p.ChatCompletionRequest
+    completion_id: str
+    created: int
+    model: str
+    permit: EncodePermit  # the request's encode slots, held until its images are resolved
+
+
+class ChatCompletionServing:
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+        self.limits = RequestLimits.of(state.settings)
+
+    async def create(
+        self,
+        request: p.ChatCompletionRequest,
+        *,
+        owner: str,
+        session_id: str | None,
+        receive: Receive | None = None,
+    ) -> p.ChatCompletion | EventStream | p.ErrorResponse:
+        """`receive` (the request's ASGI channel, its body already read) is watched until the
+        answer is ready to send: a client that goes away meanwhile cancels it. A stream is
+        watched by the server from its first frame on."""
+        received = time.perf_counter()
+        try:
+            prepared = await self._prepare(request, owner, session_id or request.session_id)
+        except GatewayError as exc:
+            return p.error_response(exc)
+        watch = (
+            asyncio.ensure_future(_watch_disconnect(receive, prepared))
+            if receive is not None
+            else None
+        )
+        try:
+            return await self._answer(request, prepared, received)
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _answer(
+        self, request: p.ChatCompletionRequest, prepared: _Prepared, received: float
+    ) -> p.ChatCompletion | EventStream | p.ErrorResponse:
+        try:
+            events = self.state.require().service.respond(
+                prepared.session, prepared.options, received_at=received
+            )
+            first = await read_ahead(events, prepared.options.cancel)
+        finally:
+            prepared.permit.close()  # the images are resolved (or failed) before any text
+        end = first[-1] if first else None
+        if end is None or (isinstance(end, Finished) and end.status == "failed"):
+            await close_shielded(events)
+            error = (
+                end.error
+                if isinstance(end, Finished) and end.error
+                else GatewayError("engine_error", "the engine ended without a result")
+            )
+            self._finished(end, prepared)
+            return p.error_response(error)
+        if request.stream:
+            return EventStream(
+                self._sse(prepared, first, events), prepared.session.id if prepared.stored else None
+            )
+        return await self._complete(prepared, first, events)
+
+    # ------------------------------------------------------------ preparing
+
+    async def _prepare(
+        self, request: p.ChatCompletionRequest, owner: str, session_id: str | None
+    ) -> _Prepared:
+        state, limits = self.state, self.limits
+        vision = state.require().vision
+        model = state.engine.model_id
+        check_model(request.model, model)
+        options = _options(request, limits)
+        check_item_count(len(request.messages), limits, "messages")
+        fetched = await fetch_remote(all_parts(request.messages), limits, param="messages")
+        conv = parse_messages(request.messages, limits, fetched)
+        await resolve_references(conv.refs, vision, owner=owner)
+        await state.rate_limiter.acquire(owner)
+        # slots for the encodes this request needs, taken before anything of it is stored
+        permit = await admit_encodes([*conv.inline, *conv.refs], vision, owner=owner)
+        try:
+            return await self._prepare_session(
+                request, owner, session_id, options, conv, model, permit
+            )
+        except BaseException:
+            permit.close()
+            raise
+
+    async def _prepare_session(
+        self,
+        request: p.ChatCompletionRequest,
+        owner: str,
+        session_id: str | None,
+        options: ResponseOptions,
+        conv: Conversation,
+        model: str,
+        permit: EncodePermit,
+    ) -> _Prepared:
+        state, settings, limits = self.state, self.state.settings, self.limits
+        await add_inline_images(conv.inline, state.require().vision, owner=owner)
+
+        stored = session_id is not None
+        if session_id is None:
+            session = Session.new(
+                owner,
+                instructions=settings.default_instructions,
+                max_output_tokens=settings.max_output_tokens,
+            )
+            options.store = False  # a throwaway session: the vision cache still applies by content
+            reconcile(session, conv, settings.default_instructions)
+        else:
+            check_session_id(session_id)
+            load_start = time.time_ns()
+            await self._session(session_id, owner)  # load, or create under this id
+
+            def bring_in_line(stored: Session) -> int:
+                kept = reconcile(stored, conv, settings.default_instructions)
+                check_image_count(stored.image_digests, limits, "messages")
+                return kept
+
+            # compare-and-set: a concurrent request on the same session is never overwritten
+            session, kept = await state.sessions.update(session_id, owner, bring_in_line)
+            options.session_load_ns = (load_start, time.time_ns())
+            log.info(
+                "http_session_turn",
+                session_id=session.id,
+                kept_items=kept,
+                items=len(session.items),
+            )
+        # the id the client gets names the response in its trace too
+        options.client_id = f"chatcmpl-{secrets.token_hex(12)}"
+        return _Prepared(
+            session=session,
+            stored=stored,
+            options=options,
+            conversation=conv,
+            request=request,
+            completion_id=options.client_id,
+            created=int(time.time()),
+            model=model,
+            permit=permit,
+        )
+
+    async def _session(self, session_id: str, owner: str) -> Session:
+        try:
+            return await self.state.sessions.load(session_id, owner)
+        except GatewayError as exc:
+            if exc.code != "session_not_found":
+                raise
+        settings = self.state.settings
+        session = Session.new(
+            owner,
+            instructions=settings.default_instructions,
+            max_output_tokens=settings.max_output_tokens,
+            session_id=session_id,
+        )
+        if not await self.state.sessions.create(session):
+            raise GatewayError(
+                "session_not_found",
+                f"no session {session_id!r} for this API key",
+                param="session_id",
+            )
+        log.info("session_created", session_id=session_id, api="http")
+        return session
+
+    # ------------------------------------------------------------ answering
+
+    async def _complete(
+        self, prepared: _Prepared, first: list[ServiceEvent], events: AsyncIterator[ServiceEvent]
+    ) -> p.ChatCompletion | p.ErrorResponse:
+        logprobs: dict[int, list[TokenLogprob]] = {}
+        finished: Finished | None = None
+        try:
+            async for ev in replay(first, events, _is_finished):
+                if isinstance(ev, TextChunk):
+                    logprobs.setdefault(ev.index, []).extend(ev.logprobs)
+                elif isinstance(ev, Finished):
+                    finished = ev
+        finally:
+            prepared.options.cancel.set()  # no-op once finished; frees the engine otherwise
+            await close_shielded(events)
+        self._finished(finished, prepared)
+        if finished is None or finished.status == "failed":
+            error = (
+                finished.error
+                if finished and finished.error
+                else GatewayError("engine_error", "the engine ended without a result")
+            )
+            return p.error_response(error)
+        ext = self._extension(finished, prepared)
+        return p.ChatCompletion(
+            id=prepared.completion_id,
+            created=prepared.created,
+            model=prepared.model,
+            choices=[
+                _choice(end, [*logprobs.get(end.index, ()), *end.logprobs], prepared.options)
+                for end in finished.answers()
+            ],
+            usage=_usage(finished, ext),
+            system_fingerprint=self._fingerprint(),
+            visiongate=ext,
+        )
+
+    async def _sse(
+        self, prepared: _Prepared, first: list[ServiceEvent], events: AsyncIterator[ServiceEvent]
+    ) -> AsyncIterator[bytes]:
+        options = prepared.options
+        include_usage = bool(
+            prepared.request.stream_options and prepared.request.stream_options.include_usage
+        )
+        answers = [_StreamedAnswer(options, i) for i in range(options.n)]
+        frame = _Frames(prepared, self._fingerprint(), include_usage)
+        finished: Finished | None = None
+        try:
+            for i in range(options.n):  # every choice announced first, in order
+                yield frame(i, p.Delta(role="assistant", content=""))
+            async for ev in replay(first, events, _is_finished):
+                if isinstance(ev, TextChunk):
+                    answer = answers[ev.index]
+                    answer.logprobs.extend(ev.logprobs)
+                    for delta in answer.feed(ev.text):
+                        yield frame(ev.index, delta, logprobs=answer.take_logprobs())
+                elif isinstance(ev, Finished):
+                    finished = ev
+            if finished is None or finished.status == "failed":
+                error = (
+                    finished.error
+                    if finished and finished.error
+                    else GatewayError("engine_error", "the engine ended without a result")
+                )
+                yield b"data: " + _json.encode(p.error_response(error)) + b"\n\n"
+            else:
+                ext = self._extension(finished, prepared)
+                for end in finished.answers():
+                    answer = answers[end.index]
+                    for delta in answer.finish():
+                        yield frame(end.index, delta, logprobs=answer.take_logprobs())
+                    answer.logprobs.extend(end.logprobs)
+                    yield frame(
+                        end.index,
+                        p.Delta(),
+                        finish_reason=_finish_reason(end, answer.calls > 0),
+                        logprobs=answer.take_logprobs() if answer.logprobs else None,
+                        extension=ext,
+                    )
+                if include_usage:
+                    yield frame.usage(_usage(finished, ext))
+            yield DONE
+        finally:
+            # reached on completion and on a client disconnect (the stream is cancelled)
+            prepared.options.cancel.set()
+            if finished is None:
+                log.info("http_stream_abandoned", completion_id=prepared.completion_id)
+            await close_shielded(events)
+            self._finished(finished, prepared)
+
+    def _fingerprint(self) -> str:
+        return "fp_" + self.state.require().vision.fingerprint[:12]
+
+    def _extension(self, ev: Finished, prepared: _Prepared) -> p.CompletionExtension:
+        return p.CompletionExtension(
+            timings=p.Timings.of(ev),
+            cache=p.CacheReport.of(ev),
+            image_tokens=ev.image_tokens,
+            image_tokens_total=ev.image_tokens_total,
+            session_id=prepared.session.id if prepared.stored else None,
+            truncated_items=ev.truncated_items,
+            stored=(ev.store_error is None) if prepared.stored else None,
+        )
+
+    def _finished(self, ev: ServiceEvent | None, prepared: _Prepared) -> None:
+        if isinstance(ev, Finished) and ev.status != "failed":
+            log.info(
+                "http_completion",
+                completion_id=prepared.completion_id,
+                status=ev.status,
+                session_id=prepared.session.id if prepared.stored else None,
+                cached_tokens=ev.cached_tokens,
+                vision=ev.vision,
+            )
+
+
+def _options(request: p.ChatCompletionRequest, limits: RequestLimits) -> ResponseOptions:
+    """The request's response values, checked by the request layer (HTTP names the params)."""
+    refuse_unsupported(
+        request.functions,
+        "functions",
+        "functions is the legacy form of tools and is not supported; send tools",
+    )
+    refuse_unsupported(
+        request.function_call,
+        "function_call",
+        "function_call is the legacy form of tool_choice and is not supported; send tool_choice",
+    )
+    if request.stream_options is not None and not request.stream:
+        raise GatewayError(
+            "invalid_request",
+            "stream_options is only allowed when stream is true",
+            param="stream_options",
+        )
+    max_tokens, param = request.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, param = request.max_tokens, "max_tokens"
+    options = response_options(
+        limits,
+        max_tokens=max_tokens,
+        max_tokens_param=param,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        stop=request.stop,
+        truncation=request.truncation,
+        api="http",
+    )
+    options.n = check_choices(request.n)
+    options.logprobs = check_logprobs(request.logprobs, request.top_logprobs)
+    options.cache_salt = check_cache_salt(request.cache_salt)
+    # JSON answers are bounded to fit the answer's tokens, so that they close (output_grammar)
+    budget = options.max_output_tokens or limits.max_output_tokens
+    text_grammar = response_format_grammar(request.response_format, budget=budget)
+    plan = plan_tools(
+        tools_from_chat(request.tools),
+        request.tool_choice,
+        request.parallel_tool_calls,
+        text_grammar=text_grammar,
+        budget=budget,
+    )
+    options.grammar = text_grammar if plan is None else plan.grammar
+    if options.grammar is None and any(m.role == "tool" for m in request.messages):
+        options.grammar = plain_text_grammar()  # no tools now: answer the results in words
+    if plan is not None:
+        # listed under every choice (one prompt, one KV prefix); under "none" the grammar
+        # keeps the answer plain text, so it is never read for calls
+        options.tools_prompt = plan.prompt
+        options.tools = plan.choice != "none"
+    return options
+
+
+def _answer_id(response_id: str, index: int) -> str:
+    """What names the tool calls of answer `index` (the first answer's are the stored ones)."""
+    return response_id if index == 0 else f"{response_id}/{index}"
+
+
+def _finish_reason(end: ChoiceEnd, called: bool) -> p.FinishReason:
+    if end.status == "incomplete":
+        return "length"
+    return "tool_calls" if called else "stop"
+
+
+def _choice(end: ChoiceEnd, logprobs: list[TokenLogprob], options: ResponseOptions) -> p.Choice:
+    text, calls = end.text, []
+    if options.tools:
+        text, calls = split_answer(end.text, _answer_id(options.response_id, end.index))
+    message = p.ChatMessage(
+        content=text if text or not calls else None,
+        refusal=None,
+        role="assistant",
+        tool_calls=[
+            p.ToolCall(id=c.id, function=p.ToolCallFunction(name=c.name, arguments=c.arguments))
+            for c in calls
+        ]
+        or msgspec.UNSET,
+    )
+    return p.Choice(
+        index=end.index,
+        message=message,
+        finish_reason=_finish_reason(end, bool(calls)),
+        logprobs=p.ChoiceLogprobs.of(logprobs) if options.logprobs is not None else None,
+    )
+
+
+class _StreamedAnswer:
+    """One answer of a stream: its text read into content and tool-call deltas, and the
+    log-probabilities not sent yet (they go with the next frame of this answer)."""
+
+    __slots__ = ("calls", "logprobs", "reader", "wants_logprobs")
+
+    def __init__(self, options: ResponseOptions, index: int) -> None:
+        self.reader = (
+            ToolCallStream(_answer_id(options.response_id, index)) if options.tools else None
+        )
+        self.calls = 0
+        self.logprobs: list[TokenLogprob] = []
+        self.wants_logprobs = options.logprobs is not None
+
+    def feed(self, text: str) -> list[p.Delta]:
+        if self.reader is None:
+            return [p.Delta(content=text)] if text else []
+        return self._deltas(self.reader.feed(text))
+
+    def finish(self) -> list[p.Delta]:
+        return [] if self.reader is None else self._deltas(self.reader.finish())
+
+    def take_logprobs(self) -> p.ChoiceLogprobs | None:
+        if not self.wants_logprobs:
+            return None
+        taken = p.ChoiceLogprobs.of(self.logprobs)
+        self.logprobs = []
+        return taken
+
+    def _deltas(self, pieces: list[Piece]) -> list[p.Delta]:
+        deltas: list[p.Delta] = []
+        for piece in pieces:
+            if isinstance(piece, TextPiece):
+                deltas.append(p.Delta(content=piece.text))
+            elif isinstance(piece, CallStart):
+                self.calls += 1
+                function = p.DeltaFunction(name=piece.name, arguments="")
+                call = p.DeltaToolCall(piece.index, id=piece.id, type="function", function=function)
+                deltas.append(p.Delta(tool_calls=[call]))
+            elif isinstance(piece, ArgumentsPiece):
+                function = p.DeltaFunction(arguments=piece.text)
+                deltas.append(p.Delta(tool_calls=[p.DeltaToolCall(piece.index, function=function)]))
+        return deltas
+
+
+class _Frames:
+    """SSE frames of one completion's chunks."""
+
+    __slots__ = ("fingerprint", "include_usage", "prepared")
+
+    def __init__(self, prepared: _Prepared, fingerprint: str, include_usage: bool) -> None:
+        self.prepared = prepared
+        self.fingerprint = fingerprint
+        self.include_usage = include_usage
+
+    def __call__(
+        self,
+        index: int,
+        delta: p.Delta,
+        *,
+        finish_reason: p.FinishReason | None = None,
+        logprobs: p.ChoiceLogprobs | None = None,
+        extension: p.CompletionExtension | None = None,
+    ) -> bytes:
+        choice = p.ChunkChoice(index, delta, finish_reason=finish_reason, logprobs=logprobs)
+        return self._encode([choice], None, extension)
+
+    def usage(self, usage: p.Usage) -> bytes:
+        return self._encode([], usage, None)
+
+    def _encode(
+        self,
+        choices: list[p.ChunkChoice],
+        usage: p.Usage | None,
+        extension: p.CompletionExtension | None,
+    ) -> bytes:
+        prepared = self.prepared
+        chunk = p.ChatCompletionChunk(
+            id=prepared.completion_id,
+            object="chat.completion.chunk",
+            created=prepared.created,
+            model=prepared.model,
+            system_fingerprint=self.fingerprint,
+            choices=choices,
+            # asked for: null on every chunk but the last; not asked for: left out
+            usage=usage if self.include_usage else msgspec.UNSET,
+            visiongate=extension,
+        )
+        return b"data: " + _json.encode(chunk) + b"\n\n"
+
+
+async def _watch_disconnect(receive: Receive, prepared: _Prepared) -> None:
+    """Cancel the answer when the client goes away before it is sent."""
+    while True:
+        message = await receive()
+        if message.get("type") == "http.disconnect":
+            if not prepared.options.cancel.is_set():
+                prepared.options.cancel.set()
+                log.info("http_client_gone", completion_id=prepared.completion_id)
+            return
+
+
+def _usage(ev: Finished, ext: p.CompletionExtension) -> p.Usage:
+    return p.Usage(
+        prompt_tokens=ev.input_tokens,
+        completion_tokens=ev.output_tokens,
+        total_tokens=ev.input_tokens + ev.output_tokens,
+        prompt_tokens_details=p.PromptTokensDetails(
+            cached_tokens=ev.cached_tokens, image_tokens=ev.image_tokens
+        ),
+        visiongate=ext,
+    )
+
+
+def _is_finished(event: ServiceEvent) -> bool:
+    return isinstance(event, Finished)

@@ -1,0 +1,1 @@
+"""The legacy `POST /v1/completions`: plain-text prompts with no chat template."""

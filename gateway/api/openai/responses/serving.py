@@ -1,0 +1,789 @@
+"""Serving the Responses API (`/v1/responses`) over sessions.
+
+A chain of responses is one session, so it gets the vision-cache and KV reuse of a Realtime
+session: a response without `previous_response_id` starts a session (owned by the API key); one
+with it continues the session of that response. When that session still ends with the previous
+response (the usual case) the new input items are appended, under compare-and-set, so the
+engine's per-session KV carries over. When it does not (an older response of the chain was
+continued, or another continuation of the same response got there first) the conversation up
+to the previous response is copied into a new session: the chain forks and neither branch sees
+the other's items. `instructions` belong to one response, never to the chain.
+
+`store=false` answers from a throwaway session: nothing of the response is kept, and it cannot
+be retrieved or continued. A stored response leaves a record
+(`gateway.sessions.response_records`) naming its session and its last item there, which is
+what `previous_response_id` and `GET /v1/responses/{id}` find.
+
+Like the chat serving layer this returns values: a `ResponseObject`, an `EventStream`, or an
+`ErrorResponse`. A stream starts only at the first text (or the end), so a failure before any
+output gets its HTTP status; a failure after it ends the stream with `response.failed`. A
+client that disconnects cancels generation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+
+from gateway.api.http.event_streams import close_shielded, read_ahead, replay
+from gateway.api.openai.chat import protocol as p
+from gateway.api.openai.chat.serving import EventStream
+from gateway.api.openai.responses import protocol as r
+from gateway.chat.events import Finished, TextChunk
+from gateway.chat.output_grammar import (
+    plain_text_grammar,
+    plan_tools,
+    text_format_grammar,
+    tools_from_responses,
+)
+from gateway.chat.requests import (
+    RequestLimits,
+    add_inline_images,
+    admit_encodes,
+    check_conversation_size,
+    check_image_count,
+    check_item_count,
+    check_logprobs,
+    check_model,
+    conversation_chars,
+    fetch_remote,
+    refuse_unsupported,
+    resolve_references,
+    response_options,
+)
+from gateway.chat.tool_stream import ArgumentsPiece, CallStart, TextPiece, ToolCallStream
+from gateway.protocol.errors import GatewayError
+from gateway.sessions.response_records import ResponseRecord
+from gateway.sessions.session import Session, StoredItem, new_id
+
+if TYPE_CHECKING:
+    from gateway.chat.events import ResponseOptions, ServiceEvent
+    from gateway.chat.vision_resolver import EncodePermit
+    from gateway.engine.interface import TokenLogprob
+    from gateway.server.state import GatewayState
+
+__all__ = ("ResponsesServing",)
+
+log = structlog.get_logger("visiongate.http")
+
+_json = msgspec.json.Encoder()
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+MAX_INPUT_ITEMS_PAGE = 100
+
+# visiongate's codes -> OpenAI's codes for a failed response (the stable code goes in `type`)
+_FAILED_CODES = {
+    "invalid_image": "invalid_image",
+    "unsupported_image_format": "unsupported_image_media_type",
+    "image_too_large": "image_too_large",
+    "image_fetch_failed": "failed_to_download_image",
+    "image_not_found": "image_file_not_found",
+    "rate_limited": "rate_limit_exceeded",
+    "busy": "rate_limit_exceeded",
+    "context_length_exceeded": "invalid_prompt",
+    "input_too_large": "invalid_prompt",
+    "invalid_request": "invalid_prompt",
+}
+
+
+@dataclass(slots=True)
+class _Prepared:
+    request: r.ResponsesRequest
+    owner: str
+    options: ResponseOptions
+    session: Session
+    stored: bool  # the session lives in the store (store is true)
+    created: bool  # this response made the session (a new chain or a fork)
+    forked: bool
+    parsed: r.ParsedInput
+    permit: EncodePermit
+    created_at: int
+    model: str
+    notes: list[str] = field(default_factory=list)
+
+
+class ResponsesServing:
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+        self.limits = RequestLimits.of(state.settings)
+
+    # ------------------------------------------------------------ create
+
+    async def create(
+        self, request: r.ResponsesRequest, *, owner: str
+    ) -> r.ResponseObject | EventStream | p.ErrorResponse:
+        received = time.perf_counter()
+        try:
+            prepared = await self._prepare(request, owner)
+        except GatewayError as exc:
+            return p.error_response(exc)
+        try:
+            events = self.state.require().service.respond(
+                prepared.session, prepared.options, received_at=received
+            )
+            first = await read_ahead(events, prepared.options.cancel)
+        finally:
+            prepared.permit.close()
+        end = first[-1] if first else None
+        if end is None or (isinstance(end, Finished) and end.status == "failed"):
+            await close_shielded(events)
+            await self._roll_back(prepared)
+            error = (
+                end.error
+                if isinstance(end, Finished) and end.error
+                else GatewayError("engine_error", "the engine ended without a result")
+            )
+            return p.error_response(error)
+        if request.stream:
+            return EventStream(
+                self._sse(prepared, first, events),
+                prepared.session.id if prepared.stored else None,
+            )
+        return await self._complete(prepared, first, events)
+
+    async def _prepare(self, request: r.ResponsesRequest, owner: str) -> _Prepared:
+        state, limits = self.state, self.limits
+        vision = state.require().vision
+        model = state.engine.model_id
+        check_model(request.model, model)
+        options, notes = self._options(request)
+        previous = None
+        if request.previous_response_id is not None:
+            previous = await state.responses.get(request.previous_response_id, owner)
+            if previous is None or previous.session_id is None:
+                raise _unknown_response(request.previous_response_id, "previous_response_id")
+        items = r.convert_items(request.input, limits)
+        fetched = await fetch_remote(r.image_parts(items), limits, param="input")
+        parsed = r.parse_input(items, limits, fetched)
+        await resolve_references(parsed.refs, vision, owner=owner)
+        await state.rate_limiter.acquire(owner)
+        # slots for the encodes this request needs, taken before anything of it is stored
+        permit = await admit_encodes([*parsed.inline, *parsed.refs], vision, owner=owner)
+        try:
+            await add_inline_images(parsed.inline, vision, owner=owner)
+            session, created, forked = await self._session(request, owner, parsed, previous)
+        except BaseException:
+            permit.close()
+            raise
+        options.store = bool(request.store is None or request.store)
+        log.info(
+            "responses_turn",
+            response_id=options.response_id,
+            session_id=session.id if options.store else None,
+            previous_response_id=request.previous_response_id,
+            forked=forked,
+            items=len(session.items),
+        )
+        return _Prepared(
+            request=request,
+            owner=owner,
+            options=options,
+            session=session,
+            stored=options.store,
+            created=created,
+            forked=forked,
+            parsed=parsed,
+            permit=permit,
+            created_at=int(time.time()),
+            model=model,
+            notes=notes,
+        )
+
+    def _options(self, request: r.ResponsesRequest) -> tuple[ResponseOptions, list[str]]:
+        """The request's values checked by the request layer; refusals name the params."""
+        for value, param, what in (
+            (
+                request.conversation,
+                "conversation",
+                "conversations are not supported; chain responses with previous_response_id",
+            ),
+            (request.prompt, "prompt", "prompt templates are not supported"),
+            (
+                request.context_management,
+                "context_management",
+                "context management is not "
+                'supported; truncation "auto" leaves out the oldest turns',
+            ),
+            (request.moderation, "moderation", "moderation is not supported"),
+            (request.max_tool_calls, "max_tool_calls", "max_tool_calls is not supported"),
+            (
+                request.background_options,
+                "background_options",
+                "background responses are not supported",
+            ),
+        ):
+            refuse_unsupported(value, param, what, allow_empty=False)
+        if request.background:
+            raise GatewayError(
+                "invalid_request", "background responses are not supported", param="background"
+            )
+        _check_metadata(request.metadata)
+        options = response_options(
+            self.limits,
+            max_tokens=request.max_output_tokens,
+            max_tokens_param="max_output_tokens",
+            temperature=request.temperature,
+            top_p=request.top_p,
+            instructions=request.instructions,
+            truncation=request.truncation or "disabled",
+            api="responses",
+        )
+        # instructions belong to this response only; without them, the gateway's default
+        if request.instructions is None:
+            options.instructions = self.state.settings.default_instructions
+        options.item_id = new_id("msg")
+        include = request.include or []
+        asked = LOGPROBS_INCLUDE in include or request.top_logprobs is not None
+        options.logprobs = check_logprobs(asked, request.top_logprobs)
+        text_format = request.text.format if request.text is not None else None
+        # JSON answers are bounded to fit the answer's tokens, so that they close
+        budget = options.max_output_tokens or self.limits.max_output_tokens
+        grammar = text_format_grammar(text_format, param="text.format", budget=budget)
+        specs = tools_from_responses(request.tools, param="tools")
+        plan = plan_tools(
+            specs,
+            request.tool_choice,
+            request.parallel_tool_calls,
+            text_grammar=grammar,
+            param="tool_choice",
+            budget=budget,
+        )
+        options.grammar = grammar if plan is None else plan.grammar
+        if options.grammar is None and _has_tool_results(request.input):
+            options.grammar = plain_text_grammar()  # no tools now: answer the results in words
+        if plan is not None:  # listed under every choice; "none" answers in plain text
+            options.tools_prompt, options.tools = plan.prompt, plan.choice != "none"
+        notes = []
+        if request.reasoning and request.reasoning.get("effort") not in (None, "none"):
+            notes.append("reasoning is ignored: the served model does not reason")
+        ignored = [i for i in include if i != LOGPROBS_INCLUDE]
+        if ignored:
+            notes.append(f"include values ignored (nothing to include): {', '.join(ignored)}")
+        return options, notes
+
+    async def _session(
+        self,
+        request: r.ResponsesRequest,
+        owner: str,
+        parsed: r.ParsedInput,
+        previous: ResponseRecord | None,
+    ) -> tuple[Session, bool, bool]:
+        """(the session to answer from, whether this response made it, whether it forked)."""
+        sessions, settings = self.state.sessions, self.state.settings
+        store = request.store is None or request.store
+        fresh = Session.new(
+            owner,
+            instructions=settings.default_instructions,
+            max_output_tokens=settings.max_output_tokens,
+        )
+        if previous is None:
+            fresh.items = list(parsed.items)
+            self._check_size(fresh, request)
+            if store:
+                await self._create(fresh)
+            return fresh, store, False
+        assert previous.session_id is not None  # checked by the caller
+        last = previous.last_item_id
+
+        def continue_chain(stored: Session) -> list[StoredItem] | None:
+            if stored.items and stored.items[-1].id == last:
+                stored.items.extend(parsed.items)
+                self._check_size(stored, request)
+                return None
+            return list(stored.items)  # not at the end of the chain: fork it
+
+        try:
+            if store:
+                session, earlier = await sessions.update(previous.session_id, owner, continue_chain)
+                if earlier is None:
+                    return session, False, False
+            else:
+                earlier = (await sessions.load(previous.session_id, owner)).items
+        except GatewayError as exc:
+            if exc.code == "session_not_found":
+                raise _unknown_response(
+                    previous.id, "previous_response_id", "its conversation has expired"
+                ) from None
+            raise
+        ids = [item.id for item in earlier]
+        if last not in ids:
+            raise _unknown_response(
+                previous.id, "previous_response_id", "its conversation is no longer stored"
+            )
+        fresh.items = [*earlier[: ids.index(last) + 1], *parsed.items]
+        self._check_size(fresh, request)
+        if store:
+            await self._create(fresh)
+            log.info("responses_forked", response_id=previous.id, session_id=fresh.id)
+        return fresh, store, store
+
+    def _check_size(self, session: Session, request: r.ResponsesRequest) -> None:
+        limits = self.limits
+        check_item_count(len(session.items), limits, "input")
+        check_image_count(session.image_digests, limits, "input")
+        chars = conversation_chars(request.instructions, session.items)
+        check_conversation_size(chars, limits, "input")
+
+    async def _create(self, session: Session) -> None:
+        if not await self.state.sessions.create(session):  # an id of 80 random bits was taken
+            raise GatewayError("internal_error", "could not create the conversation's session")
+
+    async def _roll_back(self, prepared: _Prepared) -> None:
+        """A response that failed before any output leaves its chain as it found it."""
+        if not prepared.stored:
+            return
+        sessions, session = self.state.sessions, prepared.session
+        try:
+            if prepared.created:
+                await sessions.delete(session.id, prepared.owner)
+                return
+            added = {item.id for item in prepared.parsed.items}
+
+            def drop(stored: Session) -> None:
+                while stored.items and stored.items[-1].id in added:
+                    stored.items.pop()
+
+            await sessions.update(session.id, prepared.owner, drop)
+        except GatewayError as exc:
+            log.warning("responses_roll_back_failed", session_id=session.id, code=exc.code)
+
+    # ------------------------------------------------------------ answering
+
+    async def _complete(
+        self, prepared: _Prepared, first: list[ServiceEvent], events: AsyncIterator[ServiceEvent]
+    ) -> r.ResponseObject:
+        out = _Output(prepared)
+        finished: Finished | None = None
+        try:
+            async for ev in replay(first, events, _is_finished):
+                if isinstance(ev, TextChunk):
+                    out.feed(ev)
+                elif isinstance(ev, Finished):
+                    finished = ev
+        finally:
+            prepared.options.cancel.set()  # no-op once finished; frees the engine otherwise
+            await close_shielded(events)
+        response = out.finish(finished)
+        await self._record(prepared, response, finished)
+        return response
+
+    async def _sse(
+        self, prepared: _Prepared, first: list[ServiceEvent], events: AsyncIterator[ServiceEvent]
+    ) -> AsyncIterator[bytes]:
+        out = _Output(prepared)
+        finished: Finished | None = None
+        try:
+            yield _frame(r.ResponseCreated(sequence_number=out.next(), response=out.snapshot()))
+            yield _frame(r.ResponseInProgress(sequence_number=out.next(), response=out.snapshot()))
+            async for ev in replay(first, events, _is_finished):
+                if isinstance(ev, TextChunk):
+                    out.feed(ev)
+                elif isinstance(ev, Finished):
+                    finished = ev
+                for frame in out.take():
+                    yield frame
+            response = out.finish(finished)
+            await self._record(prepared, response, finished)
+            end = {
+                "completed": r.ResponseCompleted,
+                "failed": r.ResponseFailed,
+            }.get(response.status, r.ResponseIncomplete)
+            for frame in out.take():
+                yield frame
+            yield _frame(end(sequence_number=out.next(), response=response))
+        finally:
+            # reached on completion and on a client disconnect (the stream is cancelled)
+            prepared.options.cancel.set()
+            if finished is None:
+                log.info("responses_stream_abandoned", response_id=prepared.options.response_id)
+            await close_shielded(events)
+
+    async def _record(
+        self, prepared: _Prepared, response: r.ResponseObject, finished: Finished | None
+    ) -> None:
+        """Keep a stored response's record, so that it can be retrieved and continued."""
+        if not prepared.stored:
+            return
+        answered = finished is not None and finished.status != "failed"
+        if answered and finished is not None and finished.store_error is None:
+            last = prepared.options.item_id
+        else:
+            last = prepared.parsed.items[-1].id if prepared.parsed.items else None
+        record = ResponseRecord(
+            id=response.id,
+            owner=prepared.owner,
+            created_at=float(prepared.created_at),
+            body=_json.encode(response),
+            session_id=prepared.session.id,
+            last_item_id=last,
+            input_items=_json.encode(prepared.parsed.views),
+        )
+        try:
+            await self.state.responses.put(record)
+        except GatewayError as exc:  # the answer went out; only its record is lost
+            log.error("response_not_recorded", response_id=response.id, code=exc.code)
+            if response.visiongate is not None:
+                response.visiongate.stored = False
+
+    # ------------------------------------------------------------ stored responses
+
+    async def retrieve(self, response_id: str, owner: str) -> bytes | p.ErrorResponse:
+        try:
+            record = await self.state.responses.get(response_id, owner)
+        except GatewayError as exc:
+            return p.error_response(exc)
+        if record is None:
+            return p.error_response(_unknown_response(response_id, "response_id"))
+        return record.body
+
+    async def delete(self, response_id: str, owner: str) -> r.ResponseDeleted | p.ErrorResponse:
+        try:
+            deleted = await self.state.responses.delete(response_id, owner)
+        except GatewayError as exc:
+            return p.error_response(exc)
+        if not deleted:
+            return p.error_response(_unknown_response(response_id, "response_id"))
+        log.info("response_deleted", response_id=response_id)
+        return r.ResponseDeleted(id=response_id)
+
+    async def input_items(
+        self, response_id: str, owner: str, *, after: str | None, limit: int, order: str
+    ) -> r.InputItemList | p.ErrorResponse:
+        try:
+            if not 1 <= limit <= MAX_INPUT_ITEMS_PAGE:
+                raise GatewayError(
+                    "invalid_request", f"limit must be 1..{MAX_INPUT_ITEMS_PAGE}", param="limit"
+                )
+            if order not in ("asc", "desc"):
+                raise GatewayError(
+                    "invalid_request", 'order must be "asc" or "desc"', param="order"
+                )
+            record = await self.state.responses.get(response_id, owner)
+            if record is None:
+                raise _unknown_response(response_id, "response_id")
+        except GatewayError as exc:
+            return p.error_response(exc)
+        items: list[dict[str, Any]] = msgspec.json.decode(record.input_items)
+        if order == "desc":
+            items.reverse()
+        start = 0
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            if after not in ids:
+                return p.error_response(
+                    GatewayError("invalid_request", "after names no input item", param="after")
+                )
+            start = ids.index(after) + 1
+        page = items[start : start + limit]
+        return r.InputItemList(
+            data=page,
+            first_id=page[0]["id"] if page else None,
+            last_id=page[-1]["id"] if page else None,
+            has_more=start + len(page) < len(items),
+        )
+
+
+class _Output:
+    """Builds a response's output from the service's text, and the stream events that add it:
+    message items for text, function_call items for the calls the tools grammar made (read as
+    they stream, so a call's arguments go out as they are written). The non-streamed answer
+    is built the same way, so both give the same output."""
+
+    def __init__(self, prepared: _Prepared) -> None:
+        self.prepared = prepared
+        options = prepared.options
+        self.response_id = options.response_id
+        self.logprobs = options.logprobs is not None
+        self.calls = ToolCallStream(options.response_id) if options.tools else None
+        self.items: list[r.OutputItem] = []
+        self.events: list[r.ResponseEvent] = []
+        self.sequence = 0
+        self.messages = 0  # message items opened
+        self.message: r.OutputMessage | None = None  # the open one
+        self.text: list[str] = []
+        self.message_logprobs: list[r.Logprob] = []
+        self.call: r.FunctionCall | None = None  # the open one
+        self.arguments: list[str] = []
+
+    def next(self) -> int:
+        self.sequence += 1
+        return self.sequence - 1
+
+    def take(self) -> list[bytes]:
+        frames = [_frame(ev) for ev in self.events]
+        self.events.clear()
+        return frames
+
+    def feed(self, chunk: TextChunk) -> None:
+        logprobs = [_logprob(t) for t in chunk.logprobs] if self.logprobs else []
+        if self.calls is None:
+            self._text(chunk.text, logprobs)
+            return
+        for piece in self.calls.feed(chunk.text):
+            self._piece(piece, logprobs)
+            if isinstance(piece, TextPiece):
+                logprobs = []
+
+    def _piece(self, piece: TextPiece | CallStart | ArgumentsPiece, logprobs: list) -> None:
+        if isinstance(piece, TextPiece):
+            self._text(piece.text, logprobs)
+        elif isinstance(piece, CallStart):
+            self._close_message("completed")
+            self._close_call("completed")
+            self.call = r.FunctionCall(
+                id=f"fc_{self.response_id.removeprefix('resp_')}_{piece.index}",
+                call_id=piece.id,
+                name=piece.name,
+                arguments="",
+                status="in_progress",
+            )
+            self._emit(r.OutputItemAdded, output_index=len(self.items), item=self.call)
+        elif self.call is not None:
+            self.arguments.append(piece.text)
+            self._emit(
+                r.ArgumentsDelta,
+                item_id=self.call.id,
+                output_index=len(self.items),
+                delta=piece.text,
+            )
+
+    def _text(self, text: str, logprobs: list[r.Logprob]) -> None:
+        if not text and not logprobs:
+            return
+        if self.message is None:
+            self._close_call("completed")
+            self._open_message()
+        assert self.message is not None
+        self.text.append(text)
+        self.message_logprobs.extend(logprobs)
+        self._emit(
+            r.OutputTextDelta,
+            item_id=self.message.id,
+            output_index=len(self.items),
+            content_index=0,
+            delta=text,
+            logprobs=logprobs,
+        )
+
+    def _open_message(self) -> None:
+        item_id = self.prepared.options.item_id
+        self.message = r.OutputMessage(
+            id=item_id if not self.messages else f"{item_id}_{self.messages}",
+            status="in_progress",
+            content=[],
+        )
+        self.messages += 1
+        self.text, self.message_logprobs = [], []
+        self._emit(r.OutputItemAdded, output_index=len(self.items), item=self.message)
+        self._emit(
+            r.ContentPartAdded,
+            item_id=self.message.id,
+            output_index=len(self.items),
+            content_index=0,
+            part=r.OutputText(text="", annotations=[]),
+        )
+
+    def _close_message(self, status: str) -> None:
+        message, self.message = self.message, None
+        if message is None:
+            return
+        text, at = "".join(self.text), len(self.items)
+        logprobs = self.message_logprobs
+        part = r.OutputText(text=text, annotations=[], logprobs=logprobs if self.logprobs else None)
+        self._emit(
+            r.OutputTextDone,
+            item_id=message.id,
+            output_index=at,
+            content_index=0,
+            text=text,
+            logprobs=logprobs,
+        )
+        self._emit(
+            r.ContentPartDone, item_id=message.id, output_index=at, content_index=0, part=part
+        )
+        done = r.OutputMessage(id=message.id, status=status, content=[part])  # type: ignore[arg-type]
+        self._emit(r.OutputItemDone, output_index=at, item=done)
+        self.items.append(done)
+
+    def _close_call(self, status: str) -> None:
+        call, self.call = self.call, None
+        if call is None:
+            return
+        arguments, at = "".join(self.arguments), len(self.items)
+        self.arguments = []
+        self._emit(
+            r.ArgumentsDone, item_id=call.id, output_index=at, arguments=arguments, name=call.name
+        )
+        done = r.FunctionCall(
+            id=call.id,
+            call_id=call.call_id,
+            name=call.name,
+            arguments=arguments,
+            status=status,  # type: ignore[arg-type]
+        )
+        self._emit(r.OutputItemDone, output_index=at, item=done)
+        self.items.append(done)
+
+    def finish(self, finished: Finished | None) -> r.ResponseObject:
+        """Close what is open and return the whole response."""
+        if self.calls is not None:
+            for piece in self.calls.finish():
+                self._piece(piece, [])
+        status = "failed" if finished is None else finished.status
+        if finished is not None and finished.logprobs and self.logprobs:
+            extra = [_logprob(t) for t in finished.logprobs]
+            if self.message is None and not self.items and self.call is None:
+                self._open_message()
+            if self.message is not None:
+                self.message_logprobs.extend(extra)
+        if not self.items and self.message is None and self.call is None and status != "failed":
+            self._open_message()  # an empty answer is still one (empty) message
+        item_status = "completed" if status == "completed" else "incomplete"
+        self._close_message(item_status)
+        self._close_call(item_status)
+        response = self.snapshot()
+        response.output = list(self.items)
+        if finished is None:  # the service ended without a result
+            response.status = "failed"
+            response.error = _error(GatewayError("engine_error", "the response ended early"))
+            return response
+        response.status = {"completed": "completed", "failed": "failed"}.get(
+            finished.status, "cancelled" if finished.status == "cancelled" else "incomplete"
+        )
+        if response.status == "incomplete":
+            reason = "max_output_tokens" if finished.reason == "max_output_tokens" else None
+            response.incomplete_details = r.IncompleteDetails(reason=reason)
+        if finished.status == "failed":
+            response.error = _error(
+                finished.error or GatewayError("engine_error", "the response failed")
+            )
+        response.usage = r.ResponseUsage(
+            input_tokens=finished.input_tokens,
+            input_tokens_details=r.InputTokensDetails(cached_tokens=finished.cached_tokens),
+            output_tokens=finished.output_tokens,
+            output_tokens_details=r.OutputTokensDetails(),
+            total_tokens=finished.input_tokens + finished.output_tokens,
+        )
+        prepared = self.prepared
+        response.visiongate = r.ResponseExtension(
+            timings=p.Timings.of(finished),
+            cache=p.CacheReport.of(finished),
+            image_tokens=finished.image_tokens,
+            image_tokens_total=finished.image_tokens_total,
+            session_id=prepared.session.id if prepared.stored else None,
+            truncated_items=finished.truncated_items,
+            stored=(finished.store_error is None) if prepared.stored else None,
+            forked=prepared.forked,
+            notes=prepared.notes,
+        )
+        return response
+
+    def snapshot(self) -> r.ResponseObject:
+        """The response as it starts: in progress, no output yet; the request's values."""
+        prepared, request, options = self.prepared, self.prepared.request, self.prepared.options
+        session = prepared.session
+        text: dict[str, Any] = {"format": {"type": "text"}}
+        if request.text is not None:
+            text = {k: v for k, v in msgspec.structs.asdict(request.text).items() if v}
+            text.setdefault("format", {"type": "text"})
+        response = r.ResponseObject(
+            id=options.response_id,
+            created_at=prepared.created_at,
+            status="in_progress",
+            model=prepared.model,
+            output=[],
+            usage=None,
+            error=None,
+            incomplete_details=None,
+            instructions=request.instructions,
+            previous_response_id=request.previous_response_id,
+            store=prepared.stored,
+            metadata=request.metadata or {},
+            tools=request.tools or [],
+            tool_choice=request.tool_choice or "auto",
+            parallel_tool_calls=request.parallel_tool_calls is not False,
+            temperature=session.temperature if options.temperature is None else options.temperature,
+            top_p=session.top_p if options.top_p is None else options.top_p,
+            max_output_tokens=request.max_output_tokens,
+            text=text,
+            truncation=request.truncation or "disabled",
+            top_logprobs=request.top_logprobs,
+            user=request.user,
+            reasoning=request.reasoning,
+        )
+        return response
+
+    def _emit(self, kind: type[r.ResponseEvent], **fields: Any) -> None:
+        self.events.append(kind(sequence_number=self.next(), **fields))
+
+
+def _frame(event: r.ResponseEvent) -> bytes:
+    return b"event: " + r.event_type(event).encode() + b"\ndata: " + _json.encode(event) + b"\n\n"
+
+
+def _logprob(token: TokenLogprob) -> r.Logprob:
+    return r.Logprob(
+        token=token.token,
+        bytes=list(token.bytes),
+        logprob=token.logprob,
+        top_logprobs=[r.TopLogprob(token=t, bytes=list(b), logprob=lp) for t, lp, b in token.top],
+    )
+
+
+def _error(exc: GatewayError) -> r.ResponseError:
+    return r.ResponseError(
+        code=_FAILED_CODES.get(exc.code, "server_error"),
+        message=exc.message,
+        param=exc.param,
+        type=exc.code,
+    )
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise GatewayError(
+            "invalid_request",
+            f"metadata holds at most {MAX_METADATA_KEYS} keys",
+            param="metadata",
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise GatewayError(
+                "invalid_request",
+                f"metadata keys hold at most {MAX_METADATA_KEY_CHARS} characters",
+                param="metadata",
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise GatewayError(
+                "invalid_request",
+                f"metadata values hold at most {MAX_METADATA_VALUE_CHARS} characters",
+                param=f"metadata.{key}",
+            )
+
+
+def _has_tool_results(value: str | list) -> bool:
+    return isinstance(value, list) and any(
+        isinstance(item, dict) and item.get("type") == "function_call_output" for item in value
+    )
+
+
+def _unknown_response(response_id: str, param: str, why: str = "") -> GatewayError:
+    """An unknown response: 404 where the path names it, 400 where `previous_response_id`
+    does (a bad value of the request, as OpenAI answers it)."""
+    detail = f" ({why})" if why else ""
+    return GatewayError(
+        "previous_response_not_found" if param == "previous_response_id" else "response_not_found",
+        f"no response {response_id!r} for this API key{detail}",
+        param=param,
+    )
+
+
+def _is_finished(event: ServiceEvent) -> bool:
+    return isinstance(event, Finished)

@@ -1,0 +1,3 @@
+"""`/v1/realtime`: the Realtime WebSocket API's wire events, connection, conversation items and
+response output.
+"""

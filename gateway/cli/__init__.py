@@ -1,0 +1,1 @@
+"""The `visiongate` command line: `serve`, `demo`, `convert`, `worker` and the ops subcommands."""

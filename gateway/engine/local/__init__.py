@@ -1,0 +1,3 @@
+"""The local engine: a transformers model in-process, continuous batching, prompts, sampling and
+grammars.
+"""

@@ -1,0 +1,3 @@
+"""The `openai` engine: generation on OpenAI-compatible replicas (vLLM, SGLang, trtllm-serve),
+their endpoints, routing and wire.
+"""

@@ -1,0 +1,3 @@
+"""Python clients of the Realtime WebSocket API: `RealtimeClient` (async) and the clients that
+resume a dropped connection.
+"""
