@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt 2>/
 # pip prints a warning per package for local index paths that do not exist; keep the output readable
 QUIET  := 2>&1 | sed '/^WARNING: Location/d'
 
-.PHONY: install lint docs demo test test-fast test-unit bench gpu-check clean system-deps node-deps stack
+.PHONY: install lint docs demo test test-fast bench gpu-check clean system-deps node-deps stack
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,10 +63,7 @@ docs: install
 test: install system-deps node-deps lint docs
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# the fast suite: the real gateway over a fake engine and encoder, no model loaded (seconds)
-test-unit: install system-deps
-	$(PY) -m pytest -q -p no:cacheprovider -m unit tests/unit
-
+# the tests that load no model: real servers over the fake engine and encoder (a few minutes)
 test-fast: install system-deps
 	$(PY) -m pytest -q -m "not slow"
 

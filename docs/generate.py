@@ -9,7 +9,7 @@
     python docs/generate.py           # write both pages
     python docs/generate.py --check   # exit 1 when a page is stale
 
-`tests/unit/test_docs_config.py` fails when a setting or a code has no description, a
+`tests/project/test_docs_config.py` fails when a setting or a code has no description, a
 description names none, or a committed page differs from what this renders.
 """
 

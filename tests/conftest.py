@@ -1,5 +1,6 @@
 """Shared fixtures: a private redis-server (and a private 3-master Redis Cluster) per test
-session, free ports, real sample photos."""
+session, free ports, real sample photos, and gateways over the fake engine and encoder
+(`fake_gateway`, `make_gateway`; see `gateway.testing.fake_gateway`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from gateway.testing.fake_gateway import FakeGateway, GatewayFactory, start_gateway, unit_settings
+from gateway.testing.fakes import FakeEncoder, FakeEngine
 from gateway.testing.ports import free_port, wait_for_port
 
 __all__ = ("free_port",)  # tests import it from here too
@@ -218,3 +222,39 @@ def unique_photo(name: str = "astronaut") -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="JPEG", quality=90)
     return buf.getvalue()
+
+
+@pytest.fixture(scope="session")
+def fake_gateway() -> Iterator[FakeGateway]:
+    """One gateway over FakeEngine / FakeEncoder for the session, ready (/readyz 200). Shared:
+    leave its fakes' knobs alone (a test that needs others takes `make_gateway`)."""
+    gateway = start_gateway(unit_settings(), FakeEngine(), FakeEncoder())
+    yield gateway
+    gateway.server.stop()
+
+
+@pytest.fixture
+def make_gateway() -> Iterator[GatewayFactory]:
+    """Starts gateways of a test's own: `make_gateway(engine=FakeEngine(delay_s=0.05),
+    settings=dict(api_keys=["k"]), wait=False)`; each is stopped after the test."""
+    started: list[FakeGateway] = []
+
+    def make(
+        *,
+        engine: FakeEngine | None = None,
+        encoder: FakeEncoder | None = None,
+        settings: dict[str, Any] | None = None,
+        wait: bool = True,
+    ) -> FakeGateway:
+        gateway = start_gateway(
+            unit_settings(**(settings or {})),
+            engine or FakeEngine(),
+            encoder or FakeEncoder(),
+            wait=wait,
+        )
+        started.append(gateway)
+        return gateway
+
+    yield make
+    for gateway in started:
+        gateway.server.stop()

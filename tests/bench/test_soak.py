@@ -242,7 +242,7 @@ def test_short_run_on_the_fakes(tmp_path: Path) -> None:
     client = report["errors_by_code"]["abuse"]["abusive"]
     server = phases["abuse"]["server_errors_by_code"]
     # (the gateway's own count may hold internal_error from clients that left at the phase's
-    # end: tests/unit/test_fuzz.py::test_send_to_a_client_gone_is_quiet)
+    # end: tests/gateway/api/test_fuzz.py::test_send_to_a_client_gone_is_quiet)
     assert "internal_error" not in client
     for code, n in client.items():  # every refusal the clients saw, the gateway counted
         if not code.startswith(("connection:", "connect:", "dropped:", "send_blocked", "timeout")):

@@ -23,9 +23,9 @@ import pytest
 import yaml
 
 from deploy import stack
+from gateway.testing.fake_gateway import FakeGateway, start_gateway, unit_settings
 from gateway.testing.fakes import FakeEncoder, FakeEngine
 from tests.deploy.conftest import PROMETHEUS_DIR
-from tests.unit.conftest import FakeGateway, start_gateway, unit_settings
 
 SCALE = 1 / 120
 BURN = "VisiongateTTFTErrorBudgetBurn"

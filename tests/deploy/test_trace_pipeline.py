@@ -29,10 +29,10 @@ import pytest
 from deploy import stack
 from encoder_worker.spans import STAGE_PREFIX
 from gateway.testing.otlp_receiver import ReceivedSpan
+from gateway.testing.realtime_peer import data_url
 from tests.conftest import photo_bytes
 from tests.deploy.kafka_topic import Forwarder, TopicSpans
-from tests.gateway.realtime_helpers import data_url
-from tests.gateway.test_readyz import tiny_clip  # noqa: F401  (a fixture: a small CLIP tower)
+from tests.gateway.server.test_readyz import tiny_clip  # noqa: F401  (a fixture: a small CLIP tower)
 
 pytestmark = pytest.mark.slow
 

@@ -553,8 +553,8 @@ async def test_worker_spans_join_the_callers_trace(redis_url, images, tmp_path) 
 async def test_gateway_in_redis_mode_answers_about_an_image(redis_url, pipeline, images) -> None:
     from gateway.server.app import create_app
     from gateway.server.runner import ServerThread
+    from gateway.testing.realtime_peer import Peer, data_url
     from tests.gateway.conftest import gateway_settings
-    from tests.gateway.realtime_helpers import Peer, data_url
 
     settings = gateway_settings(encoder="redis", redis_url=redis_url)
     async with serving(make_worker(redis_url, pipeline)) as worker:

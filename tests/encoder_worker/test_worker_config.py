@@ -156,7 +156,7 @@ def test_explicit_flags_are_checked_against_the_spec_without_building() -> None:
 def _ask(base_url: str, image: bytes) -> dict:
     from openai import OpenAI
 
-    from tests.gateway.realtime_helpers import data_url
+    from gateway.testing.realtime_peer import data_url
 
     client = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
     completion = client.chat.completions.create(

@@ -4,9 +4,10 @@ Requests follow the Chat Completions format; fields the gateway does not use (`u
 `metadata`, penalties, ...) are accepted and ignored, so any OpenAI client works unchanged.
 Responses are encoded with `omit_defaults` only where OpenAI leaves a field out; fields OpenAI
 always sends (`object`, `logprobs: null`, `finish_reason: null`, `refusal: null`) have no
-default in those structs, so they are always present (tests/unit/test_openai_shapes.py checks
-every shape against the `openai` package's own types). visiongate's extensions (`visiongate`
-objects, `session_id`) are extra fields that OpenAI clients keep.
+default in those structs, so they are always present (tests/gateway/api/openai/
+test_openai_shapes.py checks every shape against the `openai` package's own types).
+visiongate's extensions (`visiongate` objects, `session_id`) are extra fields that OpenAI
+clients keep.
 """
 
 from __future__ import annotations

@@ -1,0 +1,85 @@
+"""A real gateway (Litestar, uvicorn, stores, codecs) over `gateway.testing.fakes`' engine and
+encoder, on a loopback port: nothing loads a model, so a test over it runs in milliseconds.
+
+`start_gateway` starts one and waits for `/readyz`; `FakeGateway` holds its server and fakes, to
+inspect or adjust. The tests' `fake_gateway` fixture is one such server for a test session, and
+`make_gateway` starts servers with their own settings or fake knobs (a slow engine, a busy one,
+a small context, a model that is still loading).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from gateway.server.app import create_app
+from gateway.server.runner import ServerThread
+from gateway.settings import Settings
+from gateway.testing.fakes import FakeEncoder, FakeEngine
+
+__all__ = ("FakeGateway", "GatewayFactory", "MiB", "eventually", "start_gateway", "unit_settings")
+
+if TYPE_CHECKING:
+    from gateway.server.state import GatewayState
+
+MiB = 1024 * 1024
+
+
+async def eventually(condition: Callable[[], bool]) -> None:
+    """Wait until `condition()` holds (work the event loop still has to run); fail after 10
+    seconds, which only a hang reaches."""
+    async with asyncio.timeout(10):
+        while True:
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+
+
+def unit_settings(**overrides: Any) -> Settings:
+    """Settings for a fast gateway: small limits, nothing read from the environment."""
+    base: dict[str, Any] = dict(
+        max_output_tokens=32, max_image_bytes=2 * MiB, max_pixels=4_000_000, engine_max_queue=8
+    )
+    base.update(overrides)
+    return Settings.load(base, environ={})
+
+
+class FakeGateway:
+    """A running gateway over fakes: its server, and the fakes to inspect or adjust."""
+
+    def __init__(
+        self, server: ServerThread, engine: FakeEngine, encoder: FakeEncoder, settings: Settings
+    ) -> None:
+        self.server = server
+        self.engine = engine
+        self.encoder = encoder
+        self.settings = settings
+
+    @property
+    def http_url(self) -> str:
+        return self.server.http_url
+
+    @property
+    def ws_url(self) -> str:
+        return self.server.ws_url
+
+    @property
+    def state(self) -> GatewayState:
+        return self.server.app.state["gateway"]
+
+
+def start_gateway(
+    settings: Settings, engine: FakeEngine, encoder: FakeEncoder, *, wait: bool = True
+) -> FakeGateway:
+    server = ServerThread(create_app(settings, engine=engine, encoder=encoder), settings).start()
+    if wait:
+        try:
+            server.wait_ready(timeout=30)
+        except BaseException:
+            server.stop()
+            raise
+    return FakeGateway(server, engine, encoder, settings)
+
+
+GatewayFactory = Callable[..., FakeGateway]

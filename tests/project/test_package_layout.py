@@ -1,0 +1,302 @@
+"""The package layout holds: no import cycles, no two modules of one name, and the wire
+protocol layer stays a lower layer of the gateway.
+
+Imports are read with `ast`, not by importing: every `import` / `from ... import` counts,
+at module level, inside functions and under `TYPE_CHECKING` alike (a cycle through a type
+hint is still a cycle of concepts). Each is resolved to the project module it names, a
+package being its `__init__`. Run on its own: `pytest tests/project/test_package_layout.py`.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("gateway", "encoder_worker", "kernels", "dashboards", "bench")
+# read for the layer rules only: what the shipped packages must never import
+OUTSIDE = ("tests",)
+# the wire protocol layer may lean on these leaf modules of the gateway, and nothing else
+# the engine boundary's types are a leaf too: the service events carry its token log-probabilities
+PROTOCOL_LEAVES = ("gateway.chat.events", "gateway.sessions.session", "gateway.engine.interface")
+
+# modules named for their role inside one API's folder (gateway/api/<transport>/<api>/)
+ROLE_MODULES = ("protocol", "serving", "router")
+# who may import whom: a module of the left-hand prefix never imports one of the right-hand
+# prefixes. Transports sit over the chat core, the core over the engines; the encoder workers,
+# the shipped package and the benchmarks stand without what sits above them.
+LAYER_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("gateway.chat", ("gateway.api", "gateway.server", "gateway.cli")),
+    ("gateway.engine", ("gateway.chat", "gateway.api", "gateway.server", "gateway.cli")),
+    ("gateway.sessions", ("gateway.chat", "gateway.api", "gateway.server", "gateway.engine")),
+    ("gateway.caching", ("gateway.chat", "gateway.api", "gateway.server", "gateway.engine")),
+    ("gateway.policy", ("gateway.chat", "gateway.api", "gateway.server", "gateway.engine")),
+    ("gateway.telemetry", ("gateway.chat", "gateway.api", "gateway.server", "gateway.engine")),
+    ("gateway.protocol", ("gateway.api", "gateway.server", "gateway.engine", "gateway.policy")),
+    ("gateway.encoders", ("gateway.api", "gateway.server")),
+    ("gateway.api.realtime", ("gateway.api.openai",)),
+    ("gateway.api.openai", ("gateway.api.realtime",)),
+    ("gateway.api.http", ("gateway.api.openai", "gateway.api.realtime")),
+    ("gateway", ("tests", "bench")),
+    ("encoder_worker", ("gateway", "tests", "bench")),
+    ("kernels", ("gateway", "encoder_worker", "tests", "bench")),
+    # the boards name the gateway's metrics, from the telemetry that defines them
+    ("dashboards", ("gateway.api", "gateway.chat", "gateway.engine", "gateway.server", "tests")),
+    ("bench", ("tests",)),
+)
+
+Graph = dict[str, dict[str, int]]  # module -> imported project module -> first line
+
+
+def project_modules(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file of the packages."""
+    modules: dict[str, Path] = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The project module `name` refers to: itself, or its longest dotted prefix that is one
+    (`gateway.caching.make_vision_cache` -> `gateway.caching`); None outside the project."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:n])
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def _imports(
+    path: Path, package: list[str], modules: dict[str, Path]
+) -> Iterator[tuple[str | None, int]]:
+    """(project module, line) of every import in the file; `package` is the file's package,
+    which relative imports start from."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield _resolve(alias.name, modules), node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the package, `level - 1` packages up
+                base = package[: len(package) - node.level + 1]
+                source = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                # `from pkg import submodule` imports the submodule; any other name is pkg's
+                submodule = f"{source}.{alias.name}"
+                yield (
+                    submodule if submodule in modules else _resolve(source, modules),
+                    node.lineno,
+                )
+
+
+def import_graph(modules: dict[str, Path]) -> Graph:
+    """Every module's imports of project modules, with the line of the first one."""
+    graph: Graph = {}
+    for module, path in modules.items():
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        edges: dict[str, int] = {}
+        for target, line in _imports(path, package, modules):
+            if target is not None and target != module:
+                edges.setdefault(target, line)
+        graph[module] = dict(sorted(edges.items()))
+    return graph
+
+
+def strongly_connected(graph: Graph) -> list[list[str]]:
+    """Tarjan's algorithm (iterative): the components of more than one module, or of one
+    module that imports itself."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(graph[start]))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(graph.get(child, {}))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1 or node in graph.get(node, {}):
+                    found.append(sorted(component))
+    return found
+
+
+def describe_cycles(graph: Graph, modules: dict[str, Path]) -> list[str]:
+    """One paragraph per cycle: its modules and the imports that close it, file:line."""
+    reports = []
+    for component in strongly_connected(graph):
+        members = set(component)
+        lines = [f"import cycle among {len(component)} modules: {', '.join(component)}"]
+        for module in component:
+            for target, line in graph[module].items():
+                if target in members:
+                    path = modules[module].relative_to(ROOT)
+                    lines.append(f"  {module} -> {target}  ({path}:{line})")
+        reports.append("\n".join(lines))
+    return reports
+
+
+def shared_names(modules: dict[str, Path]) -> dict[str, list[str]]:
+    """Module names (file name without .py or a leading underscore) held by more than one
+    module, `__init__` and `__main__` aside, and the role modules of the API folders: each API
+    under `gateway/api/` has one `protocol` (its wire shapes), `serving` and `router`, named for
+    their role, their folder naming the API."""
+    by_name: dict[str, list[str]] = defaultdict(list)
+    for path in modules.values():
+        if path.stem in ("__init__", "__main__"):
+            continue
+        relative = path.relative_to(ROOT)
+        if path.stem in ROLE_MODULES and relative.parts[:2] == ("gateway", "api"):
+            continue
+        by_name[path.stem.lstrip("_")].append(str(relative))
+    return {name: paths for name, paths in sorted(by_name.items()) if len(paths) > 1}
+
+
+def test_the_walker_sees_every_kind_of_import(tmp_path: Path) -> None:
+    """The walker itself: relative, absolute, submodule, function-level and TYPE_CHECKING
+    imports are all edges, and a two-module cycle is found."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from pkg.a import A\n")
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\nA = 1\n"
+    )
+    (pkg / "b.py").write_text("def f():\n    from pkg import a\n    return a\nB = 2\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("from .. import b\nfrom ..sub import d\nimport os\n")
+    (pkg / "sub" / "d.py").write_text("import pkg.sub.c\n")
+    modules = project_modules(tmp_path, ("pkg",))
+    graph = import_graph(modules)
+    assert graph["pkg"] == {"pkg.a": 1}
+    assert graph["pkg.a"] == {"pkg.b": 3}
+    assert graph["pkg.b"] == {"pkg.a": 2}
+    assert graph["pkg.sub.c"] == {"pkg.b": 1, "pkg.sub.d": 2}
+    assert sorted(strongly_connected(graph)) == [["pkg.a", "pkg.b"], ["pkg.sub.c", "pkg.sub.d"]]
+
+
+def test_no_import_cycles() -> None:
+    modules = project_modules()
+    assert (
+        "gateway.server.app" in modules and "encoder_worker" in modules
+    )  # the walk found the code
+    graph = import_graph(modules)
+    assert "gateway.chat.service" in graph["gateway.server.app"]  # and read their imports
+    cycles = describe_cycles(graph, modules)
+    assert not cycles, "\n\n".join(cycles)
+
+
+def test_no_two_modules_share_a_name() -> None:
+    offenders = shared_names(project_modules())
+    assert not offenders, "modules sharing a name:\n" + "\n".join(
+        f"  {name}: {', '.join(paths)}" for name, paths in offenders.items()
+    )
+
+
+def test_protocol_imports_only_its_leaf_layers() -> None:
+    """gateway.protocol is the wire vocabulary every layer uses: it (and what it imports,
+    transitively) reaches nothing of the gateway but itself and the leaf modules."""
+    modules = project_modules()
+    graph = import_graph(modules)
+    allowed = set(PROTOCOL_LEAVES)
+
+    def inside(module: str) -> bool:
+        return module == "gateway.protocol" or module.startswith("gateway.protocol.")
+
+    # breadth-first from the protocol modules, remembering how each module was reached
+    reached: dict[str, str] = {m: m for m in graph if inside(m)}
+    queue = list(reached)
+    problems = []
+    while queue:
+        module = queue.pop(0)
+        for target, line in graph[module].items():
+            if not (target == "gateway" or target.startswith("gateway.")) or target in reached:
+                continue
+            if not (inside(target) or target in allowed):
+                path = modules[module].relative_to(ROOT)
+                problems.append(
+                    f"  {module} imports {target} ({path}:{line}); reached from {reached[module]}"
+                )
+                continue
+            reached[target] = f"{reached[module]} -> {target}"
+            queue.append(target)
+    assert not problems, "gateway.protocol reaches beyond its leaf layers:\n" + "\n".join(problems)
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def layer_violations(graph: Graph, modules: dict[str, Path]) -> list[str]:
+    """One line per import that breaks a rule of `LAYER_RULES`, file:line."""
+    problems = []
+    for module, edges in graph.items():
+        for prefix, forbidden in LAYER_RULES:
+            if not _under(module, prefix):
+                continue
+            for target, line in edges.items():
+                for banned in forbidden:
+                    if _under(target, banned) and not _under(target, prefix):
+                        problems.append(f"  {module} imports {target} ({modules[module]}:{line})")
+    return sorted(set(problems))
+
+
+def test_the_layer_rules_see_a_breach(tmp_path: Path) -> None:
+    """The checker itself: an engine module importing the chat core, and a bench module
+    importing the tests, are both reported; the allowed direction is not."""
+    for name in ("gateway/engine", "gateway/chat", "bench", "tests"):
+        (tmp_path / name).mkdir(parents=True)
+        (tmp_path / name / "__init__.py").write_text("")
+    (tmp_path / "gateway" / "__init__.py").write_text("")
+    (tmp_path / "gateway/engine/core.py").write_text("from gateway.chat import service\n")
+    (tmp_path / "gateway/chat/service.py").write_text("import gateway.engine.core\n")
+    (tmp_path / "bench/run.py").write_text("def f():\n    from tests import helpers\n")
+    (tmp_path / "tests/helpers.py").write_text("")
+    modules = project_modules(tmp_path, ("gateway", "bench", "tests"))
+    found = layer_violations(import_graph(modules), modules)
+    assert len(found) == 2, found
+    assert "gateway.engine.core imports gateway.chat.service" in found[1]
+    assert "bench.run imports tests.helpers" in found[0]
+
+
+def test_layers_import_only_downwards() -> None:
+    modules = project_modules(packages=PACKAGES + OUTSIDE)
+    graph = import_graph(modules)
+    outside = {m for m in graph if any(_under(m, o) for o in OUTSIDE)}
+    problems = layer_violations({m: e for m, e in graph.items() if m not in outside}, modules)
+    assert not problems, "imports against the layers:\n" + "\n".join(problems)
