@@ -29,8 +29,7 @@ from gateway.chat.image_input import (
     parse_image_url,
     sniff_image,
 )
-from gateway.engine.interface import MAX_CHOICES, MAX_TOP_LOGPROBS
-from gateway.engine.local.sequence import MAX_STOP_CHARS, MAX_STOPS
+from gateway.engine.interface import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_LOGPROBS
 from gateway.protocol.errors import GatewayError, clip
 from gateway.sessions.session import StoredItem, StoredPart
 

@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from encoder_worker.types import ImageLayout
 
 __all__ = (
+    "MAX_CHOICES",
+    "MAX_STOPS",
+    "MAX_STOP_CHARS",
+    "MAX_TOP_LOGPROBS",
     "Delta",
     "Engine",
     "EngineBusy",
@@ -40,6 +44,12 @@ __all__ = (
 
 MAX_TOP_LOGPROBS = 20  # alternatives reported per token at most (as OpenAI's API)
 MAX_CHOICES = 8  # completions per request at most (`SamplingParams.n`)
+# Stop strings per request at most, and characters per stop string: an engine rescans every
+# stop's prefixes against the text each token, so their number and length bound the per-token
+# cost (on the local engine, of the thread every stream shares). The gateway checks them before
+# any engine runs; the local engine checks them again.
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
 
 Role = Literal["system", "user", "assistant"]
 ImageInputKind = Literal["embeds", "bytes"]

@@ -24,6 +24,8 @@ import torch
 
 from gateway.engine.interface import (
     MAX_CHOICES,
+    MAX_STOP_CHARS,
+    MAX_STOPS,
     MAX_TOP_LOGPROBS,
     EngineError,
     GenerationRequest,
@@ -44,8 +46,6 @@ if TYPE_CHECKING:
 
 __all__ = (
     "GROW",
-    "MAX_STOPS",
-    "MAX_STOP_CHARS",
     "Job",
     "SchedulerConfig",
     "Sequence",
@@ -63,10 +63,6 @@ __all__ = (
 log = structlog.get_logger(__name__)
 
 GROW = 64  # positions a sequence's buffer grows by
-# The stop check rescans every stop's prefixes against the text each token, so their number
-# and length bound the per-token cost on the thread every stream shares.
-MAX_STOPS = 4
-MAX_STOP_CHARS = 256
 
 
 def ms(seconds: float) -> float:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import websockets
 
-from gateway.engine.local.sequence import MAX_STOP_CHARS, MAX_STOPS
+from gateway.engine.interface import MAX_STOP_CHARS, MAX_STOPS
 from gateway.protocol.errors import ERROR_CODES
 from gateway.testing.fake_gateway import FakeGateway, start_gateway, unit_settings
 from gateway.testing.fakes import FakeEncoder, FakeEngine

@@ -32,8 +32,15 @@ from gateway.chat.requests import (
     response_options,
 )
 from gateway.chat.vision_resolver import VisionResolver
-from gateway.engine.interface import EngineError, GenerationRequest, Message, SamplingParams
-from gateway.engine.local.sequence import MAX_STOP_CHARS, MAX_STOPS, check_request
+from gateway.engine.interface import (
+    MAX_STOP_CHARS,
+    MAX_STOPS,
+    EngineError,
+    GenerationRequest,
+    Message,
+    SamplingParams,
+)
+from gateway.engine.local.sequence import check_request
 from gateway.protocol.errors import ERROR_CODES, GatewayError
 from gateway.settings import Settings
 from gateway.testing.fakes import FakeEncoder
