@@ -343,7 +343,7 @@ def _redis_url_problem(url: str | None) -> str | None:
     """What is wrong with a Redis setting (one node or a cluster), or None."""
     if url is None:
         return None
-    from encoder_worker.redis_conn import parse_redis_url
+    from gateway.caching.redis_connections import parse_redis_url
 
     try:
         parse_redis_url(url)

@@ -47,7 +47,7 @@ def connect(
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
-    from encoder_worker.redis_conn import async_client
+    from gateway.caching.redis_connections import async_client
 
     return async_client(
         redis_url,
@@ -62,7 +62,7 @@ class RedisTier:
     __slots__ = ("_down", "_down_until", "_failures", "client", "errors", "retry_after_s", "tier")
 
     def __init__(self, redis_url: str, *, tier: str, retry_after_s: float = 5.0) -> None:
-        from encoder_worker.redis_conn import REDIS_FAILURES
+        from gateway.caching.redis_connections import REDIS_FAILURES
 
         self.client = connect(redis_url)
         self.tier = tier

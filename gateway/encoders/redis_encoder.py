@@ -49,7 +49,6 @@ from encoder_worker.jobs import (
     make_spec,
 )
 from encoder_worker.pipeline import encoder_fingerprint
-from encoder_worker.redis_conn import REDIS_FAILURES, async_client
 from encoder_worker.storage import (
     DEFAULT_DEPLOYMENT,
     WORKER_LIVE_S,
@@ -64,6 +63,7 @@ from encoder_worker.storage import (
     workers_key,
 )
 from encoder_worker.types import EncodedImage, ImageError
+from gateway.caching.redis_connections import REDIS_FAILURES, async_client
 from gateway.policy.fair_gate import FairGate
 
 if TYPE_CHECKING:

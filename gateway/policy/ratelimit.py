@@ -95,7 +95,7 @@ class RedisRateLimiter:
     __slots__ = ("_count", "_redis", "namespace", "per_minute")
 
     def __init__(self, per_minute: int, redis_url: str, namespace: str = "vg") -> None:
-        from encoder_worker.redis_conn import async_client
+        from gateway.caching.redis_connections import async_client
 
         self.per_minute = per_minute
         self.namespace = namespace

@@ -120,7 +120,7 @@ class Readiness:
         return up, workers
 
     def _fresh_client(self, url: str) -> Any:
-        from encoder_worker.redis_conn import async_client
+        from gateway.caching.redis_connections import async_client
 
         t = self.timeout_s
         return async_client(url, socket_connect_timeout=t, socket_timeout=t)
@@ -128,7 +128,7 @@ class Readiness:
     def _cluster_client(self, url: str) -> Any:
         """A Redis Cluster is probed by one long-lived client: its map of the nodes follows the
         cluster, so the probe keeps working when the seeds named in the URL are gone."""
-        from encoder_worker.redis_conn import is_cluster_url
+        from gateway.caching.redis_connections import is_cluster_url
 
         if not is_cluster_url(url):
             return None

@@ -49,7 +49,7 @@ import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from encoder_worker.redis_conn import REDIS_FAILURES, async_client
+from gateway.caching.redis_connections import REDIS_FAILURES, async_client
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import UPDATE_ATTEMPTS, Session, T, not_found
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import msgspec
 import structlog
 
-from encoder_worker.redis_conn import REDIS_FAILURES
+from gateway.caching.redis_connections import REDIS_FAILURES
 from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:

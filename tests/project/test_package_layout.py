@@ -300,3 +300,25 @@ def test_layers_import_only_downwards() -> None:
     outside = {m for m in graph if any(_under(m, o) for o in OUTSIDE)}
     problems = layer_violations({m: e for m, e in graph.items() if m not in outside}, modules)
     assert not problems, "imports against the layers:\n" + "\n".join(problems)
+
+
+# the one gateway module through which the gateway reaches the connection rules it shares with
+# the encoder workers (same URL parsing, same cluster clients)
+REDIS_CONNECTIONS = "gateway.caching.redis_connections"
+
+
+def test_only_one_gateway_module_imports_the_workers_redis_rules() -> None:
+    modules = project_modules()
+    graph = import_graph(modules)
+    assert "encoder_worker.redis_conn" in graph[REDIS_CONNECTIONS]
+    importers = sorted(
+        f"  {module} ({modules[module].relative_to(ROOT)}:{edges['encoder_worker.redis_conn']})"
+        for module, edges in graph.items()
+        if _under(module, "gateway")
+        and module != REDIS_CONNECTIONS
+        and "encoder_worker.redis_conn" in edges
+    )
+    assert not importers, (
+        f"gateway modules importing encoder_worker.redis_conn (use {REDIS_CONNECTIONS}):\n"
+        + "\n".join(importers)
+    )

@@ -148,7 +148,7 @@ class RedisKVStore:
         device: str | torch.device = "cpu",
         socket_timeout_s: float = 5.0,
     ) -> None:
-        from encoder_worker.redis_conn import sync_client
+        from gateway.caching.redis_connections import sync_client
 
         self.memory = MemoryKVStore(budget_bytes)
         # built on first use: a cluster client connects as it is made, and an unreachable Redis
@@ -177,7 +177,7 @@ class RedisKVStore:
         sooner than `RECONNECT_S` later (meanwhile each call fails at once: a miss)."""
         from redis.exceptions import ConnectionError as RedisConnectionError
 
-        from encoder_worker.redis_conn import REDIS_FAILURES
+        from gateway.caching.redis_connections import REDIS_FAILURES
 
         with self._redis_lock:
             if self._redis is None:
@@ -210,7 +210,7 @@ class RedisKVStore:
         return entry
 
     def _load(self, key: str) -> KVEntry | None:
-        from encoder_worker.redis_conn import REDIS_FAILURES
+        from gateway.caching.redis_connections import REDIS_FAILURES
 
         try:
             raw = self._client().get(self.redis_key(key))
@@ -242,7 +242,7 @@ class RedisKVStore:
             self._cond.notify_all()
 
     def _write_loop(self) -> None:
-        from encoder_worker.redis_conn import REDIS_FAILURES
+        from gateway.caching.redis_connections import REDIS_FAILURES
 
         while True:
             with self._cond:
