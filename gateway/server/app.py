@@ -28,7 +28,7 @@ from gateway.api.http.bodies import BoundedRequest
 from gateway.api.http.body_guard import BodyGuard
 from gateway.api.openai import http_route_handlers
 from gateway.api.openai.routes import routing_error_handler
-from gateway.api.realtime.connection import realtime_route
+from gateway.api.realtime.router import realtime_route
 from gateway.caching import make_image_store, make_vision_cache
 from gateway.chat.service import ChatService
 from gateway.chat.vision_resolver import VisionResolver

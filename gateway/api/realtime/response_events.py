@@ -1,0 +1,214 @@
+"""Responses over a Realtime connection: `response.create` and `response.cancel`.
+
+At most one response is in progress per connection; another `response.create` meanwhile is
+refused with `response_in_progress`. A response's values are checked in the request layer
+before anything runs; its tools are its own or else the session's, field by field, planned as
+for the HTTP APIs (one prompt and grammar under every choice). It reads the stored session (the
+truth: another connection may have added to it) or, with `response.input`, its own context,
+never stored; function calls reach the model joined to the answer that made them
+(`items.joined`). Its events are built by `output.ResponseOutput`, and every response ends
+with a `response.done`, a failed one included. An answer that called tools is stored as the
+items it showed (`items.split_answer_item`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from gateway.api.realtime import protocol as rt
+from gateway.api.realtime.channel import Channel, log
+from gateway.api.realtime.items import (
+    input_context,
+    joined,
+    plan_realtime_tools,
+    split_answer_item,
+)
+from gateway.api.realtime.output import ResponseOutput
+from gateway.chat.events import Finished, ResponseOptions
+from gateway.chat.output_grammar import plain_text_grammar
+from gateway.chat.requests import check_output_modalities, response_options
+from gateway.protocol.errors import GatewayError
+
+if TYPE_CHECKING:
+    from gateway.chat.output_grammar import ToolPlan
+    from gateway.sessions.session import Session
+
+__all__ = ("ResponseEvents",)
+
+
+class ResponseEvents(Channel):
+    """`response.create`, `response.cancel`, and the run of the response in progress."""
+
+    async def _response_create(self, event: rt.ResponseCreate) -> None:
+        received = time.perf_counter()
+        assert self.session is not None
+        if self.response_task is not None and not self.response_task.done():
+            raise GatewayError(
+                "response_in_progress",
+                f"response {self.response_options.response_id} is still in progress; "
+                "cancel it or wait for response.done",
+            )
+        params = event.response or rt.ResponseParams()
+        check_output_modalities(params.output_modalities, "response.output_modalities")
+        if params.conversation not in (None, "auto", "none"):
+            raise GatewayError(
+                "invalid_request",
+                'conversation is "auto" (the session\'s) or "none" (out-of-band)',
+                param="response.conversation",
+            )
+        options = response_options(
+            self.limits,
+            where="response.",
+            max_tokens=params.max_output_tokens,
+            allow_inf=True,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+            instructions=params.instructions,
+            store=params.conversation != "none",
+        )
+        # the answer's token budget bounds the calls' arguments, as over HTTP
+        budget = min(
+            options.max_output_tokens or self.session.max_output_tokens,
+            self.limits.max_output_tokens_limit,
+        )
+        _apply_plan(options, self._response_tools(params, budget))
+        await self.state.rate_limiter.acquire(self.owner)
+        # watchers whose encodes are over are about to report (and drop a failed image's item):
+        # let them, so this response sees the conversation the client was told about
+        settled = [w for w, encodes in self.watchers.items() if all(t.done() for t in encodes)]
+        if settled:
+            await asyncio.gather(*settled, return_exceptions=True)
+        # the stored session is the truth (another connection may have added to it)
+        load_start = time.time_ns()
+        self.session = await self.state.sessions.load(self.session.id, self.owner)
+        options.session_load_ns = (load_start, time.time_ns())
+        context, permit = self.session.items, None
+        if params.input is not None:  # this response's own context, never stored
+            context, permit = await input_context(
+                params.input,
+                self.session.items,
+                self.limits,
+                self.state.require().vision,
+                owner=self.owner,
+                started=set(self.pending),
+                quota=self.encode_quota,
+            )
+            if not context and not (
+                options.instructions or self.session.instructions or options.tools_prompt
+            ):
+                permit.close()
+                raise GatewayError(
+                    "invalid_request",
+                    "response.input holds no items and there are no instructions to answer",
+                    param="response.input",
+                )
+        # what the model reads: function_call items joined to the answer that made them
+        view = msgspec.structs.replace(self.session, items=joined(context))
+        if options.grammar is None and any(i.role == "tool" for i in view.items):
+            options.grammar = plain_text_grammar()  # no tools now: answer the results in words
+        self.response_options = options
+        self.response_task = asyncio.create_task(
+            self._run_response(options, params, view, event.event_id, received),
+            name=f"response {options.response_id}",
+        )
+        if permit is not None:  # the input's encode slots, held until the response ends
+            self.response_task.add_done_callback(lambda _: permit.close())
+
+    def _response_tools(self, params: rt.ResponseParams, budget: int) -> ToolPlan | None:
+        """The response's tools, each field its own or else the session's."""
+        own_tools, own_choice = params.tools is not None, params.tool_choice is not None
+        session = self.tools
+        return plan_realtime_tools(
+            params.tools if own_tools else session.tools,
+            params.tool_choice if own_choice else session.tool_choice,
+            params.parallel_tool_calls
+            if params.parallel_tool_calls is not None
+            else session.parallel_tool_calls,
+            tools_param="response.tools" if own_tools else "session.tools",
+            choice_param="response.tool_choice" if own_choice else "session.tool_choice",
+            budget=budget,
+        )
+
+    async def _response_cancel(self, event: rt.ResponseCancel) -> None:
+        active = self.response_task is not None and not self.response_task.done()
+        if not active or (
+            event.response_id and event.response_id != self.response_options.response_id
+        ):
+            raise GatewayError(
+                "response_not_found",
+                "no response in progress"
+                + (f" with id {event.response_id!r}" if event.response_id else ""),
+                param="response_id",
+            )
+        self.response_options.cancel.set()
+
+    async def _run_response(
+        self,
+        options: ResponseOptions,
+        params: rt.ResponseParams,
+        view: Session,
+        event_id: str | None,
+        received: float,
+    ) -> None:
+        rid, iid = options.response_id, options.item_id
+        output = ResponseOutput(
+            options,
+            send=self._send,
+            eid=self._eid,
+            conversation=view.id if options.store else None,
+            metadata=params.metadata,
+            model=self.state.engine.model_id,
+        )
+        finished = False
+        try:
+            async for ev in self.state.require().service.respond(
+                view, options, pending=self.pending, received_at=received
+            ):
+                if isinstance(ev, Finished):
+                    finished = True
+                    await self._finish(ev, output, event_id)
+                else:
+                    await output.on_event(ev)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never leave a client waiting for a response.done
+            log.exception("response_failed", response_id=rid)
+            if not finished:
+                error = GatewayError("internal_error", f"the response failed: {type(exc).__name__}")
+                await self._finish(Finished(rid, iid, "failed", "", error=error), output, event_id)
+
+    async def _finish(self, ev: Finished, output: ResponseOutput, event_id: str | None) -> None:
+        options = output.options
+        if ev.status != "failed":
+            await output.close_items(ev)
+            if options.store and options.tools and ev.store_error is None:
+                await self._split_answer(options.item_id)
+        elif ev.error is not None:
+            await self._send_error(ev.error, event_id)
+        await output.done(ev)
+        if ev.store_error is not None:  # the answer went out; its record in the session did not
+            await self._send_error(ev.store_error, event_id)
+
+    async def _split_answer(self, item_id: str) -> None:
+        """The stored answer becomes the items the response showed (message, function calls)."""
+        assert self.session is not None
+        try:
+            self.session, _ = await self.state.sessions.update(
+                self.session.id, self.owner, lambda s: split_answer_item(s.items, item_id)
+            )
+        except GatewayError as exc:  # the answer stays one item: it reads the same to the model
+            log.warning("answer_not_split", item_id=item_id, code=exc.code)
+
+
+def _apply_plan(options: ResponseOptions, plan: ToolPlan | None) -> None:
+    """Tools as the HTTP APIs apply them: listed under every choice (one prompt, one KV
+    prefix); under "none" the grammar keeps the answer plain text, never read for calls."""
+    if plan is not None:
+        options.grammar = plan.grammar
+        options.tools_prompt = plan.prompt
+        options.tools = plan.choice != "none"
