@@ -282,9 +282,9 @@ class SpecAdopter:
         """The EncoderConfig, hidden size and target RMS that reproduce `spec` here;
         `ConfigConflict` naming the flags (with both values) when they cannot."""
         from encoder_worker.config import SYNTHETIC_TOWERS
+        from encoder_worker.deployment_follower import ConfigConflict
         from encoder_worker.jobs import spec_config
         from encoder_worker.pipeline import encoder_fingerprint
-        from encoder_worker.worker import ConfigConflict
 
         where = f"deployment {self.deployment!r}, gateway encoder {spec.fingerprint[:16]}"
         overrides: dict[str, Any] = dict(self.limits)
@@ -349,8 +349,8 @@ class SpecAdopter:
 
     def build(self, spec: EncoderSpec) -> EncoderPipeline:
         """A warmed-up pipeline that encodes exactly as the gateway's spec says (blocking)."""
+        from encoder_worker.deployment_follower import ConfigConflict
         from encoder_worker.pipeline import EncoderPipeline
-        from encoder_worker.worker import ConfigConflict
 
         config, hidden, rms = self.resolve(spec)
         try:
@@ -393,7 +393,7 @@ async def wait_for_spec(
     """The deployment's current encoder spec once a gateway has published one, or None if
     `stop` is set first. Says every `report_s` that it is still waiting, and for what. Redis
     errors while waiting are logged and retried; ValueError if the spec does not decode."""
-    from encoder_worker.worker import read_current_spec
+    from encoder_worker.deployment_follower import read_current_spec
 
     started = time.monotonic()
     next_report = started
@@ -430,7 +430,8 @@ async def serve(
 ) -> int:
     """Wait for the gateway's encoder spec, build and warm that pipeline, then serve jobs until
     SIGTERM / SIGINT; the exit status (1: Redis unusable at start, 2: configuration conflict)."""
-    from encoder_worker.worker import ConfigConflict, EncoderWorker
+    from encoder_worker.deployment_follower import ConfigConflict
+    from encoder_worker.worker import EncoderWorker
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

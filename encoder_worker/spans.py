@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
     from opentelemetry.util.types import AttributeValue
 
+    from encoder_worker.jobs import EncodeJob
+    from encoder_worker.types import EncodedImage
+
 __all__ = (
     "ENCODE_ATTR",
     "ENCODE_SPAN",
@@ -33,6 +36,7 @@ __all__ = (
     "lay_spans",
     "parent_context",
     "stage_span_name",
+    "trace_encoded",
 )
 
 STAGE_PREFIX = "encode."
@@ -100,3 +104,46 @@ def lay_spans(
         span.end(end_time=end)
         cursor = end
     return cursor
+
+
+def trace_encoded(
+    tracer: Tracer,
+    job: EncodeJob,
+    image: EncodedImage,
+    started_ns: int,
+    stages_ms: Mapping[str, float],
+    put_ms: float,
+    batch_size: int,
+    queue_ms: float,
+) -> None:
+    """Record one job a worker encoded: its wait in the queue, the pipeline's stages (from
+    `started_ns`, epoch ns, when the batch began) and the write of its tokens, under the
+    caller's span (the job's `traceparent`), or under a root span of the job's own when it has
+    none or a malformed one."""
+    attrs = {ENCODE_ATTR.BATCH_SIZE: batch_size, ENCODE_ATTR.IMAGE_DIGEST: job.digest[:12]}
+    root = None
+    parent = parent_context(job.traceparent)
+    if not has_parent(parent):  # none, or malformed
+        root = tracer.start_span(
+            ENCODE_SPAN.JOB,
+            context=parent,
+            start_time=min(job.enqueued_ns, started_ns),
+            attributes={**attrs, ENCODE_ATTR.ATTEMPT: job.attempt},
+        )
+        parent = trace.set_span_in_context(root)
+    if job.enqueued_ns < started_ns:
+        lay_spans(tracer, parent, job.enqueued_ns, {ENCODE_SPAN.QUEUE: queue_ms}, attrs)
+    cursor = lay_spans(
+        tracer,
+        parent,
+        started_ns,
+        {stage_span_name(k): ms for k, ms in stages_ms.items()},
+        {
+            **attrs,
+            ENCODE_ATTR.TOKENS_KEPT: image.tokens_kept,
+            ENCODE_ATTR.TOKENS_TOTAL: image.tokens_total,
+        },
+    )
+    end = lay_spans(tracer, parent, cursor, {ENCODE_SPAN.CACHE_PUT: put_ms}, attrs)
+    if root is not None:
+        root.end(end_time=end)

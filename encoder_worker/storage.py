@@ -47,7 +47,7 @@ at least once:
                             2. RPUSH + EXPIRE vg:encode:result:{job_id} per job
                             3. MULTI: XADD of requeued jobs, XACK + XDEL of the batch, all on
                                the job stream; a crash before it leaves the jobs pending, to be
-                               reclaimed and run again (`worker._Commit`)
+                               reclaimed and run again (`batch_commit`)
 
 When the gateway does not share encodes across API keys, its image store and vision cache key an
 image by `scoped_digest(owner, digest)` instead of its digest (`vg:image:{scoped}`,

@@ -7,7 +7,8 @@ the vision cache, dead letters), then a result notice per caller, then XACK + XD
 stream. A job is acknowledged only after its outcome and notice are stored, so a worker that
 dies at any point before loses nothing: its jobs stay pending and another worker reclaims them
 (XAUTOCLAIM) once idle for `claim_idle_ms`. Every command names keys of one hash slot, so the
-same code runs on one Redis and on a Redis Cluster (`_Commit` says why the order is safe).
+same code runs on one Redis and on a Redis Cluster (`batch_commit.BatchCommit` writes the
+batch and says why the order is safe).
 
 How a job can end:
 
@@ -30,8 +31,14 @@ fingerprint; a worker given `build` follows it: when the gateways publish anothe
 (restarted with other settings), it builds that one between batches and serves it from then on,
 and a job for an encoder other than its own makes it look at once. A job for an encoder that is
 still not the worker's is refused, not re-routed. `build` raising `ConfigConflict` (the worker's
-explicit flags disagree with the new configuration) ends `run_until` with that error. Keys and
-stored values: `storage.py`; the process around it (flags, signals): `process.py`.
+explicit flags disagree with the new configuration) ends `run_until` with that error. The
+heartbeat and the switch of encoder: `deployment_follower.py`. Keys and stored values:
+`storage.py`; the process around it (flags, signals): `process.py`.
+
+What writes a batch (`batch_commit.py`), which encoder is served (`deployment_follower.py`) and
+the spans of an encode (`spans.py`) live apart; what stays here, a little over 500 lines, is the
+one loop itself: reading and reclaiming jobs, deciding each job's outcome (refused, encoded,
+rejected, retried, dead) and counting it, which read best side by side.
 """
 
 from __future__ import annotations
@@ -44,49 +51,23 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import msgspec
 import structlog
 from opentelemetry import trace
 
-from encoder_worker.jobs import (
-    ENCODER_MISMATCH,
-    EncodeDone,
-    EncodeFailed,
-    EncodeJob,
-    EncoderSpec,
-    decode_job,
-    decode_spec,
-    encode_job,
-    encode_result,
-)
+from encoder_worker.batch_commit import BatchCommit, StreamEntry
+from encoder_worker.deployment_follower import ConfigConflict, DeploymentFollower
+from encoder_worker.jobs import ENCODER_MISMATCH, EncodeFailed, EncodeJob, EncoderSpec
 from encoder_worker.redis_conn import REDIS_FAILURES, async_client
-from encoder_worker.spans import (
-    ENCODE_ATTR,
-    ENCODE_SPAN,
-    has_parent,
-    lay_spans,
-    parent_context,
-    stage_span_name,
-)
+from encoder_worker.spans import trace_encoded
 from encoder_worker.storage import (
-    DEAD_STREAM,
     DEFAULT_DEPLOYMENT,
     GROUP,
     HEARTBEAT_S,
     JOBS_STREAM,
-    WORKER_LIVE_S,
-    current_spec_key,
     image_key,
     jobs_stream,
-    pack_encoded,
-    redis_value,
-    result_key,
-    spec_key,
-    vision_key,
-    workers_key,
 )
 from encoder_worker.types import ENCODE_STAGES, EncodedImage, ImageError
 
@@ -96,11 +77,9 @@ if TYPE_CHECKING:
 
     from encoder_worker.pipeline import EncoderPipeline
 
-__all__ = ("ConfigConflict", "EncodeMetrics", "EncoderWorker", "ensure_group", "read_current_spec")
+__all__ = ("EncodeMetrics", "EncoderWorker", "ensure_group")
 
 log = structlog.get_logger("encoder_worker.worker")
-
-_DEAD_MAXLEN = 10_000
 
 
 class EncodeMetrics(Protocol):
@@ -121,24 +100,6 @@ class _CorruptBytes(Exception):
     """The stored bytes do not hash to the job's digest: re-running cannot help."""
 
 
-class ConfigConflict(ValueError):
-    """This worker cannot serve its deployment's encoder configuration (its explicit flags
-    disagree, or it cannot reproduce the gateway's encoder); the message says what differs."""
-
-
-# A heartbeat, timed by the Redis server's clock (hosts' clocks may disagree): record this
-# worker under its encoder and forget workers unseen for long. One key: a script on a Redis
-# Cluster may only touch keys of one hash slot, so the deployment's current fingerprint (another
-# key) is read by a separate GET.
-_HEARTBEAT = """
-local now = redis.call('TIME')
-local t = tonumber(now[1]) + tonumber(now[2]) / 1000000
-redis.call('ZADD', KEYS[1], t, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', t - tonumber(ARGV[2]))
-redis.call('EXPIRE', KEYS[1], ARGV[3])
-"""
-
-
 _Outcome = EncodedImage | ImageError | Exception
 
 
@@ -151,131 +112,6 @@ async def ensure_group(client: Redis | RedisCluster, stream: str = JOBS_STREAM) 
     except ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
-
-
-async def read_current_spec(client: Redis | RedisCluster, deployment: str) -> EncoderSpec | None:
-    """The encoder spec the deployment's gateways last published, or None if there is none
-    yet; ValueError if it does not decode (another release's, or damaged)."""
-    fingerprint = await client.get(current_spec_key(deployment))
-    if not fingerprint:
-        return None
-    raw = await client.get(spec_key(fingerprint.decode()))
-    return None if raw is None else decode_spec(raw)
-
-
-@dataclass(slots=True)
-class _Entry:
-    entry_id: bytes
-    job: EncodeJob | None  # None: malformed
-    raw: bytes  # the job field as stored (dead letters keep it verbatim)
-    deliveries: int  # times the stream has handed this entry out, this time included
-    data: bytes | None = None
-
-
-class _Commit:
-    """Everything one batch writes, in three steps awaited in this order:
-
-    1. outcomes: each encoded image's tokens into the vision cache (SET, one key each) and each
-       dead letter (XADD to `vg:encode:dead`), in one non-transactional pipeline;
-    2. notices: RPUSH + EXPIRE on each caller's result list (one key per notice);
-    3. the job stream: requeued jobs XADDed again, then XACK + XDEL of the batch's entries, in
-       one MULTI/EXEC: every command of it names the job stream, so it is one hash slot.
-
-    No command, script or MULTI names keys of two hash slots, which a Redis Cluster refuses;
-    what one step writes is not atomic with the next, and the order is what keeps delivery at
-    least once. A job leaves the stream's pending list only in step 3, after its outcome and
-    its notice are stored. A worker that dies (or a Redis call that fails) between steps leaves
-    the job pending: another worker reclaims it after `claim_idle_ms` and runs it again, and
-    nothing was lost. Running it again repeats what was already written, which is harmless:
-    the tokens are content-addressed (the same key gets equal tokens), a dead letter may be
-    recorded twice, and a second notice lands on a list whose caller has already taken the
-    first: the caller BLPOPs one notice per job id (a fresh uuid per job) and stops listening,
-    and the list expires after `result_ttl_s`. A requeue needs no such care: the new entry and
-    the old one's ack are one MULTI, so the job is in the stream once. Acking before the
-    notice, by contrast, could lose a caller's only answer if the worker died in between.
-    """
-
-    __slots__ = (
-        "_acks",
-        "_notices",
-        "_outcomes",
-        "_result_ttl_s",
-        "_stream",
-        "_stream_step",
-        "_vision_ttl_ms",
-        "acked",
-        "consumer",
-    )
-
-    def __init__(
-        self,
-        client: Redis | RedisCluster,
-        stream: str,
-        consumer: str,
-        vision_ttl_ms: int,
-        result_ttl_s: int,
-    ) -> None:
-        self._outcomes = client.pipeline(transaction=False)
-        self._notices = client.pipeline(transaction=False)
-        self._stream_step = client.pipeline(transaction=True)  # one key: the job stream
-        self._acks: list[bytes] = []
-        self._stream = stream
-        self._vision_ttl_ms = vision_ttl_ms
-        self._result_ttl_s = result_ttl_s
-        self.consumer = consumer
-        self.acked = 0
-
-    def notify(self, job_id: str, result: EncodeDone | EncodeFailed) -> None:
-        key = result_key(job_id)
-        self._notices.rpush(key, encode_result(result))
-        self._notices.expire(key, self._result_ttl_s)
-
-    def ack(self, entry: _Entry) -> None:
-        self._acks.append(entry.entry_id)
-        self.acked += 1
-
-    def store(self, entry: _Entry, image: EncodedImage) -> None:
-        assert entry.job is not None
-        # the value and key the gateway's vision cache reads (storage.py)
-        value = redis_value(pack_encoded(image))
-        self._outcomes.set(
-            vision_key(entry.job.fingerprint, entry.job.digest), value, px=self._vision_ttl_ms
-        )
-        self.notify(
-            entry.job.job_id, EncodeDone(entry.job.job_id, self.consumer, image.tokens_kept)
-        )
-        self.ack(entry)
-
-    def requeue(self, entry: _Entry) -> None:
-        assert entry.job is not None
-        # every delivery of this entry was a run (those lost with dead workers included)
-        job = msgspec.structs.replace(entry.job, attempt=entry.job.attempt + entry.deliveries)
-        self._stream_step.xadd(self._stream, {"job": encode_job(job)})
-        self.ack(entry)
-
-    def dead(self, entry: _Entry, reason: str, attempts: int, code: str = "dead_letter") -> None:
-        self._outcomes.xadd(
-            DEAD_STREAM,
-            {"job": entry.raw, "reason": reason, "consumer": self.consumer, "attempts": attempts},
-            maxlen=_DEAD_MAXLEN,
-            approximate=True,
-        )
-        if entry.job is not None:
-            self.notify(entry.job.job_id, EncodeFailed(entry.job.job_id, code, reason))
-        self.ack(entry)
-
-    async def execute(self) -> None:
-        """Send the three steps in order; a step that fails raises before the next is sent."""
-        if len(self._outcomes):
-            await self._outcomes.execute()
-        if len(self._notices):
-            await self._notices.execute()
-        if self._acks:
-            self._stream_step.xack(self._stream, GROUP, *self._acks)
-            # the stream holds only outstanding jobs
-            self._stream_step.xdel(self._stream, *self._acks)
-        if len(self._stream_step):
-            await self._stream_step.execute()
 
 
 class EncoderWorker:
@@ -313,13 +149,17 @@ class EncoderWorker:
         if claim_idle_ms < 1 or max_attempts < 1 or block_ms < 1:
             raise ValueError("claim_idle_ms, max_attempts and block_ms must be >= 1")
         self.redis_url = redis_url
-        self.pipeline = pipeline
-        self.fingerprint = pipeline.fingerprint
         self.deployment = deployment
         self.stream = jobs_stream(deployment)
-        self._build = build
-        self.heartbeat_s = heartbeat_s
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
+        # the encoder served (pipeline, fingerprint), its heartbeat, and following the gateways
+        self.follower = DeploymentFollower(
+            pipeline,
+            consumer=self.consumer,
+            deployment=deployment,
+            build=build,
+            heartbeat_s=heartbeat_s,
+        )
         self.max_batch = max_batch or pipeline.config.max_batch
         self.block_ms = block_ms
         self.claim_idle_ms = claim_idle_ms
@@ -332,18 +172,27 @@ class EncoderWorker:
         self._executor: ThreadPoolExecutor | None = None
         self._claim_cursor: bytes | str = "0-0"
         self._next_claim = 0.0
-        self._heartbeat: asyncio.Task[None] | None = None
-        self._closing = asyncio.Event()  # ends the heartbeat even if a cancel goes astray
-        self._beat_script: Any = None  # the _HEARTBEAT script, registered on start
-        self._beat_lock = asyncio.Lock()  # no heartbeat lands under a fingerprint just left
-        self._wanted: str | None = None  # the deployment's fingerprint, when not ours
         # counters (logs and tests)
         self.encoded = 0
         self.failed = 0  # ImageError results
         self.requeued = 0
         self.dead_lettered = 0
         self.reclaimed = 0
-        self.reconfigured = 0
+
+    @property
+    def pipeline(self) -> EncoderPipeline:
+        """The pipeline this worker encodes with now (another after a switch of encoder)."""
+        return self.follower.pipeline
+
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of the encoder this worker serves now."""
+        return self.follower.fingerprint
+
+    @property
+    def reconfigured(self) -> int:
+        """How many times this worker has switched to its deployment's new encoder."""
+        return self.follower.reconfigured
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -361,10 +210,7 @@ class EncoderWorker:
         await self.client.ping()
         await ensure_group(self.client, self.stream)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="vg-worker-encode")
-        self._beat_script = self.client.register_script(_HEARTBEAT)
-        await self._beat()
-        self._closing.clear()
-        self._heartbeat = asyncio.create_task(self._beat_forever(), name="worker heartbeat")
+        await self.follower.start(self.client, self._executor)
         log.info(
             "worker.started",
             consumer=self.consumer,
@@ -381,18 +227,8 @@ class EncoderWorker:
     async def aclose(self) -> None:
         """Stop the heartbeat and leave the workers' set; leave the group if nothing is pending
         to this consumer; release the thread."""
-        if self._heartbeat is not None:
-            # the flag, not only the cancel: a cancel that lands inside a Redis call may be
-            # absorbed there, and the loop must still end
-            self._closing.set()
-            self._heartbeat.cancel()
-            await asyncio.wait([self._heartbeat], timeout=10)
-            self._heartbeat = None
+        await self.follower.aclose()
         if self.client is not None:
-            with contextlib.suppress(Exception):
-                await self.client.zrem(
-                    workers_key(self.deployment, self.fingerprint), self.consumer
-                )
             with contextlib.suppress(Exception):
                 pending = await self.client.xpending_range(
                     self.stream, GROUP, "-", "+", 1, consumername=self.consumer
@@ -424,8 +260,8 @@ class EncoderWorker:
         backoff = 0.5
         while not stop.is_set():
             try:
-                if self._wanted is not None:
-                    await self._follow(self._wanted)
+                if self.follower.wanted is not None:
+                    await self.follower.follow(self.follower.wanted)
                 await self.run_once()
                 backoff = 0.5
                 continue
@@ -465,7 +301,7 @@ class EncoderWorker:
 
     # -- reading -----------------------------------------------------------------------------
 
-    async def _read(self) -> list[_Entry]:
+    async def _read(self) -> list[StreamEntry]:
         assert self.client is not None
         reply = await self.client.xreadgroup(
             GROUP, self.consumer, {self.stream: ">"}, count=self.max_batch, block=self.block_ms
@@ -473,9 +309,9 @@ class EncoderWorker:
         if not reply:
             return []
         messages = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
-        return [self._entry(entry_id, fields, 1) for entry_id, fields in messages]
+        return [StreamEntry.read(entry_id, fields, 1) for entry_id, fields in messages]
 
-    async def _claim_stale(self) -> list[_Entry]:
+    async def _claim_stale(self) -> list[StreamEntry]:
         """Jobs pending longer than `claim_idle_ms` (their worker died or stalled), now ours."""
         assert self.client is not None
         now = time.monotonic()
@@ -499,7 +335,7 @@ class EncoderWorker:
                 continue
             pending = await self.client.xpending_range(self.stream, GROUP, entry_id, entry_id, 1)
             deliveries = int(pending[0]["times_delivered"]) if pending else 2
-            entries.append(self._entry(entry_id, fields, deliveries))
+            entries.append(StreamEntry.read(entry_id, fields, deliveries))
         if entries:
             self.reclaimed += len(entries)
             log.warning(
@@ -510,94 +346,8 @@ class EncoderWorker:
             )
         return entries
 
-    # -- heartbeat and following the deployment's encoder --------------------------------------
-
-    async def _beat(self) -> None:
-        """Record this worker as serving its encoder; note the deployment's current one."""
-        assert self.client is not None
-        async with self._beat_lock:
-            await self._beat_script(
-                keys=[workers_key(self.deployment, self.fingerprint)],
-                args=[self.consumer, WORKER_LIVE_S * 6, WORKER_LIVE_S * 6],
-            )
-            current = await self.client.get(current_spec_key(self.deployment))
-        current = current.decode() if isinstance(current, bytes) else current
-        if self._build is not None and current and current != self.fingerprint:
-            self._wanted = current
-
-    async def _beat_forever(self) -> None:
-        failing = False
-        while not self._closing.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._closing.wait(), self.heartbeat_s)
-                return
-            try:
-                await self._beat()
-            except Exception as exc:  # Redis restarting: the read loop reports and retries too
-                if not failing:
-                    log.warning("worker.heartbeat_failed", error=repr(exc))
-                failing = True
-            else:
-                failing = False
-
-    async def _follow(self, fingerprint: str | None = None) -> None:
-        """If the deployment's gateways now encode with another fingerprint than ours (read
-        from Redis unless given), build that encoder and serve it from now on."""
-        assert self.client is not None
-        self._wanted = None
-        if self._build is None:
-            return
-        if fingerprint is None:
-            raw = await self.client.get(current_spec_key(self.deployment))
-            fingerprint = raw.decode() if raw else None
-        if not fingerprint or fingerprint == self.fingerprint:
-            return
-        raw = await self.client.get(spec_key(fingerprint))
-        if raw is None:  # a pointer without its spec: a gateway mid-publish, or damage
-            log.warning(
-                "worker.spec_missing", fingerprint=fingerprint[:16], key=spec_key(fingerprint)
-            )
-            return
-        try:
-            spec = decode_spec(raw)
-        except ValueError as exc:
-            raise ConfigConflict(
-                f"the deployment's encoder spec {spec_key(fingerprint)}: {exc}"
-            ) from None
-        log.info(
-            "worker.reconfiguring",
-            consumer=self.consumer,
-            deployment=self.deployment,
-            serving=self.fingerprint[:16],
-            wanted=fingerprint[:16],
-            hidden_size=spec.hidden_size,
-            target_rms=spec.target_rms,
-        )
-        loop = asyncio.get_running_loop()
-        pipeline = await loop.run_in_executor(self._executor, self._build, spec)
-        old, self.pipeline = self.pipeline, pipeline
-        async with self._beat_lock:
-            with contextlib.suppress(Exception):
-                await self.client.zrem(
-                    workers_key(self.deployment, self.fingerprint), self.consumer
-                )
-            self.fingerprint = pipeline.fingerprint
-        self.reconfigured += 1
-        await self._beat()
-        close = getattr(old, "close", None)
-        if close is not None:
-            close()
-        log.info(
-            "worker.reconfigured",
-            consumer=self.consumer,
-            deployment=self.deployment,
-            fingerprint=self.fingerprint[:16],
-            hidden_size=pipeline.hidden_size,
-            target_rms=pipeline.target_rms,
-        )
-
     @contextlib.asynccontextmanager
-    async def _holding(self, entries: list[_Entry]) -> AsyncIterator[None]:
+    async def _holding(self, entries: list[StreamEntry]) -> AsyncIterator[None]:
         """While a long step runs (an encode, a switch of encoder), keep resetting its jobs'
         idle time (XCLAIM JUSTID does not count a delivery), so other workers do not take them
         over as stalled. Ended by a flag as well as a cancel: redis-py may absorb a cancel that
@@ -623,28 +373,19 @@ class EncoderWorker:
             done.set()
             task.cancel()
 
-    @staticmethod
-    def _entry(entry_id: bytes, fields: dict[bytes, bytes], deliveries: int) -> _Entry:
-        raw = fields.get(b"job", b"")
-        try:
-            job: EncodeJob | None = decode_job(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            job = None
-        return _Entry(entry_id, job, raw, deliveries)
-
     # -- one batch ---------------------------------------------------------------------------
 
-    async def _handle(self, entries: list[_Entry]) -> None:
+    async def _handle(self, entries: list[StreamEntry]) -> None:
         assert self.client is not None
-        if self._build is not None and any(
+        if self.follower.follows and any(
             e.job is not None and e.job.fingerprint != self.fingerprint for e in entries
         ):  # a gateway may have published another encoder since the last heartbeat
             async with self._holding(entries):
-                await self._follow()
-        commit = _Commit(
+                await self.follower.follow()
+        commit = BatchCommit(
             self.client, self.stream, self.consumer, self.vision_ttl_ms, self.result_ttl_s
         )
-        runnable: list[_Entry] = []
+        runnable: list[StreamEntry] = []
         for entry in entries:
             refusal = self._refusal(entry)
             if refusal is not None:
@@ -676,7 +417,7 @@ class EncoderWorker:
             loop = asyncio.get_running_loop()
             async with self._holding(runnable):
                 outcomes = await loop.run_in_executor(self._executor, self._encode, runnable)
-        encoded: list[tuple[_Entry, EncodedImage]] = []
+        encoded: list[tuple[StreamEntry, EncodedImage]] = []
         for entry, outcome in zip(runnable, outcomes, strict=True):
             job = entry.job
             assert job is not None
@@ -714,7 +455,7 @@ class EncoderWorker:
         for entry, image in encoded:
             self._observe(entry.job, image, started_ns, put_ms)  # type: ignore[arg-type]
 
-    def _refusal(self, entry: _Entry) -> tuple[str, str] | None:
+    def _refusal(self, entry: StreamEntry) -> tuple[str, str] | None:
         """Why this worker will not run the job (reason, and the code its caller is told), or
         None."""
         job = entry.job
@@ -750,12 +491,14 @@ class EncoderWorker:
         why = (
             "workers take the configuration the deployment's gateways last published; the "
             "gateway that sent this job runs other settings"
-            if self._build is not None
+            if self.follower.follows
             else "this worker serves one fixed configuration"
         )
         return f"{head}; {what} ({why})", ENCODER_MISMATCH
 
-    def _dead(self, commit: _Commit, entry: _Entry, reason: str, code: str = "dead_letter") -> None:
+    def _dead(
+        self, commit: BatchCommit, entry: StreamEntry, reason: str, code: str = "dead_letter"
+    ) -> None:
         attempts = (entry.job.attempt if entry.job else 0) + entry.deliveries
         commit.dead(entry, reason, attempts, code)
         self.dead_lettered += 1
@@ -767,7 +510,7 @@ class EncoderWorker:
             attempts=attempts,
         )
 
-    def _crashed(self, commit: _Commit, entry: _Entry, exc: Exception) -> None:
+    def _crashed(self, commit: BatchCommit, entry: StreamEntry, exc: Exception) -> None:
         job = entry.job
         assert job is not None
         failures = job.attempt + entry.deliveries  # this run included
@@ -790,7 +533,7 @@ class EncoderWorker:
             error=f"{type(exc).__name__}: {exc}",
         )
 
-    def _encode(self, entries: list[_Entry]) -> list[_Outcome]:
+    def _encode(self, entries: list[StreamEntry]) -> list[_Outcome]:
         """On the worker thread: check the bytes against their digests, encode the batch; if the
         batch call itself fails, run the images one by one so only the culprit fails."""
         outcomes: list[_Outcome | None] = [None] * len(entries)
@@ -829,34 +572,7 @@ class EncoderWorker:
         stages = {k: float(timings[k]) for k in ENCODE_STAGES if k in timings}
         batch_size = int(timings.get("batch_size", 1))
         queue_ms = max((started_ns - job.enqueued_ns) / 1e6, 0.0)
-        attrs = {ENCODE_ATTR.BATCH_SIZE: batch_size, ENCODE_ATTR.IMAGE_DIGEST: job.digest[:12]}
-        tracer = self.tracer
-        root = None
-        parent = parent_context(job.traceparent)
-        if not has_parent(parent):  # none, or malformed
-            root = tracer.start_span(
-                ENCODE_SPAN.JOB,
-                context=parent,
-                start_time=min(job.enqueued_ns, started_ns),
-                attributes={**attrs, ENCODE_ATTR.ATTEMPT: job.attempt},
-            )
-            parent = trace.set_span_in_context(root)
-        if job.enqueued_ns < started_ns:
-            lay_spans(tracer, parent, job.enqueued_ns, {ENCODE_SPAN.QUEUE: queue_ms}, attrs)
-        cursor = lay_spans(
-            tracer,
-            parent,
-            started_ns,
-            {stage_span_name(k): ms for k, ms in stages.items()},
-            {
-                **attrs,
-                ENCODE_ATTR.TOKENS_KEPT: image.tokens_kept,
-                ENCODE_ATTR.TOKENS_TOTAL: image.tokens_total,
-            },
-        )
-        end = lay_spans(tracer, parent, cursor, {ENCODE_SPAN.CACHE_PUT: put_ms}, attrs)
-        if root is not None:
-            root.end(end_time=end)
+        trace_encoded(self.tracer, job, image, started_ns, stages, put_ms, batch_size, queue_ms)
         if self.metrics is not None:
             self.metrics.record_encode(
                 timings_ms=stages,

@@ -108,6 +108,8 @@ def test_every_module_imports_and_entries_round_trip_without_gateway() -> None:
     modules = set(report["modules"])
     for name in (
         "encoder_worker.__main__",
+        "encoder_worker.batch_commit",
+        "encoder_worker.deployment_follower",
         "encoder_worker.jobs",
         "encoder_worker.local_encoder",
         "encoder_worker.pipeline",

@@ -25,6 +25,7 @@ import pytest
 import redis
 
 from encoder_worker import EncodedImage, EncoderConfig
+from encoder_worker.deployment_follower import ConfigConflict
 from encoder_worker.jobs import SPEC_VERSION, decode_spec, encode_spec, make_spec
 from encoder_worker.process import DEFAULT_HIDDEN_SIZE, SpecAdopter, add_worker_arguments
 from encoder_worker.storage import (
@@ -34,7 +35,7 @@ from encoder_worker.storage import (
     vision_key,
     workers_key,
 )
-from encoder_worker.worker import ConfigConflict, EncoderWorker
+from encoder_worker.worker import EncoderWorker
 from gateway.encoders.redis_encoder import RedisEncoder, live_workers
 from gateway.protocol.errors import GatewayError
 from tests.conftest import photo_bytes
