@@ -1,19 +1,24 @@
 """How an encoder worker commits a batch of jobs: what it writes to Redis, and in which order.
 
-A `StreamEntry` is one job as the worker read it from its deployment's job stream; a
-`BatchCommit` collects what the batch's outcomes write (tokens, dead letters, result notices,
-requeues, acks) and sends it in three steps, each awaited before the next (its docstring says
-why that order keeps delivery at least once, on one Redis and on a Redis Cluster alike). The
-worker (`worker.py`) decides each job's outcome; this module only writes it. Keys and stored
-values: `storage.py`.
+A `StreamEntry` is one job as the worker read it from its deployment's job stream;
+`keep_claimed` keeps a batch's jobs the worker's while it works on them (an encode, a switch of
+encoder); a `BatchCommit` collects what the batch's outcomes write (tokens, dead letters,
+result notices, requeues, acks) and sends it in three steps, each awaited before the next (its
+docstring says why that order keeps delivery at least once, on one Redis and on a Redis Cluster
+alike). The worker (`worker.py`) decides each job's outcome; this module only writes it. Keys
+and stored values: `storage.py`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
+import structlog
 
 from encoder_worker.jobs import (
     EncodeDone,
@@ -37,7 +42,10 @@ if TYPE_CHECKING:
 
     from encoder_worker.types import EncodedImage
 
-__all__ = ("DEAD_MAXLEN", "BatchCommit", "StreamEntry")
+__all__ = ("DEAD_MAXLEN", "BatchCommit", "StreamEntry", "keep_claimed")
+
+# the worker's own events: one logger for everything a worker process says about its loop
+log = structlog.get_logger("encoder_worker.worker")
 
 DEAD_MAXLEN = 10_000  # dead letters kept (approximately) in `vg:encode:dead`
 
@@ -62,6 +70,39 @@ class StreamEntry:
         except (msgspec.DecodeError, msgspec.ValidationError):
             job = None
         return cls(entry_id, job, raw, deliveries)
+
+
+@contextlib.asynccontextmanager
+async def keep_claimed(
+    client: Redis | RedisCluster,
+    stream: str,
+    consumer: str,
+    entries: list[StreamEntry],
+    claim_idle_ms: int,
+) -> AsyncIterator[None]:
+    """While a long step runs (an encode, a switch of encoder), keep resetting its jobs'
+    idle time (XCLAIM JUSTID does not count a delivery), so other workers do not take them
+    over as stalled. Ended by a flag as well as a cancel: redis-py may absorb a cancel that
+    lands inside a command, and the task must not outlive the step."""
+    ids = [e.entry_id for e in entries]
+    done = asyncio.Event()
+
+    async def keep() -> None:
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), max(claim_idle_ms / 3000, 0.05))
+                return
+            try:
+                await client.xclaim(stream, GROUP, consumer, 0, ids, justid=True)
+            except Exception as exc:  # a missed heartbeat costs at most a duplicate encode
+                log.warning("worker.heartbeat_failed", error=str(exc))
+
+    task = asyncio.create_task(keep(), name="keep jobs claimed")
+    try:
+        yield
+    finally:
+        done.set()
+        task.cancel()
 
 
 class BatchCommit:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from encoder_worker.jobs import EncoderSpec, decode_spec
+from encoder_worker.jobs import EncodeJob, EncoderSpec, decode_spec
 from encoder_worker.storage import WORKER_LIVE_S, current_spec_key, spec_key, workers_key
 
 if TYPE_CHECKING:
@@ -75,7 +75,8 @@ class DeploymentFollower:
 
     `start(client, executor)` registers the heartbeat, sends the first one and keeps beating
     until `aclose()`, which also takes the worker out of the workers' set (the client stays
-    open: it is the worker's)."""
+    open: it is the worker's). `mismatch(job)` says why a job's encoder is not the one served,
+    in the words its caller is told."""
 
     __slots__ = (
         "_beat_lock",
@@ -122,6 +123,38 @@ class DeploymentFollower:
     def follows(self) -> bool:
         """Whether this worker adopts the encoder its deployment publishes (it has `build`)."""
         return self._build is not None
+
+    def mismatch(self, job: EncodeJob) -> str | None:
+        """Why the job's encoder is not the one served, or None when it is: what differs, and
+        why the worker does not serve it (its caller is told `encoder_mismatch`)."""
+        if job.fingerprint == self.fingerprint:
+            return None
+        p = self.pipeline
+        head = (
+            f"fingerprint mismatch: the job expects encoder {job.fingerprint[:16]}, the "
+            f"workers of deployment {self.deployment!r} serve {self.fingerprint[:16]}"
+        )
+        family = getattr(p, "family", None)
+        if family is not None:  # a real checkpoint: its tokens do not depend on these flags
+            what = (
+                f"the {family.name} checkpoint {p.config.tower} (pruning {p.config.pruning}, "
+                f"visual tokens {p.config.visual_tokens})"
+            )
+        elif job.hidden_size != p.hidden_size:
+            what = f"hidden size: job {job.hidden_size}, worker {p.hidden_size}"
+        elif job.target_rms != p.target_rms:
+            what = f"target RMS: job {job.target_rms!r}, worker {p.target_rms!r}"
+        else:
+            what = (
+                "the encoder config differs (tower, feature layer, pruning, quantization or seed)"
+            )
+        why = (
+            "workers take the configuration the deployment's gateways last published; the "
+            "gateway that sent this job runs other settings"
+            if self.follows
+            else "this worker serves one fixed configuration"
+        )
+        return f"{head}; {what} ({why})"
 
     async def start(self, client: Redis | RedisCluster, executor: Executor) -> None:
         """Register the heartbeat, send the first one, keep beating in the background;

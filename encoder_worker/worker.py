@@ -49,14 +49,14 @@ import hashlib
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
 import structlog
 from opentelemetry import trace
 
-from encoder_worker.batch_commit import BatchCommit, StreamEntry
+from encoder_worker.batch_commit import BatchCommit, StreamEntry, keep_claimed
 from encoder_worker.deployment_follower import ConfigConflict, DeploymentFollower
 from encoder_worker.jobs import ENCODER_MISMATCH, EncodeFailed, EncodeJob, EncoderSpec
 from encoder_worker.redis_conn import REDIS_FAILURES, async_client
@@ -346,33 +346,6 @@ class EncoderWorker:
             )
         return entries
 
-    @contextlib.asynccontextmanager
-    async def _holding(self, entries: list[StreamEntry]) -> AsyncIterator[None]:
-        """While a long step runs (an encode, a switch of encoder), keep resetting its jobs'
-        idle time (XCLAIM JUSTID does not count a delivery), so other workers do not take them
-        over as stalled. Ended by a flag as well as a cancel: redis-py may absorb a cancel that
-        lands inside a command, and the task must not outlive the step."""
-        assert self.client is not None
-        client, ids = self.client, [e.entry_id for e in entries]
-        done = asyncio.Event()
-
-        async def keep() -> None:
-            while not done.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), max(self.claim_idle_ms / 3000, 0.05))
-                    return
-                try:
-                    await client.xclaim(self.stream, GROUP, self.consumer, 0, ids, justid=True)
-                except Exception as exc:  # a missed heartbeat costs at most a duplicate encode
-                    log.warning("worker.heartbeat_failed", error=str(exc))
-
-        task = asyncio.create_task(keep(), name="keep jobs claimed")
-        try:
-            yield
-        finally:
-            done.set()
-            task.cancel()
-
     # -- one batch ---------------------------------------------------------------------------
 
     async def _handle(self, entries: list[StreamEntry]) -> None:
@@ -380,7 +353,9 @@ class EncoderWorker:
         if self.follower.follows and any(
             e.job is not None and e.job.fingerprint != self.fingerprint for e in entries
         ):  # a gateway may have published another encoder since the last heartbeat
-            async with self._holding(entries):
+            async with keep_claimed(
+                self.client, self.stream, self.consumer, entries, self.claim_idle_ms
+            ):
                 await self.follower.follow()
         commit = BatchCommit(
             self.client, self.stream, self.consumer, self.vision_ttl_ms, self.result_ttl_s
@@ -415,7 +390,9 @@ class EncoderWorker:
         outcomes: list[_Outcome] = []
         if runnable:
             loop = asyncio.get_running_loop()
-            async with self._holding(runnable):
+            async with keep_claimed(
+                self.client, self.stream, self.consumer, runnable, self.claim_idle_ms
+            ):
                 outcomes = await loop.run_in_executor(self._executor, self._encode, runnable)
         encoded: list[tuple[StreamEntry, EncodedImage]] = []
         for entry, outcome in zip(runnable, outcomes, strict=True):
@@ -467,34 +444,8 @@ class EncoderWorker:
                 f"gave up after {earlier} attempts (max_attempts={self.max_attempts}): the "
                 f"workers running it died or stalled past claim_idle_ms={self.claim_idle_ms}"
             ), "dead_letter"
-        if job.fingerprint == self.fingerprint:
-            return None
-        p = self.pipeline
-        head = (
-            f"fingerprint mismatch: the job expects encoder {job.fingerprint[:16]}, the "
-            f"workers of deployment {self.deployment!r} serve {self.fingerprint[:16]}"
-        )
-        family = getattr(p, "family", None)
-        if family is not None:  # a real checkpoint: its tokens do not depend on these flags
-            what = (
-                f"the {family.name} checkpoint {p.config.tower} (pruning {p.config.pruning}, "
-                f"visual tokens {p.config.visual_tokens})"
-            )
-        elif job.hidden_size != p.hidden_size:
-            what = f"hidden size: job {job.hidden_size}, worker {p.hidden_size}"
-        elif job.target_rms != p.target_rms:
-            what = f"target RMS: job {job.target_rms!r}, worker {p.target_rms!r}"
-        else:
-            what = (
-                "the encoder config differs (tower, feature layer, pruning, quantization or seed)"
-            )
-        why = (
-            "workers take the configuration the deployment's gateways last published; the "
-            "gateway that sent this job runs other settings"
-            if self.follower.follows
-            else "this worker serves one fixed configuration"
-        )
-        return f"{head}; {what} ({why})", ENCODER_MISMATCH
+        mismatch = self.follower.mismatch(job)
+        return None if mismatch is None else (mismatch, ENCODER_MISMATCH)
 
     def _dead(
         self, commit: BatchCommit, entry: StreamEntry, reason: str, code: str = "dead_letter"
