@@ -5,7 +5,6 @@ session, free ports, real sample photos, and gateways over the fake engine and e
 from __future__ import annotations
 
 import contextlib
-import io
 import shutil
 import subprocess
 import tempfile
@@ -18,9 +17,11 @@ import pytest
 
 from gateway.testing.fake_gateway import FakeGateway, GatewayFactory, start_gateway, unit_settings
 from gateway.testing.fakes import FakeEncoder, FakeEngine
+from gateway.testing.images import data_url, photo_bytes, unique_photo
 from gateway.testing.ports import free_port, wait_for_port
 
-__all__ = ("free_port",)  # tests import it from here too
+# tests import these from here too; they are defined once, in gateway.testing
+__all__ = ("data_url", "free_port", "photo_bytes", "unique_photo", "wait_for_port")
 
 
 @pytest.fixture(scope="session")
@@ -176,21 +177,6 @@ def raw_cluster(redis_cluster_url: str):
     client.close()
 
 
-def photo_bytes(name: str = "astronaut", fmt: str = "JPEG", size: int | None = None) -> bytes:
-    """A real photo from scikit-image's sample data, encoded as `fmt`."""
-    from PIL import Image
-    from skimage import data
-
-    img = Image.fromarray(getattr(data, name)())
-    if img.mode != "RGB":
-        img = img.convert("RGB")
-    if size is not None:
-        img = img.resize((size, size))
-    buf = io.BytesIO()
-    img.save(buf, format=fmt, quality=90) if fmt == "JPEG" else img.save(buf, format=fmt)
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="session")
 def astronaut_jpeg() -> bytes:
     return photo_bytes("astronaut")
@@ -204,24 +190,6 @@ def chelsea_jpeg() -> bytes:
 @pytest.fixture(scope="session")
 def tmp_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
-
-
-_unique_counter = iter(range(1, 10_000))
-
-
-def unique_photo(name: str = "astronaut") -> bytes:
-    """A real sample photo whose bytes no earlier test sent (a different 1-16 px crop each
-    call), so the gateway's first encode of it is a genuine cache miss."""
-    from PIL import Image
-    from skimage import data
-
-    n = next(_unique_counter)
-    img = Image.fromarray(getattr(data, name)()).convert("RGB")
-    w, h = img.size
-    img = img.crop((n % 16, n // 16 % 16, w - 1, h - 1))
-    buf = io.BytesIO()
-    img.save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="session")

@@ -1,17 +1,20 @@
-"""A thin raw-WebSocket peer for protocol tests: sends dicts, collects server events."""
+"""A thin raw-WebSocket peer for protocol tests: sends dicts, collects server events.
+
+`data_url` is `gateway.testing.images.data_url`, importable from here too for the tests that
+build a Realtime image part next to a `Peer`.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 from typing import Any
 
 import websockets
 
+from gateway.testing.images import data_url
 
-def data_url(data: bytes, mime: str = "image/jpeg") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+__all__ = ("Peer", "data_url", "deltas")
 
 
 class Peer:

@@ -5,7 +5,6 @@ it, `NODE_EXTRA_CA_CERTS` for Node). One server for the whole directory: the mod
 
 from __future__ import annotations
 
-import base64
 import datetime
 import ipaddress
 import os
@@ -20,7 +19,7 @@ import pytest
 from gateway.server.app import create_app
 from gateway.server.runner import ServerThread
 from gateway.settings import Settings
-from tests.conftest import photo_bytes
+from gateway.testing.images import data_url, photo_bytes
 
 MiB = 1024 * 1024
 API_KEY = "framework-key"
@@ -163,5 +162,4 @@ def model_id(base_url: str, https_client: httpx.Client) -> str:
 @pytest.fixture(scope="session")
 def photo_url() -> str:
     """A real photo as a data URL (a size no other directory sends)."""
-    data = photo_bytes("coffee", size=224)
-    return "data:image/jpeg;base64," + base64.b64encode(data).decode()
+    return data_url(photo_bytes("coffee", size=224))

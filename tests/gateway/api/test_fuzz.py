@@ -22,7 +22,6 @@ the end with `-s`) rather than failed, so a long run goes on looking for new one
 from __future__ import annotations
 
 import asyncio
-import base64
 import copy
 import hashlib
 import io
@@ -48,6 +47,7 @@ from gateway.server.app import create_app
 from gateway.server.runner import ServerThread
 from gateway.settings import Settings
 from gateway.testing.fakes import FakeEncoder, FakeEngine
+from gateway.testing.images import data_url
 
 KiB = 1024
 MODEL = FakeEngine.model_id
@@ -178,10 +178,6 @@ def _images() -> dict[str, bytes]:
 
 IMAGES = _images()
 GOOD_IMAGES = [k for k in IMAGES if k.startswith("ok_")]
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 # ---------------------------------------------------------------- values and mutations
@@ -1511,7 +1507,8 @@ async def test_routing_refusals_get_the_openai_error_shape(
 async def test_tiny_image_bytes(
     gateway: ServerThread, http: httpx.AsyncClient, transport: str
 ) -> None:
-    url = data_url(b"\0\0\0")  # data:image/png;base64,AAAA
+    url = data_url(b"\0\0\0", "image/png")  # data:image/png;base64,AAAA
+
     if transport == "http":
         body = {
             "model": MODEL,

@@ -8,7 +8,7 @@ names the field in that transport's terms, and the connection (WebSocket) and th
 
 from __future__ import annotations
 
-import base64
+import functools
 import io
 import json
 from collections.abc import Iterator
@@ -23,6 +23,7 @@ from gateway.engine.interface import MAX_STOP_CHARS, MAX_STOPS
 from gateway.protocol.errors import ERROR_CODES
 from gateway.testing.fake_gateway import FakeGateway, start_gateway, unit_settings
 from gateway.testing.fakes import FakeEncoder, FakeEngine
+from gateway.testing.images import data_url as any_data_url
 
 LIMIT = 100  # max_output_tokens_limit
 TEXT = 64  # max_text_chars
@@ -39,8 +40,7 @@ def png(color: tuple[int, int, int], size: int = 8) -> bytes:
     return buf.getvalue()
 
 
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+data_url = functools.partial(any_data_url, mime="image/png")  # every image here is a PNG
 
 
 UNKNOWN_REF = "visiongate:sha256:" + "ab" * 32

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import base64
+import functools
 import io
 import math
 
@@ -44,6 +44,7 @@ from gateway.engine.local.sequence import check_request
 from gateway.protocol.errors import ERROR_CODES, GatewayError
 from gateway.settings import Settings
 from gateway.testing.fakes import FakeEncoder
+from gateway.testing.images import data_url as any_data_url
 
 MiB = 1024 * 1024
 LIMITS = RequestLimits(
@@ -71,8 +72,7 @@ def png(size: int = 16, color: tuple[int, int, int] = (10, 20, 30)) -> bytes:
     return buf.getvalue()
 
 
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+data_url = functools.partial(any_data_url, mime="image/png")  # every image here is a PNG
 
 
 def test_limits_are_read_from_settings() -> None:

@@ -15,6 +15,7 @@ from gateway.caching import make_image_store, make_vision_cache
 from gateway.chat.image_input import digest_of
 from gateway.chat.vision_resolver import VisionResolver
 from gateway.chat.visual_budget import BudgetedEncoder, VisualBudget
+from gateway.testing.images import data_url
 from tests.conftest import photo_bytes
 
 MiB = 1024 * 1024
@@ -149,7 +150,7 @@ def test_a_gateway_over_its_objective_encodes_new_images_smaller() -> None:
             assert first["cache"]["visual_budget"] == 0.5  # the configured cap, in force
             for i in range(8):
                 ask(f"Say {i}.")
-            url = data_url_of(photo_bytes("rocket"))
+            url = data_url(photo_bytes("rocket"))
             turn = ask(
                 [
                     {"type": "image_url", "image_url": {"url": url}},
@@ -160,9 +161,3 @@ def test_a_gateway_over_its_objective_encodes_new_images_smaller() -> None:
             assert turn["image_tokens"] <= round(0.4 * turn["image_tokens_total"]) + 1
             metrics = client.get("/metrics").text
             assert 'visiongate_encode_budget_total{keep_ratio_cap="0.4"' in metrics
-
-
-def data_url_of(data: bytes) -> str:
-    import base64
-
-    return "data:image/jpeg;base64," + base64.b64encode(data).decode()

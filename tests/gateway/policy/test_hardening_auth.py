@@ -5,7 +5,6 @@ encoder accepting the same image formats. Over the real gateway with the fake en
 from __future__ import annotations
 
 import asyncio
-import base64
 import io
 import json
 
@@ -23,6 +22,7 @@ from gateway.protocol.errors import GatewayError, clip
 from gateway.protocol.subprotocols import MSGPACK_SUBPROTOCOL
 from gateway.telemetry import configure_logging
 from gateway.telemetry._logging import scrub_secrets
+from gateway.testing.images import data_url
 from tests.conftest import photo_bytes
 
 KEY = "sk-unit-3f9a1c77e2"
@@ -287,7 +287,8 @@ async def test_spans_hold_no_query_values_and_no_raw_paths(keyed) -> None:
 async def test_tiff_is_refused_at_the_gateway_on_http_and_websocket(make_gateway) -> None:
     gateway = make_gateway()
     tiff = photo_bytes("chelsea", fmt="TIFF", size=64)
-    tiff_url = f"data:image/tiff;base64,{base64.b64encode(tiff).decode()}"
+    tiff_url = data_url(tiff, "image/tiff")
+
     async with httpx.AsyncClient(base_url=gateway.http_url) as client:
         upload = await client.post(
             "/v1/images", content=tiff, headers={"Content-Type": "image/tiff"}

@@ -5,7 +5,6 @@ over the fake engine and encoder)."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 
 import httpx
@@ -17,6 +16,7 @@ from encoder_worker.types import ImageError
 from gateway.protocol.subprotocols import MSGPACK_SUBPROTOCOL
 from gateway.testing.fake_gateway import eventually
 from gateway.testing.fakes import FakeEncoder, FakeEngine
+from gateway.testing.images import data_url
 from tests.conftest import free_port, photo_bytes
 
 MODEL = FakeEngine.model_id
@@ -197,7 +197,8 @@ class FailingEncoder(FakeEncoder):
 
 async def test_an_image_that_fails_after_the_socket_closed_leaves_no_item(make_gateway) -> None:
     gw = make_gateway(encoder=FailingEncoder())
-    image = "data:image/jpeg;base64," + base64.b64encode(photo_bytes("coffee", size=64)).decode()
+    image = data_url(photo_bytes("coffee", size=64))
+
     async with websockets.connect(gw.ws_url) as ws:
         session_id = (await until(ws, "session.created"))["session"]["id"]
         await add_text(ws, "first")

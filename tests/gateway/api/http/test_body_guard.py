@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import re
 import socket
@@ -19,6 +18,7 @@ from gateway.api.http.body_guard import BodyGuard
 from gateway.policy.auth import Authenticator
 from gateway.policy.ratelimit import SMALL_BODY, RefusedBytes
 from gateway.testing.fake_gateway import GatewayFactory, MiB
+from gateway.testing.images import data_url
 
 
 class Clock:
@@ -61,8 +61,7 @@ def test_refused_bytes_is_a_sliding_minute_per_owner() -> None:
 
 
 def _chat_body(model: str, image: bytes, text: str = "what is this?") -> bytes:
-    url = "data:image/jpeg;base64," + base64.b64encode(image).decode()
-    part = {"type": "image_url", "image_url": {"url": url}}
+    part = {"type": "image_url", "image_url": {"url": data_url(image)}}
     return json.dumps(
         {
             "model": model,
@@ -185,7 +184,7 @@ async def test_websocket_frames_count_and_are_refused_undecoded(
             max_refused_body_bytes_per_minute=5 * MiB,
         )
     )
-    url = "data:image/jpeg;base64," + base64.b64encode(bytes(2 * MiB + 1024)).decode()
+    url = data_url(bytes(2 * MiB + 1024))
 
     def item(n: int, content: list[dict]) -> str:
         event = {"type": "conversation.item.create", "event_id": f"e{n}"}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Iterator
 
 import httpx
@@ -11,10 +10,6 @@ from openai import OpenAI
 
 from gateway.server.runner import ServerThread
 from tests.conftest import photo_bytes
-
-
-def data_url(data: bytes, mime: str = "image/jpeg") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
 @pytest.fixture(scope="session")

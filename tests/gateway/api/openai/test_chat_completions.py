@@ -11,8 +11,8 @@ import openai
 import pytest
 from openai import OpenAI
 
+from gateway.testing.images import data_url
 from tests.conftest import photo_bytes
-from tests.gateway.api.openai.conftest import data_url
 
 
 def image_message(image: bytes, question: str) -> dict:

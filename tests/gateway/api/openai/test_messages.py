@@ -10,8 +10,8 @@ from gateway.api.openai.chat.protocol import ChatCompletionRequest
 from gateway.chat.requests import RequestLimits
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import Session, StoredItem, StoredPart
+from gateway.testing.images import data_url
 from tests.conftest import photo_bytes
-from tests.gateway.api.openai.conftest import data_url
 
 LIMITS = RequestLimits(
     max_output_tokens_limit=64,

@@ -9,7 +9,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.gateway.api.openai.conftest import data_url
+from gateway.testing.images import data_url
 
 TOKENS = 8
 
