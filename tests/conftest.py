@@ -177,8 +177,38 @@ def raw_cluster(redis_cluster_url: str):
     client.close()
 
 
+def tiny_vision_tower(kind: str, path: Path, *, layers: int = 3, seed: int = 0) -> str:
+    """Save a small random CLIP or SigLIP vision tower (`kind` "clip" or "siglip": 32 wide, 32 px
+    images in 8 px patches, `layers` deep, weights drawn from `seed`) to `path`, as safetensors;
+    returns the path. An encoder builds on it in a moment."""
+    import torch
+    from transformers import (
+        CLIPVisionConfig,
+        CLIPVisionModel,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+    )
+
+    config_cls, model_cls = {
+        "clip": (CLIPVisionConfig, CLIPVisionModel),
+        "siglip": (SiglipVisionConfig, SiglipVisionModel),
+    }[kind]
+    torch.manual_seed(seed)
+    config = config_cls(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    )
+    model_cls(config).eval().save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def astronaut_jpeg() -> bytes:
+
     return photo_bytes("astronaut")
 
 

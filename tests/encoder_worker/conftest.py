@@ -1,15 +1,16 @@
-"""Fixtures: real sample photos as JPEG bytes, tiny CLIP / SigLIP checkpoints on disk."""
+"""Fixtures: real sample photos as JPEG bytes, tiny CLIP / SigLIP checkpoints on disk
+(`tests.conftest.tiny_vision_tower`)."""
 
 from __future__ import annotations
 
 import io
-from pathlib import Path
 
 import numpy as np
 import pytest
-import skimage.data
-import torch
 from PIL import Image
+
+from gateway.testing.images import photo_bytes
+from tests.conftest import tiny_vision_tower
 
 
 def encode_image(arr: np.ndarray, fmt: str = "JPEG", **kw) -> bytes:
@@ -22,43 +23,15 @@ def encode_image(arr: np.ndarray, fmt: str = "JPEG", **kw) -> bytes:
 def photos() -> dict[str, bytes]:
     """skimage sample photos, JPEG-encoded."""
     return {
-        name: encode_image(getattr(skimage.data, name)(), quality=92)
-        for name in ("astronaut", "chelsea", "coffee", "rocket")
+        name: photo_bytes(name, quality=92) for name in ("astronaut", "chelsea", "coffee", "rocket")
     }
-
-
-def _save(model, path: Path) -> str:
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path)
 
 
 @pytest.fixture(scope="session")
 def tiny_clip_dir(tmp_path_factory) -> str:
-    from transformers import CLIPVisionConfig, CLIPVisionModel
-
-    torch.manual_seed(0)
-    cfg = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        image_size=32,
-        patch_size=8,
-    )
-    return _save(CLIPVisionModel(cfg).eval(), tmp_path_factory.mktemp("tiny-clip"))
+    return tiny_vision_tower("clip", tmp_path_factory.mktemp("tiny-clip"), seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_siglip_dir(tmp_path_factory) -> str:
-    from transformers import SiglipVisionConfig, SiglipVisionModel
-
-    torch.manual_seed(1)
-    cfg = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        image_size=32,
-        patch_size=8,
-    )
-    return _save(SiglipVisionModel(cfg).eval(), tmp_path_factory.mktemp("tiny-siglip"))
+    return tiny_vision_tower("siglip", tmp_path_factory.mktemp("tiny-siglip"), seed=1)

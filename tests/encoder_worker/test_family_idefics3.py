@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import skimage.data
 import torch
 
 from encoder_worker.checkpoint import checkpoint_id
@@ -26,6 +25,7 @@ from encoder_worker.families.idefics3 import (
     preprocess,
 )
 from encoder_worker.types import ImageError
+from gateway.testing.images import photo_array as _photo
 from tests.vlm_checkpoints import idefics3 as checkpoint
 
 CPU = torch.device("cpu")
@@ -48,10 +48,6 @@ def reference(ckpt):
 
     model = Idefics3ForConditionalGeneration.from_pretrained(ckpt).eval()
     return model, AutoProcessor.from_pretrained(ckpt)
-
-
-def _photo(name: str) -> np.ndarray:
-    return getattr(skimage.data, name)()
 
 
 def _reference_rows(model, processor, rgb: np.ndarray) -> torch.Tensor:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import skimage.data
 import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
@@ -20,6 +19,7 @@ from encoder_worker.checkpoint import checkpoint_id
 from encoder_worker.families import UnsupportedCheckpoint, VisionFamily, detect_family, load_family
 from encoder_worker.families.qwen2_5_vl import PLACEHOLDER, describe_checkpoint, smart_resize
 from encoder_worker.types import ImageError, ImageLayout
+from gateway.testing.images import photo_array as photo
 from tests.vlm_checkpoints import qwen2_5_vl as builder
 
 CPU = torch.device("cpu")
@@ -46,10 +46,6 @@ def processor(checkpoint):
 @pytest.fixture(scope="module")
 def family(checkpoint):
     return load_family(checkpoint, CPU, torch.float32)
-
-
-def photo(name: str) -> np.ndarray:
-    return getattr(skimage.data, name)()
 
 
 def messages(n_images: int) -> list[dict]:

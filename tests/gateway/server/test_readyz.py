@@ -18,7 +18,7 @@ import pytest
 
 from gateway.server.app import create_app
 from gateway.server.runner import ServerThread
-from tests.conftest import free_port, wait_for_port
+from tests.conftest import free_port, tiny_vision_tower, wait_for_port
 from tests.gateway.conftest import gateway_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,21 +47,7 @@ def private_redis() -> Iterator[tuple[str, subprocess.Popen]]:
 @pytest.fixture(scope="module")
 def tiny_clip(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A small CLIP vision checkpoint, so the worker's encoder builds in a moment."""
-    import torch
-    from transformers import CLIPVisionConfig, CLIPVisionModel
-
-    torch.manual_seed(0)
-    config = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        image_size=32,
-        patch_size=8,
-    )
-    path = tmp_path_factory.mktemp("readyz-clip")
-    CLIPVisionModel(config).eval().save_pretrained(path, safe_serialization=True)
-    return str(path)
+    return tiny_vision_tower("clip", tmp_path_factory.mktemp("readyz-clip"), layers=2)
 
 
 def readyz_until(http: httpx.Client, done, what: str, limit_s: float = 120.0) -> httpx.Response:
