@@ -2,7 +2,8 @@
 encoder, on a loopback port: nothing loads a model, so a test over it runs in milliseconds.
 
 `start_gateway` starts one and waits for `/readyz`; `FakeGateway` holds its server and fakes, to
-inspect or adjust. The tests' `fake_gateway` fixture is one such server for a test session, and
+inspect or adjust, and opens clients on it (`http_client`, `openai_client`: the caller closes
+them, `with` does). The tests' `fake_gateway` fixture is one such server for a test session, and
 `make_gateway` starts servers with their own settings or fake knobs (a slow engine, a busy one,
 a small context, a model that is still loading).
 """
@@ -18,12 +19,24 @@ from gateway.server.runner import ServerThread
 from gateway.settings import Settings
 from gateway.testing.fakes import FakeEncoder, FakeEngine
 
-__all__ = ("FakeGateway", "GatewayFactory", "MiB", "eventually", "start_gateway", "unit_settings")
+__all__ = (
+    "CLIENT_TIMEOUT_S",
+    "FakeGateway",
+    "GatewayFactory",
+    "MiB",
+    "eventually",
+    "start_gateway",
+    "unit_settings",
+)
 
 if TYPE_CHECKING:
+    import httpx
+    import openai
+
     from gateway.server.state import GatewayState
 
 MiB = 1024 * 1024
+CLIENT_TIMEOUT_S = 10.0  # a fake answers in milliseconds: only a hang waits this long
 
 
 async def eventually(condition: Callable[[], bool]) -> None:
@@ -67,6 +80,24 @@ class FakeGateway:
     @property
     def state(self) -> GatewayState:
         return self.server.app.state["gateway"]
+
+    def http_client(self, timeout: float = CLIENT_TIMEOUT_S, **kwargs: Any) -> httpx.Client:
+        """An `httpx.Client` whose base URL is this gateway."""
+        import httpx
+
+        return httpx.Client(base_url=self.http_url, timeout=timeout, **kwargs)
+
+    def openai_client(
+        self, timeout: float = CLIENT_TIMEOUT_S, api_key: str = "unused", **kwargs: Any
+    ) -> openai.OpenAI:
+        """The official `openai` client on this gateway's `/v1`, retries off (a test sees the
+        first answer)."""
+        import openai
+
+        kwargs.setdefault("max_retries", 0)
+        return openai.OpenAI(
+            base_url=f"{self.http_url}/v1", api_key=api_key, timeout=timeout, **kwargs
+        )
 
 
 def start_gateway(

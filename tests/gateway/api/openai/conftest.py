@@ -1,4 +1,7 @@
-"""Fixtures for the HTTP API tests: the official `openai` client against the shared real gateway."""
+"""Fixtures for the HTTP API tests: the official `openai` client and an `httpx` client against
+the shared real gateway (`openai_client`, `http`), and the same two on the session's fake gateway
+(`fake_openai`, `fake_http`), which a fast test module takes under the real ones' names:
+`from tests.gateway.api.openai.conftest import fake_http as http`."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import pytest
 from openai import OpenAI
 
 from gateway.server.runner import ServerThread
+from gateway.testing.fake_gateway import FakeGateway
 from tests.conftest import photo_bytes
 
 
@@ -30,8 +34,21 @@ def http(base_url: str) -> Iterator[httpx.Client]:
         yield client
 
 
+@pytest.fixture(scope="module")
+def fake_openai(fake_gateway: FakeGateway) -> Iterator[OpenAI]:
+    with fake_gateway.openai_client() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def fake_http(fake_gateway: FakeGateway) -> Iterator[httpx.Client]:
+    with fake_gateway.http_client() as client:
+        yield client
+
+
 @pytest.fixture(scope="session")
 def model(openai_client: OpenAI) -> str:
+
     return openai_client.models.list().data[0].id
 
 

@@ -5,7 +5,7 @@ engine's echo cannot write a tool call's newlines)."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import openai
@@ -16,6 +16,7 @@ from gateway.chat.tool_stream import render_tool_call, render_tool_result
 from gateway.engine.interface import Delta, GenerationRequest, GenerationResult, TextDelta
 from gateway.testing.fake_gateway import FakeGateway, GatewayFactory
 from gateway.testing.fakes import FakeEngine
+from tests.gateway.api.openai.conftest import fake_http as http  # noqa: F401 - fixture
 
 TIMEOUT = 10.0
 MODEL = "fake-echo"
@@ -62,27 +63,15 @@ class ScriptedEngine(FakeEngine):
             )
 
 
-def client_of(gateway: FakeGateway) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{gateway.http_url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0
-    )
-
-
 @pytest.fixture
 def scripted(make_gateway: GatewayFactory):
     """A gateway whose engine answers the given texts: `scripted(PARIS)`."""
 
     def start(*answers: str) -> tuple[FakeGateway, openai.OpenAI]:
         gateway = make_gateway(engine=ScriptedEngine(*answers))
-        return gateway, client_of(gateway)
+        return gateway, gateway.openai_client()
 
     return start
-
-
-@pytest.fixture(scope="module")
-def http(fake_gateway: FakeGateway) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=fake_gateway.http_url, timeout=TIMEOUT) as c:
-        yield c
 
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -307,7 +296,8 @@ def test_n_choices_with_logprobs(http: httpx.Client, fake_gateway: FakeGateway) 
 
 
 def test_n_choices_streamed(fake_gateway: FakeGateway) -> None:
-    client = client_of(fake_gateway)
+    client = fake_gateway.openai_client()
+
     with client.chat.completions.stream(
         model=MODEL,
         messages=[{"role": "user", "content": "a b"}],

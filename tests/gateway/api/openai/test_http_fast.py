@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -18,23 +17,11 @@ from gateway.testing.fake_gateway import FakeGateway, GatewayFactory, eventually
 from gateway.testing.fakes import FakeEngine
 from gateway.testing.realtime_peer import data_url
 from tests.conftest import photo_bytes, unique_photo
+from tests.gateway.api.openai.conftest import fake_http as http  # noqa: F401 - fixture
+from tests.gateway.api.openai.conftest import fake_openai as client  # noqa: F401 - fixture
 
 TIMEOUT = 10.0
 MODEL = "fake-echo"
-
-
-@pytest.fixture(scope="module")
-def client(fake_gateway: FakeGateway) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=f"{fake_gateway.http_url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0
-    ) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def http(fake_gateway: FakeGateway) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=fake_gateway.http_url, timeout=TIMEOUT) as c:
-        yield c
 
 
 def image_part(data: bytes) -> dict:

@@ -17,7 +17,8 @@ from openai.types import Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.shared import ErrorObject
 
-from gateway.testing.fake_gateway import FakeGateway, GatewayFactory
+from gateway.testing.fake_gateway import GatewayFactory
+from tests.gateway.api.openai.conftest import fake_http as http  # noqa: F401 - fixture
 from tests.gateway.api.openai.test_chat_tools import PARIS, TWO_CALLS, WEATHER, ScriptedEngine
 
 TIMEOUT = 10.0
@@ -88,16 +89,9 @@ def sse(http: httpx.Client, body: dict[str, Any]) -> list[str]:
         return [line for line in r.iter_lines() if line]
 
 
-@pytest.fixture(scope="module")
-def http(fake_gateway: FakeGateway) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=fake_gateway.http_url, timeout=TIMEOUT) as c:
-        yield c
-
-
 @pytest.fixture
 def scripted_http(make_gateway: GatewayFactory) -> Iterator[httpx.Client]:
-    gateway = make_gateway(engine=ScriptedEngine(TWO_CALLS))
-    with httpx.Client(base_url=gateway.http_url, timeout=TIMEOUT) as c:
+    with make_gateway(engine=ScriptedEngine(TWO_CALLS)).http_client() as c:
         yield c
 
 

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 
 from gateway.engine.interface import (
     GenerationRequest,
     GenerationResult,
-    Message,
-    SamplingParams,
     TextDelta,
 )
+from gateway.testing.engine_requests import text_requests
 
 pytestmark = pytest.mark.slow
 
@@ -27,13 +25,8 @@ JOKE = "Tell me a joke about a cat."
 STORY = "Write a long story about a dragon who lives in a castle."
 
 
-def ask(text: str, max_tokens: int = 16, salt: str | None = None, **sampling) -> GenerationRequest:
-    return GenerationRequest(
-        f"choices-{time.monotonic_ns()}",
-        [Message("user", [text])],
-        SamplingParams(max_output_tokens=max_tokens, **sampling),
-        cache_salt=salt or "choices",  # prompts of other tests' files: no KV shared with them
-    )
+# a salt of its own: prompts of other tests' files share no KV with these
+ask = text_requests("choices", max_tokens=16, salt="choices")
 
 
 async def run(engine, request: GenerationRequest) -> tuple[dict[int, str], list[GenerationResult]]:

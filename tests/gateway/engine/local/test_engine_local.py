@@ -21,6 +21,7 @@ from gateway.engine.interface import (
     SamplingParams,
     TextDelta,
 )
+from gateway.testing.engine_requests import text_requests
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +29,7 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 STORY = "Write a long story about a dragon who lives in a castle."
 
 
-def ask(text: str, max_tokens: int = 16, **sampling) -> GenerationRequest:
-    return GenerationRequest(
-        f"req-{time.monotonic_ns()}",
-        [Message("user", [text])],
-        SamplingParams(max_output_tokens=max_tokens, **sampling),
-    )
+ask = text_requests("req", max_tokens=16)
 
 
 def random_image(engine, n: int, seed: int, digest: str) -> ImageInput:

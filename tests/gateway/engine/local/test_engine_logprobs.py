@@ -8,7 +8,6 @@ completes its text, and what a stop string cut goes in the result.
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -17,11 +16,11 @@ from gateway.engine.interface import (
     MAX_TOP_LOGPROBS,
     GenerationRequest,
     GenerationResult,
-    Message,
     SamplingParams,
     TextDelta,
     TokenLogprob,
 )
+from gateway.testing.engine_requests import text_requests
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +28,8 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 STORY = "Write a short story about a fox."
 
 
-def ask(text: str, max_tokens: int = 24, **sampling) -> GenerationRequest:
-    return GenerationRequest(
-        f"logprobs-{time.monotonic_ns()}",
-        [Message("user", [text])],
-        SamplingParams(max_output_tokens=max_tokens, **sampling),
-        cache_salt="logprobs",  # the prompts of other tests' files: no KV shared with them
-    )
+# a salt of its own: the prompts of other tests' files share no KV with these
+ask = text_requests("logprobs", max_tokens=24, salt="logprobs")
 
 
 async def run(engine, request: GenerationRequest) -> tuple[list[TextDelta], GenerationResult]:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 
-from gateway.engine.interface import EngineError, GenerationRequest, Message, SamplingParams
+from gateway.engine.interface import EngineError, GenerationRequest, SamplingParams
+from gateway.testing.engine_requests import text_requests
 
 pytestmark = pytest.mark.slow
 
@@ -54,13 +54,8 @@ SUBJECTS = (
 QUESTION = "What is the capital of France? Answer in one sentence."
 
 
-def ask(text: str, max_tokens: int = 80, salt: str | None = None, **sampling) -> GenerationRequest:
-    return GenerationRequest(
-        f"structured-{time.monotonic_ns()}",
-        [Message("user", [text])],
-        SamplingParams(max_output_tokens=max_tokens, **sampling),
-        cache_salt=salt or "structured",  # prompts of other tests' files: no KV shared with them
-    )
+# a salt of its own: prompts of other tests' files share no KV with these
+ask = text_requests("structured", max_tokens=80, salt="structured")
 
 
 def person_request(i: int, **sampling) -> GenerationRequest:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -26,6 +25,7 @@ from gateway.engine.local.fair_queue import FairQueue, newest_of_largest, share_
 from gateway.engine.local.local_engine import LocalEngine
 from gateway.server.app import build_engine
 from gateway.settings import Settings, SettingsError
+from gateway.testing.engine_requests import text_requests
 
 # -- the policy, without the model ----------------------------------------------------------------
 
@@ -253,13 +253,7 @@ LONG = [
 HI = "Say hi."
 
 
-def ask(text: str, max_tokens: int, salt: str | None, rid: str = "") -> GenerationRequest:
-    return GenerationRequest(
-        rid or f"fair-{time.monotonic_ns()}",
-        [Message("user", [text])],
-        SamplingParams(max_output_tokens=max_tokens),
-        cache_salt=salt,
-    )
+ask = text_requests("fair")  # ask(text, max_tokens, salt, request_id)
 
 
 def record(sched) -> list[tuple[str, str]]:

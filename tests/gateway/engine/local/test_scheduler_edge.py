@@ -32,6 +32,7 @@ from gateway.engine.local.kv.blocks import block_hashes, chain_seed, position_ke
 from gateway.engine.local.kv.prefix_cache import PrefixCache
 from gateway.engine.local.local_engine import LocalEngine
 from gateway.engine.local.weights import DEFAULT_MODEL_ID, ensure_default_converted
+from gateway.testing.engine_requests import text_requests
 
 pytestmark = pytest.mark.slow
 
@@ -39,13 +40,7 @@ QUESTION = "What is the capital of France?"
 STORY = "Write a long story about a dragon who lives in a castle."
 
 
-def ask(text: str, max_tokens: int = 8, salt: str | None = None, **sampling) -> GenerationRequest:
-    return GenerationRequest(
-        f"edge-{time.monotonic_ns()}",
-        [Message("user", [text])],
-        SamplingParams(max_output_tokens=max_tokens, **sampling),
-        cache_salt=salt,
-    )
+ask = text_requests("edge", max_tokens=8)
 
 
 def with_image(embeds: torch.Tensor, salt: str, digest: str = "e" * 64) -> GenerationRequest:
