@@ -10,7 +10,6 @@ a small context, a model that is still loading).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +17,7 @@ from gateway.server.app import create_app
 from gateway.server.runner import ServerThread
 from gateway.settings import Settings
 from gateway.testing.fakes import FakeEncoder, FakeEngine
+from gateway.testing.waiting import eventually  # tests import it from here too
 
 __all__ = (
     "CLIENT_TIMEOUT_S",
@@ -37,16 +37,6 @@ if TYPE_CHECKING:
 
 MiB = 1024 * 1024
 CLIENT_TIMEOUT_S = 10.0  # a fake answers in milliseconds: only a hang waits this long
-
-
-async def eventually(condition: Callable[[], bool]) -> None:
-    """Wait until `condition()` holds (work the event loop still has to run); fail after 10
-    seconds, which only a hang reaches."""
-    async with asyncio.timeout(10):
-        while True:
-            if condition():
-                return
-            await asyncio.sleep(0.01)
 
 
 def unit_settings(**overrides: Any) -> Settings:

@@ -22,14 +22,15 @@ import asyncio
 import contextlib
 import json
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.testing.ports import free_port
+from gateway.testing.waiting import wait_until
 
-__all__ = ("FakeUpstream", "Recorded", "Script")
+# wait_until is gateway.testing.waiting's, importable from here too
+__all__ = ("FakeUpstream", "Recorded", "Script", "wait_until")
 
 
 @dataclass
@@ -293,13 +294,3 @@ class FakeUpstream:
         self.disconnects.append(path)
         self.disconnected.set()
         return False
-
-
-def wait_until(condition: Any, timeout: float = 10.0) -> bool:
-    """Poll `condition()` until true or `timeout` seconds passed; its last value."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return bool(condition())
-        time.sleep(0.01)
-    return True

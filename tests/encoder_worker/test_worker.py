@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import subprocess
@@ -50,6 +51,7 @@ from encoder_worker.storage import (
 from encoder_worker.worker import EncoderWorker
 from gateway.encoders.redis_encoder import RedisEncoder
 from gateway.protocol.errors import GatewayError
+from gateway.testing.waiting import eventually
 from tests.conftest import photo_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,12 +111,7 @@ async def _client(redis_url: str):
     return Redis.from_url(redis_url)
 
 
-async def wait_until(predicate, limit_s: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + limit_s
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {limit_s}s")
-        await asyncio.sleep(0.05)
+wait_until = functools.partial(eventually, timeout=30.0, interval=0.05)  # predicates ask Redis
 
 
 def worker_process(redis_url: str, log_path: Path, *args: str, env: dict[str, str] | None = None):
@@ -455,7 +452,7 @@ async def test_worker_killed_mid_job_loses_nothing(redis_url, pipeline, images, 
     try:
         async with remote(redis_url) as enc:
             call = asyncio.create_task(enc.encode(images["astronaut"]))
-            await wait_until(encoding, 60, "the doomed worker encoding the job")
+            await wait_until(encoding, timeout=60, what="the doomed worker encoding the job")
             os.kill(doomed.pid, signal.SIGKILL)
             code = await asyncio.to_thread(doomed.wait, 30)
             assert code == -signal.SIGKILL, log_path.read_text()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import os
 import signal
@@ -39,6 +40,7 @@ from encoder_worker.storage import (
 from gateway.encoders import redis_encoder
 from gateway.encoders.redis_encoder import RedisEncoder, live_workers
 from gateway.protocol.errors import GatewayError
+from gateway.testing.waiting import eventually
 from tests.conftest import unique_photo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,12 +148,7 @@ async def gateway(url: str, config: EncoderConfig, **kw) -> AsyncIterator[RedisE
         await enc.aclose()
 
 
-async def wait_until(predicate, limit_s: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + limit_s
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {limit_s}s")
-        await asyncio.sleep(0.05)
+wait_until = functools.partial(eventually, timeout=60.0, interval=0.05)  # predicates ask Redis
 
 
 def stopped(pid: int) -> bool:

@@ -15,6 +15,7 @@ the same as when it runs alone. Order is read from the scheduler's own steps, no
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from gateway.engine.local.local_engine import LocalEngine
 from gateway.server.app import build_engine
 from gateway.settings import Settings, SettingsError
 from gateway.testing.engine_requests import text_requests
+from gateway.testing.waiting import eventually
 
 # -- the policy, without the model ----------------------------------------------------------------
 
@@ -294,10 +296,7 @@ def record(sched) -> list[tuple[str, str]]:
     return events
 
 
-async def until(check) -> None:
-    async with asyncio.timeout(120):
-        while not check():
-            await asyncio.sleep(0.002)
+until = functools.partial(eventually, timeout=120, interval=0.002)
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ The ordering rules run on `Router` itself; affinity and recovery also run throug
 
 from __future__ import annotations
 
-import asyncio
+import functools
 from collections import Counter
 
 import pytest
@@ -21,6 +21,7 @@ from gateway.engine.upstream.endpoints import parse_upstream
 from gateway.engine.upstream.openai_engine import OpenAIEngine
 from gateway.engine.upstream.routing import Replica, Router, route_key
 from gateway.testing.upstream_fake import FakeUpstream
+from gateway.testing.waiting import eventually
 
 URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 4)]
 
@@ -227,9 +228,5 @@ async def test_replica_down_at_start_joins_once_it_answers() -> None:
             await engine.aclose()
 
 
-async def _until(condition, timeout_s: float = 10.0) -> None:
-    """Wait for the engine's own loop to make `condition` true (a liveness bound, not timing)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition never became true"
-        await asyncio.sleep(0.02)
+# waits for the engine's own loop to make a condition true (a liveness bound, not timing)
+_until = functools.partial(eventually, interval=0.02)
