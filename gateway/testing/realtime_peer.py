@@ -1,7 +1,10 @@
 """A thin raw-WebSocket peer for protocol tests: sends dicts, collects server events.
 
-`data_url` is `gateway.testing.images.data_url`, importable from here too for the tests that
-build a Realtime image part next to a `Peer`.
+`Peer` speaks JSON text frames. For a test that holds a bare `websockets` connection (to send
+hostile frames, or on the msgpack subprotocol), `recv_event` reads one server event from text
+(JSON) or binary (msgpack) frames, and `until_event` / `until_frame` read up to an event of a
+given type. `data_url` is `gateway.testing.images.data_url`, importable from here too for the
+tests that build a Realtime image part next to a `Peer`.
 """
 
 from __future__ import annotations
@@ -10,11 +13,37 @@ import asyncio
 import json
 from typing import Any
 
+import msgspec
 import websockets
 
 from gateway.testing.images import data_url
 
-__all__ = ("Peer", "data_url", "deltas")
+__all__ = ("Peer", "data_url", "deltas", "recv_event", "until_event", "until_frame")
+
+
+def _decoded(frame: str | bytes) -> dict[str, Any]:
+    return msgspec.msgpack.decode(frame) if isinstance(frame, bytes) else json.loads(frame)
+
+
+async def recv_event(ws: Any, timeout: float = 10.0) -> dict[str, Any]:
+    """The next server event on `ws`: a JSON text frame or a msgpack binary one."""
+    return _decoded(await asyncio.wait_for(ws.recv(), timeout))
+
+
+async def until_frame(ws: Any, kind: str, timeout: float = 10.0) -> tuple[dict[str, Any], int]:
+    """Read events until one of type `kind`; returns it and the size of its frame (characters
+    of a text frame, bytes of a binary one). `timeout` bounds each read."""
+    while True:
+        frame = await asyncio.wait_for(ws.recv(), timeout)
+        event = _decoded(frame)
+        if event["type"] == kind:
+            return event, len(frame)
+
+
+async def until_event(ws: Any, kind: str, timeout: float = 10.0) -> dict[str, Any]:
+    """Read events until one of type `kind`, and return it. `timeout` bounds each read."""
+    event, _ = await until_frame(ws, kind, timeout)
+    return event
 
 
 class Peer:

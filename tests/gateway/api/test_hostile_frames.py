@@ -4,7 +4,6 @@ paths routing refuses, a configured key pasted where data goes (real servers ove
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -14,21 +13,9 @@ import websockets
 from gateway.protocol.subprotocols import MSGPACK_SUBPROTOCOL
 from gateway.telemetry import register_secrets
 from gateway.telemetry._logging import scrub_secrets
+from gateway.testing.realtime_peer import until_frame as until
 
 BIG = 100_000
-
-
-async def recv(ws) -> dict:
-    raw = await asyncio.wait_for(ws.recv(), 10)
-    return msgspec.msgpack.decode(raw) if isinstance(raw, bytes) else json.loads(raw)
-
-
-async def until(ws, kind: str) -> tuple[dict, int]:
-    while True:
-        raw = await asyncio.wait_for(ws.recv(), 10)
-        event = msgspec.msgpack.decode(raw) if isinstance(raw, bytes) else json.loads(raw)
-        if event["type"] == kind:
-            return event, len(raw)
 
 
 async def error_for(ws, frame: str | bytes) -> tuple[dict, int]:

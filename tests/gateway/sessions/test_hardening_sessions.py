@@ -17,21 +17,11 @@ from gateway.protocol.subprotocols import MSGPACK_SUBPROTOCOL
 from gateway.testing.fake_gateway import eventually
 from gateway.testing.fakes import FakeEncoder, FakeEngine
 from gateway.testing.images import data_url
+from gateway.testing.realtime_peer import recv_event as recv
+from gateway.testing.realtime_peer import until_event as until
 from tests.conftest import free_port, photo_bytes
 
 MODEL = FakeEngine.model_id
-
-
-async def recv(ws) -> dict:
-    raw = await asyncio.wait_for(ws.recv(), 10)
-    return msgspec.msgpack.decode(raw) if isinstance(raw, bytes) else json.loads(raw)
-
-
-async def until(ws, kind: str) -> dict:
-    while True:
-        event = await recv(ws)
-        if event["type"] == kind:
-            return event
 
 
 async def add_text(ws, text: str) -> dict:
