@@ -1,9 +1,10 @@
 """Engine requests for tests and benchmarks that drive an `Engine` directly: one user message of
-text, with sampling parameters and a prefix-cache salt.
+text, with sampling parameters and a prefix-cache salt, and reading its answer to the end.
 
 `text_request` builds one; `text_requests` gives a file its own builder (its request-id prefix,
 default answer length and salt), so two test files never share KV blocks by accident. Request
 ids are `<prefix>-<monotonic ns>`, unique within a process, unless the caller names one.
+`drain` runs a request to the end and returns what the engine yielded, sorted by kind.
 """
 
 from __future__ import annotations
@@ -12,9 +13,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gateway.engine.interface import GenerationRequest, Message, SamplingParams
+from gateway.engine.interface import (
+    Engine,
+    GenerationRequest,
+    GenerationResult,
+    Message,
+    SamplingParams,
+    TextDelta,
+)
 
-__all__ = ("TextRequestBuilder", "text_request", "text_requests")
+__all__ = ("TextRequestBuilder", "drain", "text_request", "text_requests")
+
 
 TextRequestBuilder = Callable[..., GenerationRequest]
 
@@ -54,3 +63,18 @@ def text_requests(
         return text_request(text, max_tokens, salt, request_id, prefix=prefix, **sampling)
 
     return build
+
+
+async def drain(
+    engine: Engine, request: GenerationRequest
+) -> tuple[list[TextDelta], list[GenerationResult]]:
+    """Run `request` on `engine` to its end: the text deltas and the results (one per choice),
+    each in the order they came."""
+    deltas: list[TextDelta] = []
+    results: list[GenerationResult] = []
+    async for item in engine.generate(request):
+        if isinstance(item, TextDelta):
+            deltas.append(item)
+        else:
+            results.append(item)
+    return deltas, results

@@ -6,8 +6,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.engine.interface import GenerationRequest, GenerationResult, TextDelta
+from gateway.engine.interface import GenerationRequest, GenerationResult
 from gateway.engine.local.local_engine import LocalEngine
+from gateway.testing.engine_requests import drain
 
 
 @pytest.fixture(scope="session")
@@ -22,16 +23,9 @@ async def _collect(
     engine: LocalEngine, request: GenerationRequest
 ) -> tuple[list[str], GenerationResult]:
     """Run one request to the end: (text deltas, the result)."""
-    deltas: list[str] = []
-    result = None
-    async for item in engine.generate(request):
-        if isinstance(item, TextDelta):
-            deltas.append(item.text)
-        else:
-            assert result is None, "exactly one GenerationResult"
-            result = item
-    assert isinstance(result, GenerationResult)
-    return deltas, result
+    deltas, results = await drain(engine, request)
+    assert len(results) == 1, "exactly one GenerationResult"
+    return [d.text for d in deltas], results[0]
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ from gateway.engine.interface import (
     TextDelta,
     TokenLogprob,
 )
-from gateway.testing.engine_requests import text_requests
+from gateway.testing.engine_requests import drain, text_requests
 
 pytestmark = pytest.mark.slow
 
@@ -33,14 +33,9 @@ ask = text_requests("logprobs", max_tokens=24, salt="logprobs")
 
 
 async def run(engine, request: GenerationRequest) -> tuple[list[TextDelta], GenerationResult]:
-    deltas, result = [], None
-    async for item in engine.generate(request):
-        if isinstance(item, TextDelta):
-            deltas.append(item)
-        else:
-            result = item
-    assert isinstance(result, GenerationResult)
-    return deltas, result
+    deltas, results = await drain(engine, request)
+    assert results, "no GenerationResult"
+    return deltas, results[-1]
 
 
 def tokens_of(deltas: list[TextDelta], result: GenerationResult) -> list[TokenLogprob]:

@@ -35,6 +35,7 @@ from gateway.engine.interface import (
 from gateway.engine.upstream.endpoints import Upstream, parse_upstream
 from gateway.engine.upstream.openai_engine import OpenAIEngine
 from gateway.engine.upstream.routing import Replica, Router, route_key
+from gateway.testing.engine_requests import drain as collect
 from gateway.testing.upstream_fake import FakeUpstream, Script, wait_until
 from tests.conftest import free_port, photo_bytes
 
@@ -67,15 +68,6 @@ def request(
         kv_key=kv_key,
         cache_salt="key-1",
     )
-
-
-async def collect(
-    engine: OpenAIEngine, req: GenerationRequest
-) -> tuple[list[TextDelta], list[GenerationResult]]:
-    deltas, results = [], []
-    async for item in engine.generate(req):
-        (deltas if isinstance(item, TextDelta) else results).append(item)
-    return deltas, results
 
 
 def ranked(fakes: list[FakeUpstream], req: GenerationRequest) -> list[FakeUpstream]:
