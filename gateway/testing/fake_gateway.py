@@ -6,11 +6,18 @@ inspect or adjust, and opens clients on it (`http_client`, `openai_client`: the 
 them, `with` does). The tests' `fake_gateway` fixture is one such server for a test session, and
 `make_gateway` starts servers with their own settings or fake knobs (a slow engine, a busy one,
 a small context, a model that is still loading).
+
+`captured_gateway` runs one with everything it logs (the gateway's own JSON logging, pointed at
+a buffer) and every span it finishes kept, for tests of what reaches logs and traces. Logging is
+process-wide: it is set back to warnings when the gateway stops.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import io
+import json
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from gateway.server.app import create_app
@@ -21,9 +28,11 @@ from gateway.testing.waiting import eventually  # tests import it from here too
 
 __all__ = (
     "CLIENT_TIMEOUT_S",
+    "CapturedGateway",
     "FakeGateway",
     "GatewayFactory",
     "MiB",
+    "captured_gateway",
     "eventually",
     "start_gateway",
     "unit_settings",
@@ -32,6 +41,8 @@ __all__ = (
 if TYPE_CHECKING:
     import httpx
     import openai
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from gateway.server.state import GatewayState
 
@@ -104,3 +115,66 @@ def start_gateway(
 
 
 GatewayFactory = Callable[..., FakeGateway]
+
+
+class CapturedGateway(FakeGateway):
+    """A gateway over fakes whose log lines and finished spans are kept (`captured_gateway`)."""
+
+    def __init__(
+        self,
+        server: ServerThread,
+        engine: FakeEngine,
+        encoder: FakeEncoder,
+        settings: Settings,
+        logs: io.StringIO,
+        spans: InMemorySpanExporter,
+    ) -> None:
+        super().__init__(server, engine, encoder, settings)
+        self.logs, self.spans = logs, spans
+
+    def lines(self, **match: Any) -> list[dict[str, Any]]:
+        """The JSON log lines so far; with `match`, those whose fields equal it."""
+        lines = [json.loads(line) for line in self.logs.getvalue().splitlines() if line.strip()]
+        return [line for line in lines if all(line.get(k) == v for k, v in match.items())]
+
+    def finished_spans(self, prefix: str = "") -> list[ReadableSpan]:
+        """The spans finished so far whose names start with `prefix`."""
+        return [s for s in self.spans.get_finished_spans() if s.name.startswith(prefix)]
+
+    def span_text(self) -> str:
+        """Every finished span's name, attributes and event attributes, as one string to search."""
+        return " ".join(
+            f"{s.name} {json.dumps(dict(s.attributes or {}))} "
+            + " ".join(str(e.attributes) for e in s.events)
+            for s in self.spans.get_finished_spans()
+        )
+
+
+@contextlib.contextmanager
+def captured_gateway(
+    settings: Settings,
+    *,
+    log_level: str = "info",
+    ready_timeout: float = 30.0,
+    cls: type[CapturedGateway] = CapturedGateway,
+) -> Iterator[CapturedGateway]:
+    """A ready gateway over fresh fakes logging at `log_level` (JSON) into a buffer and keeping
+    its finished spans; `cls` may add a test's own views of them. Stopped, and logging set back
+    to warnings, on exit."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from gateway.telemetry import configure_logging
+
+    engine, encoder = FakeEngine(), FakeEncoder()
+    app = create_app(settings, engine=engine, encoder=encoder)
+    logs = io.StringIO()
+    configure_logging(log_level, json=True, stream=logs)  # after create_app, which sets its own
+    spans = InMemorySpanExporter()
+    app.state["gateway"].telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+    try:
+        with ServerThread(app, settings) as server:
+            server.wait_ready(timeout=ready_timeout)
+            yield cls(server, engine, encoder, settings, logs, spans)
+    finally:
+        configure_logging("warning", json=True)

@@ -4,7 +4,6 @@ id on the request's log lines and on its response's root span. Fake engine and e
 
 from __future__ import annotations
 
-import io
 import json
 import re
 from collections.abc import Iterator
@@ -20,9 +19,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from gateway.chat.response_trace import REQUEST_ID_ATTR
 from gateway.server.app import create_app
 from gateway.server.runner import ServerThread
-from gateway.telemetry import configure_logging
 from gateway.telemetry.request_ids import accept_request_id
-from gateway.testing.fake_gateway import eventually, unit_settings
+from gateway.testing.fake_gateway import (
+    CapturedGateway,
+    captured_gateway,
+    eventually,
+    unit_settings,
+)
 from gateway.testing.fakes import FakeEncoder, FakeEngine
 
 TIMEOUT = 10.0
@@ -30,38 +33,18 @@ NEW_ID = re.compile(r"req_[0-9a-f]{32}")
 MiB = 1024 * 1024
 
 
-class Traced:
+class Traced(CapturedGateway):
     """A gateway of this module's own, with its log lines and finished spans captured."""
 
-    def __init__(self, server: ServerThread, logs: io.StringIO, spans: InMemorySpanExporter):
-        self.server, self.logs, self.spans = server, logs, spans
-
-    @property
-    def http_url(self) -> str:
-        return self.server.http_url
-
-    def lines(self, **match: Any) -> list[dict[str, Any]]:
-        lines = [json.loads(line) for line in self.logs.getvalue().splitlines() if line.strip()]
-        return [line for line in lines if all(line.get(k) == v for k, v in match.items())]
-
     def response_spans(self) -> list[Any]:
-        return [s for s in self.spans.get_finished_spans() if s.name.startswith("chat ")]
+        return self.finished_spans("chat ")
 
 
 @pytest.fixture(scope="module")
 def traced() -> Iterator[Traced]:
     settings = unit_settings(max_image_bytes=1024)  # uploads past ~1 MiB are refused (413)
-    app = create_app(settings, engine=FakeEngine(), encoder=FakeEncoder())
-    logs = io.StringIO()
-    configure_logging("info", json=True, stream=logs)  # after create_app, which sets its own
-    spans = InMemorySpanExporter()
-    app.state["gateway"].telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-    try:
-        with ServerThread(app, settings) as server:
-            server.wait_ready(timeout=30)
-            yield Traced(server, logs, spans)
-    finally:
-        configure_logging("warning", json=True)
+    with captured_gateway(settings, log_level="info", cls=Traced) as gateway:
+        yield gateway  # type: ignore[misc]
 
 
 def chat_body(text: str = "hello there", **extra: Any) -> dict[str, Any]:

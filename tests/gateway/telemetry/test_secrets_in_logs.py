@@ -6,41 +6,21 @@ keys travel in every accepted and refused form. The fake engine/encoder stand in
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import websockets
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from gateway.policy.auth import QUERY_KEY_REFUSED
-from gateway.server.app import create_app
-from gateway.server.runner import ServerThread
 from gateway.settings import Settings
-from gateway.telemetry import configure_logging
-from gateway.testing.fakes import FakeEncoder, FakeEngine
+from gateway.testing.fake_gateway import CapturedGateway as Captured
+from gateway.testing.fake_gateway import captured_gateway
 
 KEY = "sk-live-5b8e0f2d9c41a7"
 WRONG = "sk-guess-0c7d3e9a6b12f4"
 HUGE = "x" * 1_000_000
-
-
-class Captured:
-    def __init__(self, server: ServerThread, logs: io.StringIO, spans: InMemorySpanExporter):
-        self.server, self.logs, self.spans = server, logs, spans
-
-    def lines(self) -> list[dict]:
-        return [json.loads(line) for line in self.logs.getvalue().splitlines() if line.strip()]
-
-    def span_text(self) -> str:
-        return " ".join(
-            f"{s.name} {json.dumps(dict(s.attributes or {}))} "
-            + " ".join(str(e.attributes) for e in s.events)
-            for s in self.spans.get_finished_spans()
-        )
 
 
 @pytest.fixture(scope="module")
@@ -48,19 +28,10 @@ def captured() -> Iterator[Captured]:
     settings = Settings.load(
         dict(api_keys=[KEY], max_output_tokens=8, max_image_bytes=2 * 1024 * 1024), environ={}
     )
-    app = create_app(settings, engine=FakeEngine(), encoder=FakeEncoder())
-    logs = io.StringIO()
-    # after create_app, which configures logging itself: everything, down to websockets' debug
-    # lines of the handshake (its request line and headers), goes into `logs`
-    configure_logging("debug", json=True, stream=logs)
-    spans = InMemorySpanExporter()
-    app.state["gateway"].telemetry.tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-    try:
-        with ServerThread(app, settings) as server:
-            server.wait_ready(timeout=60)
-            yield Captured(server, logs, spans)
-    finally:
-        configure_logging("warning", json=True)
+    # everything, down to websockets' debug lines of the handshake (its request line and
+    # headers), goes into the captured logs
+    with captured_gateway(settings, log_level="debug", ready_timeout=60) as gateway:
+        yield gateway
 
 
 async def test_api_keys_never_reach_logs_or_spans(captured: Captured) -> None:
