@@ -18,7 +18,23 @@ import websockets
 
 from gateway.testing.images import data_url
 
-__all__ = ("Peer", "data_url", "deltas", "recv_event", "until_event", "until_frame")
+__all__ = (
+    "Peer",
+    "data_url",
+    "deltas",
+    "image_question",
+    "recv_event",
+    "until_event",
+    "until_frame",
+)
+
+
+def image_question(image: bytes, question: str, mime: str = "image/jpeg") -> list[dict[str, Any]]:
+    """A user message's parts: `image` (as a data URL declaring `mime`), then `question`."""
+    return [
+        {"type": "input_image", "image_url": data_url(image, mime)},
+        {"type": "input_text", "text": question},
+    ]
 
 
 def _decoded(frame: str | bytes) -> dict[str, Any]:
@@ -94,6 +110,15 @@ class Peer:
     async def respond(self, **params: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         await self.send({"type": "response.create", "response": params})
         return await self.until("response.done")
+
+    async def ask(self, parts: list[dict[str, Any]], **params: Any) -> tuple[str, dict[str, Any]]:
+        """Add `parts` as a user message, wait until it is stored, and ask for a response with
+        `params` (`max_output_tokens=8`, ...): the response's text, and its `response.done`
+        body."""
+        await self.add(parts)
+        await self.until("conversation.item.done")
+        done, events = await self.respond(**params)
+        return deltas(events), done["response"]
 
     async def close(self) -> None:
         await self.ws.close()

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.server.app import create_app
 from gateway.server.runner import ServerThread
-from gateway.testing.realtime_peer import Peer, data_url
+from gateway.testing.realtime_peer import Peer, data_url, image_question
 from tests.gateway.conftest import gateway_settings, gateway_state
 
 pytestmark = pytest.mark.slow
@@ -32,18 +32,11 @@ def fresh_image(seed: int) -> bytes:
 
 async def two_turns(url: str, image: bytes, *, session_id: str | None = None) -> list[dict]:
     peer = await Peer.open(url, session_id)
-    await peer.add(
-        [
-            {"type": "input_image", "image_url": data_url(image, "image/png")},
-            {"type": "input_text", "text": QUESTION_1},
-        ]
-    )
-    await peer.until("conversation.item.done")
-    done1, _ = await peer.respond(max_output_tokens=16)
+    _, first = await peer.ask(image_question(image, QUESTION_1, "image/png"), max_output_tokens=16)
     await peer.add([{"type": "input_text", "text": QUESTION_2}])
     done2, _ = await peer.respond(max_output_tokens=16)
     await peer.close()
-    return [done1["response"], done2["response"]]
+    return [first, done2["response"]]
 
 
 async def test_followup_reuses_tokens_and_kv_and_answers_the_same(

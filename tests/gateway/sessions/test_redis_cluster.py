@@ -18,7 +18,7 @@ from encoder_worker.storage import NAMESPACE
 from gateway.server.app import create_app
 from gateway.server.runner import ServerThread
 from gateway.settings import Settings
-from gateway.testing.realtime_peer import Peer, data_url
+from gateway.testing.realtime_peer import Peer, data_url, image_question
 from tests.gateway.caching.test_session_cache import QUESTION_1, QUESTION_2, fresh_image
 from tests.gateway.conftest import gateway_settings, gateway_state
 
@@ -109,15 +109,10 @@ def sessions_gauge(server: ServerThread, until: Callable[[float], bool]) -> floa
 
 
 async def image_turn(peer: Peer, image: bytes, max_output_tokens: int = 8) -> dict:
-    await peer.add(
-        [
-            {"type": "input_image", "image_url": data_url(image, "image/png")},
-            {"type": "input_text", "text": QUESTION_1},
-        ]
+    _, response = await peer.ask(
+        image_question(image, QUESTION_1, "image/png"), max_output_tokens=max_output_tokens
     )
-    await peer.until("conversation.item.done")
-    done, _ = await peer.respond(max_output_tokens=max_output_tokens)
-    return done["response"]
+    return response
 
 
 def answer_text(response: dict) -> str:

@@ -28,6 +28,7 @@ from gateway.testing.processes import (
     which_served,
 )
 from gateway.testing.realtime_peer import Peer, data_url, deltas
+from gateway.testing.realtime_peer import image_question as _image_question
 from tests.conftest import unique_photo
 
 pytestmark = pytest.mark.slow
@@ -94,13 +95,6 @@ def _generations(proc: ServeProcess) -> list[dict[str, Any]]:
 
 def _generations_since(replicas: list[ServeProcess], seen: list[int]) -> list[dict[str, Any]]:
     return [g for p, n in zip(replicas, seen, strict=True) for g in _generations(p)[n:]]
-
-
-def _image_question(photo: bytes, question: str) -> list[dict[str, Any]]:
-    return [
-        {"type": "input_image", "image_url": data_url(photo)},
-        {"type": "input_text", "text": question},
-    ]
 
 
 # ---------------------------------------------------------------- the replica on its own
