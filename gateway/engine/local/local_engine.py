@@ -353,7 +353,7 @@ class LocalEngine:
         """Prefill `request`'s prompt (rendered as `request.warm_up` says; "message" if unset)
         into the prefix cache as background work, pinned for `request.kv_key`, so the session's
         next request prefills only what follows. Lowest priority: it never delays a request
-        (see `gateway.engine.local.scheduler`), and is dropped first under KV pressure. Never
+        (see `gateway.engine.local.kv_warmup`), and is dropped first under KV pressure. Never
         raises for the request's sake: how it ended is the result."""
         sched = self._scheduler
         if sched is None or self._closed:

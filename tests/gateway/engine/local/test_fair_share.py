@@ -542,27 +542,25 @@ async def test_beside_a_light_key_heavy_keys_feed_a_few_positions_a_step(engine,
 
 
 class _Seq:
-    """What `Scheduler._plan` reads of a sequence."""
+    """What `StepPlanner.plan` reads of a sequence."""
 
     def __init__(self, owner: str, order: int, known: int, fed: int) -> None:
         self.owner, self.order, self.known, self.fed, self.held = owner, order, known, fed, 0
 
 
-def _planner(chunk: int, running: list[_Seq], served: dict[str, float]):
+def _planner(chunk: int, served: dict[str, float]):
+    """A step planner as a CPU engine's, with `served` as its owners' recent prefill."""
     from types import SimpleNamespace
 
     from gateway.engine.local.fair_queue import RecentService
-    from gateway.engine.local.scheduler import Scheduler
+    from gateway.engine.local.step_plan import StepPlanner
 
     now = [0.0]
-    sched = Scheduler.__new__(Scheduler)
-    sched.cfg = SimpleNamespace(prefill_chunk_tokens=chunk)
-    sched._running, sched._heavy, sched._hold_decodes, sched._steps = running, set(), True, 0
-    sched._warming = []  # no KV warm-ups in these plans
-    sched._served = RecentService(10.0, clock=lambda: now[0])
+    config = SimpleNamespace(prefill_chunk_tokens=chunk)
+    record = RecentService(10.0, clock=lambda: now[0])
     for owner, amount in served.items():
-        sched._served.add(owner, amount)
-    return sched
+        record.add(owner, amount)
+    return StepPlanner(config, hold_decodes=True, served=record)  # type: ignore[arg-type]
 
 
 def test_a_light_prompt_gets_what_the_heavy_keys_cannot_use() -> None:
@@ -570,7 +568,7 @@ def test_a_light_prompt_gets_what_the_heavy_keys_cannot_use() -> None:
     # lately: its cut must not be taken from the budget the light key's prompt could use
     heavy = _Seq("bulk", 0, known=10_000, fed=0)
     light = _Seq("chat", 1, known=200, fed=0)
-    plan = _planner(256, [heavy, light], {"chat": 500.0})._plan()
+    plan = _planner(256, {"chat": 500.0}).plan([heavy, light], [], 0)  # no warm-ups
     fed = {s.owner: n for s, _, n in plan}
     assert fed == {"bulk": 16, "chat": 200}
 
@@ -580,10 +578,10 @@ def test_a_heavy_prompt_advances_beside_a_light_key_whatever_the_chunk(chunk: in
     decoders = [_Seq("bulk", i, known=50, fed=49) for i in range(20)]
     prompts = [_Seq(f"other-{i}", 100 + i, known=5_000, fed=0) for i in range(3)]
     light = _Seq("chat", 200, known=31, fed=30)
-    sched = _planner(chunk, [*decoders, *prompts, light], {"bulk": 5_000.0})
+    planner = _planner(chunk, {"bulk": 5_000.0})
+    running = [*decoders, *prompts, light]
     for step in range(6):
-        sched._steps = step
-        plan = sched._plan()
+        plan = planner.plan(running, [], step)  # type: ignore[arg-type]
         heavy_fed = sum(n for s, _, n in plan if s.owner != "chat")
         assert heavy_fed <= max(chunk // 16, 1) + 1, (chunk, plan)
         assert any(s.owner.startswith("other") and n > 0 for s, _, n in plan), (chunk, step)

@@ -17,7 +17,7 @@ import torch
 
 from gateway.engine.interface import GenerationRequest, ImageInput, Message, SamplingParams
 from gateway.engine.local.prompt import render
-from gateway.engine.local.scheduler import WARMUP_BESIDE_DIVISOR
+from gateway.engine.local.step_plan import WARMUP_BESIDE_DIVISOR
 
 pytestmark = pytest.mark.slow
 
