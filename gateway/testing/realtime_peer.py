@@ -10,8 +10,10 @@ tests that build a Realtime image part next to a `Peer`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal
 
 import msgspec
 import websockets
@@ -68,12 +70,44 @@ class Peer:
         self.created = created
 
     @classmethod
-    async def open(cls, url: str, session_id: str | None = None) -> Peer:
+    async def open(
+        cls,
+        url: str,
+        session_id: str | None = None,
+        *,
+        api_key: str | None = None,
+        key_in: Literal["subprotocol", "header"] = "subprotocol",
+        subprotocols: Sequence[str] = (),
+    ) -> Peer:
+        """Connect to `url` (resuming `session_id` if given) and read its first event. An
+        `api_key` travels as a browser sends it (`key_in="subprotocol"`: after `subprotocols`,
+        as `openai-insecure-api-key.<key>`) or as a server-side client does (`"header"`:
+        `Authorization: Bearer`)."""
+        protocols = list(subprotocols)
+        headers: dict[str, str] = {}
+        if api_key is not None and key_in == "subprotocol":
+            protocols.append(f"openai-insecure-api-key.{api_key}")
+        elif api_key is not None:
+            headers["Authorization"] = f"Bearer {api_key}"
         ws = await websockets.connect(
-            url + (f"?session_id={session_id}" if session_id else ""), max_size=None
+            url + (f"?session_id={session_id}" if session_id else ""),
+            max_size=None,
+            subprotocols=protocols or None,  # type: ignore[arg-type]
+            additional_headers=headers or None,
         )
         created = json.loads(await ws.recv())
         return cls(ws, created)
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def connected(cls, url: str, **open_kwargs: Any) -> AsyncIterator[Peer]:
+        """`open`, checking that the first event is `session.created`; closed on exit."""
+        peer = await cls.open(url, **open_kwargs)
+        assert peer.created["type"] == "session.created", peer.created
+        try:
+            yield peer
+        finally:
+            await peer.close()
 
     @property
     def session_id(self) -> str:

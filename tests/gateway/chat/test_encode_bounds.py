@@ -11,16 +11,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
-import json
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import httpx
 import pytest
 import torch
-import websockets
 from PIL import Image
 
 from encoder_worker.config import EncoderConfig
@@ -36,16 +33,9 @@ TIMEOUT = 10.0
 MODEL = "fake-echo"
 
 
-@asynccontextmanager
-async def peer_for(gateway: FakeGateway, key: str | None = None) -> AsyncIterator[Peer]:
-    protocols = ["realtime"] + ([f"openai-insecure-api-key.{key}"] if key else [])
-    ws = await websockets.connect(gateway.ws_url, subprotocols=protocols, max_size=None)
-    peer = Peer(ws, json.loads(await ws.recv()))
-    assert peer.created["type"] == "session.created", peer.created
-    try:
-        yield peer
-    finally:
-        await peer.close()
+def peer_for(gateway: FakeGateway, key: str | None = None) -> AbstractAsyncContextManager[Peer]:
+    """A Realtime peer on subprotocol `realtime`, with `key` (if any) in a subprotocol too."""
+    return Peer.connected(gateway.ws_url, api_key=key, subprotocols=["realtime"])
 
 
 def headers(key: str | None) -> dict[str, str]:

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import secrets
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import httpx
 import pytest
-import websockets
 
 from encoder_worker.storage import image_key, owner_key, scoped_digest
 from gateway.caching import (
@@ -47,18 +44,9 @@ def owner_of(gateway: FakeGateway, key: str) -> str:
     return gateway.state.auth.owner({"authorization": f"Bearer {key}"})
 
 
-@asynccontextmanager
-async def peer_for(gateway: FakeGateway, key: str) -> AsyncIterator[Peer]:
+def peer_for(gateway: FakeGateway, key: str) -> AbstractAsyncContextManager[Peer]:
     """A Realtime peer that authenticates the way a browser does: the key in a subprotocol."""
-    ws = await websockets.connect(
-        gateway.ws_url, subprotocols=["realtime", f"openai-insecure-api-key.{key}"], max_size=None
-    )
-    peer = Peer(ws, json.loads(await ws.recv()))
-    assert peer.created["type"] == "session.created", peer.created
-    try:
-        yield peer
-    finally:
-        await peer.close()
+    return Peer.connected(gateway.ws_url, api_key=key, subprotocols=["realtime"])
 
 
 def http_for(gateway: FakeGateway, key: str) -> httpx.AsyncClient:

@@ -5,14 +5,12 @@ queue is refused with `busy` / 429, and prefix caching serves the stateless Open
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import websockets
 from openai import OpenAI
 
 from gateway.server.app import create_app
@@ -67,10 +65,7 @@ class Watch:
 
 
 async def open_peer(server: ServerThread, key: str) -> Peer:
-    ws = await websockets.connect(
-        server.ws_url, max_size=None, additional_headers={"Authorization": f"Bearer {key}"}
-    )
-    return Peer(ws, json.loads(await ws.recv()))
+    return await Peer.open(server.ws_url, api_key=key, key_in="header")
 
 
 STORIES = [
