@@ -7,43 +7,9 @@ text is replaced by the next in the order, so no text is ever sent twice. The en
 KV of its own: each replica's prefix cache holds what it served, and routing sends a
 conversation back to the replica that has it.
 
-The request (`POST {base_url}/v1/chat/completions`, Bearer key when the replica has one)::
-
-    {"model": NAME, "stream": true, "stream_options": {"include_usage": true},
-     "messages": [{"role": "system" | "user" | "assistant", "content": CONTENT}, ...],
-     "max_tokens": M, "max_completion_tokens": M, "temperature": T, "top_p": P, "n": N,
-     "seed": S,                              # when set
-     "stop": [...],                          # when set
-     "logprobs": true, "top_logprobs": K}    # when log-probabilities are asked for
-
-CONTENT is a string (the message's text parts joined by newlines) when a message has no
-image, else a list of parts in order: `{"type": "text", "text": ...}` and, per image,
-
-- bytes mode (`image_input == "bytes"`, settings `upstream_images = "data_url"`)::
-
-    {"type": "image_url", "uuid": DIGEST,
-     "image_url": {"url": "data:<mime>;base64,<bytes>", "content_hash": "sha256:<hex>"}}
-
-  DIGEST is the gateway's content id: vLLM keys its multimodal cache by the part's `uuid`
-  (so a replica that saw the image skips decoding and encoding it); SGLang takes a caller's
-  digest as `image_url.content_hash` ("sha256:" and the 64 hex digits of the bytes, which it
-  checks), so that one is sent only when the content id is the bytes' own sha256 (not when
-  images are private to each API key and the id is a per-key name). Other servers ignore
-  both fields.
-
-- embeds mode (`"embeds"`; vLLM started with `--enable-mm-embeds`)::
-
-    {"type": "image_embeds", "uuid": "<fingerprint16>:<sha256>", "image_embeds": B64}
-
-  B64 is the image's visual tokens [N, hidden] serialized as vLLM's own `tensor2base64`
-  does (`torch.save` of the tensor, base64): the replica loads it with
-  `torch.load(weights_only=True)`. For M-RoPE checkpoints (Qwen2-VL, Qwen2.5-VL) the part is
-  the dict form vLLM documents, `"image_embeds": {"image_embeds": B64, "image_grid_thw":
-  B64([[t, h, w]])}`, the grid in patches before the 2x2 merge. vLLM accepts image embeds in
-  one message per request only; the upstream's 400 says so when a conversation has more.
-
-A plain-text prompt (`raw_prompt`) goes to `/v1/completions` with `prompt` instead of
-`messages` (and `logprobs: K`, the completions form).
+The request bodies (chat completions, or completions for a raw prompt; images as data URLs or
+embeds) are `gateway.engine.upstream.upstream_bodies`'s; the replicas' start, health and probing
+are `gateway.engine.upstream.replicas`'s; reading the stream is `gateway.engine.upstream.sse`'s.
 
 The stream's chunks become `TextDelta`s (by choice index, with log-probabilities), then one
 `GenerationResult` per choice: finish reason "stop" or "length" (anything else reads as
@@ -71,13 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import math
 import os
 import re
-import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -93,12 +56,20 @@ from gateway.engine.interface import (
     EngineError,
     EngineStats,
     GenerationRequest,
-    ImageInput,
     ImageInputKind,
     TextDelta,
 )
 from gateway.engine.upstream.endpoints import Upstream, parse_upstreams
-from gateway.engine.upstream.routing import Replica, Router, route_key
+from gateway.engine.upstream.replicas import (
+    ReplicaPool,
+    failure_reason,
+    load_tokenizer,
+    text_hidden_size,
+)
+from gateway.engine.upstream.routing import Replica
+from gateway.engine.upstream.sse import drain as drain_reader
+from gateway.engine.upstream.sse import read_events
+from gateway.engine.upstream.upstream_bodies import request_body
 from gateway.engine.upstream.wire import (
     CANCELLED,
     DONE,
@@ -108,24 +79,18 @@ from gateway.engine.upstream.wire import (
     Run,
     StreamBroken,
     UpstreamStatus,
-    chunk_decoder,
     json_encoder,
-    retry_after,
 )
 from gateway.protocol.errors import clip
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span, Tracer
+    from opentelemetry.trace import Tracer
 
 __all__ = ("OpenAIEngine",)
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_CONTEXT_TOKENS = 8192
-START_RETRY_S = 1.0  # between rounds of GET /v1/models while no replica has answered
 CANCEL_POLL_S = 0.02  # how often the watcher looks at cancel events while no chunk arrives
-MAX_SSE_LINE_BYTES = 16 << 20  # one event line of the upstream's stream at most
-DRAIN_S = 2.0  # reading a finished answer's body to its end, at most (then the connection goes)
 RENDER_OFF_LOOP_BYTES = 1 << 20  # new images past this are rendered on a worker thread
 # what an upstream's 400 says when the prompt does not fit (vLLM, SGLang, TensorRT-LLM, OpenAI)
 _CONTEXT_MESSAGE = re.compile(
@@ -134,13 +99,6 @@ _CONTEXT_MESSAGE = re.compile(
     re.IGNORECASE,
 )
 _propagator = TraceContextTextMapPropagator()
-
-
-# ------------------------------------------------------------------------ the engine
-
-
-class _Mismatch(Exception):
-    """A replica serves another checkpoint than the gateway's encoder (embeds mode)."""
 
 
 class OpenAIEngine:
@@ -169,18 +127,22 @@ class OpenAIEngine:
         if image_input == "embeds" and not checkpoint_name:
             raise ValueError("embeds mode needs the checkpoint's name (the encoder's model_path)")
         self.image_input: ImageInputKind = image_input
-        self._replicas = [Replica(u) for u in upstreams]
-        self._router = Router(self._replicas, load_factor=load_factor)
-        self._model_id_arg = model_id
-        self.model_id = model_id or next((r.model for r in self._replicas if r.model), "upstream")
-        self._context_arg = context_tokens
-        self.context_tokens = context_tokens or DEFAULT_CONTEXT_TOKENS
+        self._pool = ReplicaPool(
+            upstreams,
+            image_input=image_input,
+            model_id=model_id,
+            context_tokens=context_tokens,
+            checkpoint_name=checkpoint_name,
+            health_interval_s=health_interval_s,
+            health_timeout=httpx.Timeout(max(1.0, min(connect_timeout_s, 5.0))),
+            start_timeout_s=start_timeout_s,
+            load_factor=load_factor,
+        )
+        self._replicas = self._pool.replicas
+        self._router = self._pool.router
         self.hidden_size = hidden_size
         self._tokenizer_path = tokenizer_path
         self._tokenizer: Any = None
-        self._checkpoint = checkpoint_name
-        self._health_interval_s = health_interval_s
-        self._start_timeout_s = start_timeout_s  # how long start() waits for a replica
         # what the gateway counts an image sent as bytes as, fitting a prompt to the context
         self.image_tokens_estimate = image_tokens_estimate if image_input == "bytes" else 0
         self._cache_salt = cache_salt
@@ -190,7 +152,6 @@ class OpenAIEngine:
             write=connect_timeout_s,
             pool=connect_timeout_s,
         )
-        self._health_timeout = httpx.Timeout(max(1.0, min(connect_timeout_s, 5.0)))
         self._client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._runs: set[Run] = set()
@@ -210,7 +171,7 @@ class OpenAIEngine:
         if settings.model_path:
             tokenizer_path = settings.model_path
             checkpoint_name = os.path.basename(os.path.normpath(settings.model_path))
-            hidden_size = _text_hidden_size(settings.model_path)
+            hidden_size = text_hidden_size(settings.model_path)
         return cls(
             upstreams,
             image_input="embeds" if settings.upstream_images == "embeds" else "bytes",
@@ -222,7 +183,17 @@ class OpenAIEngine:
             checkpoint_name=checkpoint_name,
         )
 
-    # -- lifecycle ------------------------------------------------------------------------
+    # -- lifecycle (the replicas': `ReplicaPool`) -------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        """The model name the replicas serve (configured, or the first to answer's)."""
+        return self._pool.model_id
+
+    @property
+    def context_tokens(self) -> int:
+        """The context every replica can take (see `ReplicaPool`)."""
+        return self._pool.context_tokens
 
     @property
     def ready(self) -> bool:
@@ -251,58 +222,17 @@ class OpenAIEngine:
                 trust_env=False,  # replicas are addressed directly, never through a proxy
             )
         if self._tokenizer_path:
-            self._tokenizer = await asyncio.to_thread(_load_tokenizer, self._tokenizer_path)
+            self._tokenizer = await asyncio.to_thread(load_tokenizer, self._tokenizer_path)
         else:
             log.info(
                 "upstream.token_count_estimated",
                 why="no --model-path: prompt tokens are estimated as UTF-8 bytes / 3",
             )
-        # replicas often start with the gateway: wait for one to answer, up to a deadline
-        deadline = time.monotonic() + self._start_timeout_s
-        while True:
-            outcomes = await asyncio.gather(
-                *(self._describe(r) for r in self._replicas), return_exceptions=True
-            )
-            answered_now = any(o is None or isinstance(o, _Mismatch) for o in outcomes)
-            if answered_now or time.monotonic() >= deadline:
-                break
-            log.info(
-                "upstream.waiting",
-                replicas=[r.name for r in self._replicas],
-                reason=_reason(outcomes[0]),
-                seconds_left=round(deadline - time.monotonic()),
-            )
-            await asyncio.sleep(min(START_RETRY_S, max(deadline - time.monotonic(), 0.0)))
-        mismatched = [
-            f"{r.name}: {o}"
-            for r, o in zip(self._replicas, outcomes, strict=True)
-            if isinstance(o, _Mismatch)
-        ]
-        if mismatched:
-            raise EngineError(
-                "upstream_images=embeds needs every replica to serve the gateway's checkpoint "
-                f"{self._checkpoint!r}; " + "; ".join(mismatched),
-                code="upstream_error",
-            )
-        answered = [r for r, o in zip(self._replicas, outcomes, strict=True) if o is None]
-        if not answered:
-            reasons = "; ".join(
-                f"{r.name}: {_reason(o)}" for r, o in zip(self._replicas, outcomes, strict=True)
-            )
-            raise EngineError(
-                f"no upstream replica answered GET /v1/models ({reasons})", code="upstream_error"
-            )
-        for r, o in zip(self._replicas, outcomes, strict=True):
-            if o is None:
-                self._set_health(r, True)
-            else:  # starts down; the health loop brings it in once it answers
-                log.warning("upstream.down", upstream=r.name, reason=_reason(o))
-        first = answered[0]
-        self.model_id = self._model_id_arg or first.model or self.model_id
-        self._fit_context()
+        self._pool.client = self._client
+        answered = await self._pool.start()
         self._started = True
         self._tasks = [
-            asyncio.create_task(self._health_loop(), name="upstream health"),
+            asyncio.create_task(self._pool.health_loop(), name="upstream health"),
             asyncio.create_task(self._watch_cancels(), name="upstream cancels"),
         ]
         log.info(
@@ -313,19 +243,6 @@ class OpenAIEngine:
             context_tokens=self.context_tokens,
             image_input=self.image_input,
         )
-
-    def _fit_context(self) -> None:
-        """The context every replica that answered can take (the smallest reported, under the
-        configured one); again whenever a replica first answers, which may report less."""
-        reported = [r.context_tokens for r in self._replicas if r.verified and r.context_tokens]
-        if self._context_arg and reported and self._context_arg > min(reported):
-            log.warning(
-                "upstream.context_capped",
-                configured=self._context_arg,
-                replicas_report=min(reported),
-            )
-        limits = [v for v in (self._context_arg, min(reported, default=0)) if v]
-        self.context_tokens = min(limits) if limits else DEFAULT_CONTEXT_TOKENS
 
     async def aclose(self) -> None:
         for task in (*self._tasks, *self._draining):
@@ -352,89 +269,6 @@ class OpenAIEngine:
     def stats(self) -> EngineStats:
         return EngineStats(running=self._router.in_flight())
 
-    # -- replicas ---------------------------------------------------------------------------
-
-    def _headers(self, replica: Replica) -> dict[str, str]:
-        key = replica.upstream.api_key
-        return {"authorization": f"Bearer {key}"} if key else {}
-
-    async def _describe(self, replica: Replica) -> None:
-        """GET /v1/models: the model name to send, its context, what checkpoint it serves."""
-        assert self._client is not None
-        response = await self._client.get(
-            f"{replica.upstream.base_url}/v1/models",
-            headers=self._headers(replica),
-            timeout=self._health_timeout,
-        )
-        if response.status_code != 200:
-            raise StreamBroken(f"GET /v1/models answered HTTP {response.status_code}")
-        entries = response.json().get("data") or []
-        entry = next((e for e in entries if e.get("id") == replica.model), None)
-        if entry is None and replica.model is None:
-            entry = entries[0] if entries else None
-        if replica.model is None:
-            if entry is None:
-                raise StreamBroken("GET /v1/models listed no model")
-            replica.model = str(entry["id"])
-        entry = entry or {"id": replica.model}  # a configured name the list does not show
-        replica.context_tokens = int(entry.get("max_model_len") or 0)
-        replica.served = tuple(str(entry[k]) for k in ("id", "root") if entry.get(k))
-        extension = entry.get("visiongate") if isinstance(entry.get("visiongate"), dict) else {}
-        fingerprint = entry.get("encoder_fingerprint") or extension.get("encoder_fingerprint")
-        replica.encoder_fingerprint = str(fingerprint) if fingerprint else None
-        if self.image_input == "embeds":
-            self._check_checkpoint(replica)
-        replica.verified = True
-
-    def _check_checkpoint(self, replica: Replica) -> None:
-        want = (self._checkpoint or "").lower()
-        names = [s.rstrip("/").rsplit("/", 1)[-1].lower() for s in replica.served or ()]
-        if want not in names:
-            raise _Mismatch(
-                f"it serves {', '.join(replica.served) or replica.model or 'an unnamed model'}"
-            )
-
-    def _set_health(self, replica: Replica, ok: bool, reason: str | None = None) -> None:
-        if replica.healthy == ok:
-            return
-        replica.healthy = ok
-        if ok:
-            log.info("upstream.up", upstream=replica.name)
-        else:
-            log.warning("upstream.down", upstream=replica.name, reason=reason)
-
-    async def _probe(self, replica: Replica) -> None:
-        assert self._client is not None
-        try:
-            if not replica.verified:  # never answered /v1/models: learn what it serves first
-                await self._describe(replica)
-                self._fit_context()
-                self._set_health(replica, True)
-                return
-            response = await self._client.get(
-                f"{replica.upstream.base_url}/health",
-                headers=self._headers(replica),
-                timeout=self._health_timeout,
-            )
-            if response.status_code in (404, 405):  # no /health: /v1/models says it is up
-                response = await self._client.get(
-                    f"{replica.upstream.base_url}/v1/models",
-                    headers=self._headers(replica),
-                    timeout=self._health_timeout,
-                )
-            ok = response.status_code == 200
-            self._set_health(replica, ok, None if ok else f"HTTP {response.status_code}")
-        except _Mismatch as exc:
-            log.error("upstream.wrong_checkpoint", upstream=replica.name, reason=str(exc))
-            self._set_health(replica, False, "serves another checkpoint")
-        except Exception as exc:
-            self._set_health(replica, False, _reason(exc))
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._health_interval_s)
-            await asyncio.gather(*(self._probe(r) for r in self._replicas))
-
     async def _watch_cancels(self) -> None:
         """Wakes a request waiting for a chunk when its cancel event is set."""
         while True:
@@ -446,73 +280,7 @@ class OpenAIEngine:
     # -- generation -------------------------------------------------------------------------
 
     def _body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
-        """The path and body of `request`, without "model" (one per replica)."""
-        s = request.sampling
-        body: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
-        if request.raw_prompt is not None:
-            path = "/v1/completions"
-            body["prompt"] = request.raw_prompt
-        else:
-            path = "/v1/chat/completions"
-            body["messages"] = [
-                {"role": m.role, "content": self._content(m.content)} for m in request.messages
-            ]
-        if self._cache_salt and request.cache_salt is not None:
-            # vLLM's prefix-cache namespace: blocks are shared only between requests of one
-            # API key (a hash of the key's owner id, which itself names no key)
-            body["cache_salt"] = _salt_of(request.cache_salt)
-        body["max_tokens"] = s.max_output_tokens
-        if request.raw_prompt is None:
-            body["max_completion_tokens"] = s.max_output_tokens
-        body["temperature"] = s.temperature
-        body["top_p"] = s.top_p
-        body["n"] = max(1, s.n)
-        if s.seed is not None:
-            body["seed"] = s.seed
-        if s.stop:
-            body["stop"] = list(s.stop)
-        if s.logprobs is not None:
-            if request.raw_prompt is not None:
-                body["logprobs"] = s.logprobs
-            else:
-                body["logprobs"] = True
-                body["top_logprobs"] = s.logprobs
-        return path, body
-
-    def _content(self, parts: Sequence[str | ImageInput]) -> str | list[dict[str, Any]]:
-        if all(isinstance(p, str) for p in parts):
-            return "\n".join(parts)  # type: ignore[arg-type]
-        return [
-            {"type": "text", "text": p}
-            if isinstance(p, str)
-            else self._images.get(p, self.image_input)
-            for p in parts
-        ]
-
-    def _candidates(self, request: GenerationRequest) -> list[Replica]:
-        order = self._router.order(route_key(request))
-        if self.image_input != "embeds":
-            return order
-        prefixes = {
-            p.digest.split(":", 1)[0]
-            for m in request.messages
-            for p in m.content
-            if isinstance(p, ImageInput) and ":" in p.digest
-        }
-        if not prefixes:
-            return order
-        fit = [
-            r
-            for r in order
-            if r.encoder_fingerprint is None
-            or all(r.encoder_fingerprint.startswith(p) for p in prefixes)
-        ]
-        if not fit:
-            raise EngineError(
-                "every upstream replica reports another encoder fingerprint than this gateway's",
-                code="upstream_error",
-            )
-        return fit
+        return request_body(request, self._images, self.image_input, salted=self._cache_salt)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         if request.sampling.grammar is not None:
@@ -528,7 +296,7 @@ class OpenAIEngine:
             path, body = await asyncio.to_thread(self._body, request)  # base64 of megabytes
         else:
             path, body = self._body(request)
-        order = self._candidates(request)
+        order = self._pool.candidates(request)
         failures: list[str] = []
         busy_after: list[float] = []
         self._runs.add(run)
@@ -606,7 +374,7 @@ class OpenAIEngine:
                 "visiongate.upstream.attempt": attempt,
             },
         )
-        headers = self._headers(replica)
+        headers = self._pool.headers(replica)
         headers["content-type"] = "application/json"
         _propagator.inject(headers, context=trace.set_span_in_context(span))
         payload = json_encoder.encode({"model": replica.model or self.model_id, **body})
@@ -615,7 +383,15 @@ class OpenAIEngine:
         run.sent_at = None
         replica.in_flight += 1
         reader = asyncio.create_task(
-            self._read(f"{replica.upstream.base_url}{path}", payload, headers, queue, run, span)
+            read_events(
+                self._client,
+                f"{replica.upstream.base_url}{path}",
+                payload,
+                headers,
+                queue,
+                run,
+                span,
+            )
         )
         outcome = "error"
         try:
@@ -652,16 +428,16 @@ class OpenAIEngine:
         except Exception as exc:  # transport errors, a broken stream, bad JSON
             if run.emitted:
                 raise _mid_answer(replica, exc) from None
-            self._set_health(replica, False, _reason(exc))
+            self._pool.set_health(replica, False, failure_reason(exc))
             outcome = "error" if last else "failover"
-            raise Retry(_reason(exc)) from None
+            raise Retry(failure_reason(exc)) from None
         finally:
             if outcome == "error" and run.cancel.is_set():
                 outcome = "cancelled"
             if outcome == "ok" and not reader.done() and not run.overrun:
                 # it reads the body's last bytes, so the connection goes back to the pool;
                 # a body that does not end soon is cut (its connection closed)
-                drain = asyncio.create_task(_drain(reader))
+                drain = asyncio.create_task(drain_reader(reader))
                 self._draining.add(drain)
                 drain.add_done_callback(self._draining.discard)
             else:  # closing the response mid-stream makes the replica abort the request
@@ -689,7 +465,7 @@ class OpenAIEngine:
             raise Retry("HTTP 429", busy_after=exc.retry_after or 1.0)
         if status >= 500 or status == 408:
             if status >= 500:
-                self._set_health(replica, False, f"HTTP {status}")
+                self._pool.set_health(replica, False, f"HTTP {status}")
             raise Retry(f"HTTP {status}: {clip(exc.text)}")
         if status in (400, 422):
             if exc.code == "context_length_exceeded" or _CONTEXT_MESSAGE.search(exc.text):
@@ -709,129 +485,8 @@ class OpenAIEngine:
             code="upstream_error",
         )
 
-    async def _read(
-        self,
-        url: str,
-        payload: bytes,
-        headers: dict[str, str],
-        queue: asyncio.Queue[Any],
-        run: Run,
-        span: Span,
-    ) -> None:
-        """Send the request and put its parsed chunks on `queue`, then `DONE` (or `EOF`, or
-        the error)."""
-        assert self._client is not None
-
-        async def sent(name: str, _info: Mapping[str, Any]) -> None:
-            if name.endswith("send_request_headers.started"):
-                run.sent_at = time.perf_counter()
-
-        try:
-            request = self._client.build_request(
-                "POST", url, content=payload, headers=headers, extensions={"trace": sent}
-            )
-            response = await self._client.send(request, stream=True)
-            try:
-                span.set_attribute("http.response.status_code", response.status_code)
-                if response.status_code != 200:
-                    body = await response.aread()
-                    raise UpstreamStatus(response.status_code, body, retry_after(response.headers))
-                decode = chunk_decoder.decode
-                done = False
-                # server-sent events split into lines by hand, on bytes (msgspec decodes each
-                # `data:` line's bytes directly). `partial` holds an unfinished line; only new
-                # bytes are searched for its end, so a long line costs linear time.
-                partial = bytearray()
-                async for piece in response.aiter_bytes():
-                    if done:
-                        continue  # after [DONE]: read to the end of the body all the same
-                    cut = max(piece.rfind(b"\n"), piece.rfind(b"\r"))  # \n, \r\n or \r
-                    if cut < 0:
-                        partial += piece
-                        if len(partial) > MAX_SSE_LINE_BYTES:
-                            raise StreamBroken("an upstream event line is too long")
-                        continue
-                    head, rest = piece[: cut + 1], piece[cut + 1 :]
-                    if partial:
-                        partial += head
-                        head = bytes(partial)
-                        partial.clear()
-                    partial += rest
-                    for line in head.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"):
-                        if not line.startswith(b"data:"):
-                            continue  # blank separators, comments, event names
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            done = True
-                            queue.put_nowait(DONE)
-                            break
-                        queue.put_nowait(decode(data))
-                last = bytes(partial).strip()
-                if not done and last.startswith(b"data:"):  # a last line without its newline
-                    data = last[5:].strip()
-                    if data == b"[DONE]":
-                        done = True
-                        queue.put_nowait(DONE)
-                    elif data:
-                        queue.put_nowait(decode(data))
-                if not done:
-                    queue.put_nowait(EOF)
-            finally:
-                await response.aclose()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            queue.put_nowait(exc)
-
 
 def _mid_answer(replica: Replica, exc: BaseException) -> EngineError:
     """What a failure after the first text becomes (the replica's words stay in the log)."""
-    log.warning("upstream.failed_mid_answer", upstream=replica.name, reason=_reason(exc))
+    log.warning("upstream.failed_mid_answer", upstream=replica.name, reason=failure_reason(exc))
     return EngineError("the upstream replica failed mid-answer", code="upstream_error")
-
-
-def _salt_of(owner: str) -> str:
-    return hashlib.sha256(f"visiongate-cache-salt\0{owner}".encode()).hexdigest()
-
-
-async def _drain(reader: asyncio.Task[None]) -> None:
-    """Let `reader` finish a body whose answer is complete, for at most DRAIN_S."""
-    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
-        await asyncio.wait_for(reader, DRAIN_S)
-
-
-def _reason(exc: object) -> str:
-    """A short reason for logs and errors (never a key: exceptions name host:port at most)."""
-    if isinstance(exc, httpx.ConnectError):
-        return "connection refused or unreachable"
-    if isinstance(exc, httpx.TimeoutException):
-        return f"timed out ({type(exc).__name__})"
-    if isinstance(exc, httpx.TransportError):
-        return f"connection failed ({type(exc).__name__})"
-    if isinstance(exc, BaseException):
-        return clip(str(exc) or type(exc).__name__)
-    return clip(str(exc))
-
-
-def _text_hidden_size(model_path: str) -> int:
-    """The language model's hidden size from a checkpoint's config.json (its text config's,
-    for a VLM); 0 when it does not say (a tokenizer-only directory has no config.json)."""
-    path = os.path.join(model_path, "config.json")
-    if not os.path.isfile(path):
-        return 0
-    with open(path) as f:
-        config = json.load(f)
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    size = text.get("hidden_size") or config.get("hidden_size")
-    if size:
-        return int(size)
-    from transformers import AutoConfig  # defaults a sparse config.json leaves out
-
-    auto = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    return int(getattr(auto.get_text_config(), "hidden_size", 0) or 0)
-
-
-def _load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)

@@ -181,7 +181,7 @@ def test_from_settings(tmp_path: Path) -> None:
     assert engine.hidden_size == 2048
     assert engine.context_tokens == 16384
     assert [r.model for r in engine._router.replicas] == ["m1", "m2"]
-    assert engine._checkpoint == "Qwen2.5-VL-3B-Instruct"
+    assert engine._pool.checkpoint == "Qwen2.5-VL-3B-Instruct"
     plain = OpenAIEngine.from_settings(
         Settings(engine="openai", upstreams=["http://127.0.0.1:9001"])
     )
@@ -731,7 +731,7 @@ async def test_events_cut_anywhere_are_read_whole() -> None:
 
 
 async def test_an_endless_event_line_fails_the_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gateway.engine.upstream.openai_engine as module
+    import gateway.engine.upstream.sse as module
 
     monkeypatch.setattr(module, "MAX_SSE_LINE_BYTES", 4096)
     pieces = [b"data: " + b"x" * 1024] * 8  # never a newline
