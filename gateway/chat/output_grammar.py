@@ -1,10 +1,13 @@
-"""Tools, `tool_choice` and response formats as constrained-decoding grammars and prompt text.
+"""Tools and `tool_choice` as a constrained-decoding grammar and prompt text: the tool plan.
 
-Both HTTP APIs (Chat Completions and Responses) hand their wire fields here and get back a
-`ToolPlan`: the text that tells the model which tools it has and how to call them, and one
-grammar (`SamplingParams.grammar`) that makes its answer exactly one of the allowed shapes.
-`gateway.chat.tool_stream` reads the answer back into text and calls. Pure functions: no engine,
-no server, no I/O.
+Both HTTP APIs (Chat Completions and Responses) and the Realtime API hand their wire fields here
+and get back a `ToolPlan`: the text that tells the model which tools it has and how to call
+them, and one grammar (`SamplingParams.grammar`) that makes its answer exactly one of the
+allowed shapes. `gateway.chat.tool_stream` reads the answer back into text and calls. Response
+formats (`response_format`, `text.format`) and the JSON-schema pieces of a grammar are
+`gateway.chat.response_formats` (re-exported here, as the reader's names of `tool_stream` are,
+so a transport imports its output grammars from one place); a format's grammar is the text
+branch of the plan's. Pure functions: no engine, no server, no I/O.
 
 Why llguidance: its grammars are Lark with JSON schemas embedded (`%json {...}`), so "plain text
 or these tool calls, each with arguments of its own schema" is one grammar; it computes each
@@ -23,34 +26,42 @@ Decisions:
   An empty or missing schema is any JSON object.
 - Given the answer's token budget, the grammar narrows what a schema leaves unbounded (string
   and array lengths, other properties, the number of parallel calls) so that its longest answer
-  fits (`bound_schema`): a small model looping inside a string then closes it instead of being
-  cut by `max_tokens`. Every answer still validates against the client's schema.
+  fits (`schema_bounds.bound_schema`): a small model looping inside a string then closes it
+  instead of being cut by `max_tokens`. Every answer still validates against the client's schema.
 - `auto`: either plain text (which does not start with `<` and never contains `<tool_call>`; the
   response format's grammar instead, when there is one) or calls. `required`: one call, or one
   or more when `parallel_tool_calls`. A named function: exactly one call of it. `none`: the
   tools stay listed in the prompt, and the grammar allows plain text only. The prompt is the
   same under every choice (the grammar alone enforces it), so a conversation that moves from
   `required` to `auto` or `none` keeps its whole prefix in the KV cache.
-- Sizes are bounded before llguidance sees anything: names, descriptions, each schema (64 KiB)
-  and all of them together (the engine compiles grammars of at most `MAX_GRAMMAR_CHARS`).
-  Validation of a grammar is remembered by digest, since clients resend the same tools.
+- Sizes are bounded before llguidance sees anything: the number of tools, names, descriptions,
+  each schema and all of them together (the engine compiles grammars of at most
+  `MAX_GRAMMAR_CHARS`).
 - Every refusal is `invalid_request` with `param` naming the field in the caller's terms.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import llguidance
 import structlog
 
+from gateway.chat.response_formats import (
+    MAX_GRAMMAR_CHARS,
+    NAME_RE,
+    TEXT_START,
+    check_description,
+    check_schema,
+    checked_grammar,
+    json_rule,
+    response_format_grammar,
+    schema_text,
+    text_format_grammar,
+)
+from gateway.chat.schema_bounds import CHARS_PER_TOKEN, bound_schema, longest_chars
 from gateway.chat.tool_stream import (
     CALL_HEAD,
     CALL_JOIN,
@@ -71,9 +82,7 @@ from gateway.chat.tool_stream import (
 from gateway.protocol.errors import GatewayError, clip
 
 __all__ = (
-    "MAX_DESCRIPTION_CHARS",
-    "MAX_GRAMMAR_CHARS",
-    "MAX_SCHEMA_BYTES",
+    "MAX_CALLS",
     "MAX_TOOLS",
     "MAX_TOOLS_SCHEMA_BYTES",
     "ArgumentsPiece",
@@ -84,7 +93,6 @@ __all__ = (
     "ToolCallStream",
     "ToolPlan",
     "ToolSpec",
-    "bound_schema",
     "call_id",
     "plain_text_grammar",
     "plan_tools",
@@ -101,32 +109,13 @@ __all__ = (
 log = structlog.get_logger(__name__)
 
 MAX_TOOLS = 128
-MAX_SCHEMA_BYTES = 64 * 1024  # a schema's JSON text
-# the largest grammar the engine compiles (gateway.engine.local.grammar.MAX_GRAMMAR_CHARS; not
-# imported:
-# this module stays free of torch); the grammar holds every schema, hence the bound on them all
-MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_TOOLS_SCHEMA_BYTES = MAX_GRAMMAR_CHARS
-# the engine's bounds on one matcher (gateway.engine.local.grammar.PARSER_LIMITS, not imported for
-# the
-# same reason): a grammar is validated under them, so what passes here compiles there
-PARSER_LIMITS = {
-    "max_lexer_states": 50_000,
-    "step_lexer_fuel": 100_000,
-    "initial_lexer_fuel": 1_000_000,
-    "step_max_items": 50_000,
-}
-MAX_DESCRIPTION_CHARS = 4096
-NAME_RE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+MAX_CALLS = 16  # parallel calls in one answer, at most
 
 Choice = Literal["auto", "none", "required", "function"]
 
-# A response format's grammar: this first line, then rules defining `answer_text`, so that
-# `plan_tools` can offer it as the text branch beside the calls.
-_TEXT_START = "start: answer_text\n"
 # plain text under `auto`: empty, or not starting with `<`, and never holding a call's tag
 _PLAIN_TEXT = "TEXT: /(?s:[^<].*)?/ & ~/(?s:.*)<tool_call>(?s:.*)/\n"
-_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +163,7 @@ def tools_from_chat(tools: list[dict] | None, param: str = "tools") -> list[Tool
         specs.append(_tool_spec(function, f"{where}.function", strict_default=False))
     _check_tool_set(specs, param, lambda i: f"{param}[{i}].function.name")
     for i, spec in enumerate(specs):  # the costly check last, on a set of bounded size
-        _check_schema(spec.parameters, spec.strict, f"{param}[{i}].function.parameters")
+        check_schema(spec.parameters, spec.strict, f"{param}[{i}].function.parameters")
     return specs
 
 
@@ -188,7 +177,7 @@ def tools_from_responses(tools: list[dict] | None, param: str = "tools") -> list
         specs.append(_tool_spec(item, where, strict_default=True))
     _check_tool_set(specs, param, lambda i: f"{param}[{i}].name")
     for i, spec in enumerate(specs):
-        _check_schema(spec.parameters, spec.strict, f"{param}[{i}].parameters")
+        check_schema(spec.parameters, spec.strict, f"{param}[{i}].parameters")
     return specs
 
 
@@ -217,25 +206,15 @@ def _tool_spec(fields: dict, where: str, *, strict_default: bool) -> ToolSpec:
     name = fields.get("name")
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise _refuse(f"{where}.name", "must be 1 to 64 characters of a-z, A-Z, 0-9, _ and -")
-    description = _description(fields.get("description"), f"{where}.description")
+    description = check_description(fields.get("description"), f"{where}.description")
     strict = fields.get("strict")
     if strict is None:
         strict = strict_default
     elif not isinstance(strict, bool):
         raise _refuse(f"{where}.strict", "must be a boolean")
     parameters = _object_schema(fields.get("parameters"), f"{where}.parameters")
-    _schema_text(parameters, f"{where}.parameters")
+    schema_text(parameters, f"{where}.parameters")
     return ToolSpec(name, description, parameters, strict)
-
-
-def _description(value: object, param: str) -> str:
-    if value is None:
-        return ""
-    if not isinstance(value, str):
-        raise _refuse(param, "must be a string")
-    if len(value) > MAX_DESCRIPTION_CHARS:
-        raise _refuse(param, f"at most {MAX_DESCRIPTION_CHARS} characters, got {len(value)}")
-    return value
 
 
 def _object_schema(schema: object, param: str) -> dict:
@@ -260,296 +239,13 @@ def _check_tool_set(
         if spec.name in seen:
             raise _refuse(name_param(i), f"tool name {spec.name!r} is used twice")
         seen.add(spec.name)
-    total = sum(len(_schema_text(spec.parameters, param).encode()) for spec in specs)
+    total = sum(len(schema_text(spec.parameters, param).encode()) for spec in specs)
     if total > MAX_TOOLS_SCHEMA_BYTES:
         raise _refuse(
             param,
             f"the tools' parameters schemas take {total} bytes; at most "
             f"{MAX_TOOLS_SCHEMA_BYTES} together",
         )
-
-
-# -- schemas and grammars ------------------------------------------------------------------------
-
-
-def _schema_text(schema: dict, param: str) -> str:
-    """The schema's JSON text, bounded; what the grammar embeds and the prompt shows."""
-    try:
-        text = json.dumps(schema, ensure_ascii=False, allow_nan=False)
-    except (ValueError, TypeError, RecursionError):
-        raise _refuse(param, "must be a JSON schema (plain JSON values)") from None
-    if len(text.encode()) > MAX_SCHEMA_BYTES:
-        raise _refuse(param, f"at most {MAX_SCHEMA_BYTES} bytes of JSON")
-    return text
-
-
-def _json_rule(schema: dict, strict: bool, budget: int | None = None) -> str:
-    """`%json {...}` of the schema, its output compact; a strict schema's unsupported keywords
-    are errors, a lax one's are ignored. The schema's own `x-guidance` is replaced: the layout
-    of the output is ours to fix. With `budget` (the answer's max tokens), what the schema
-    leaves unbounded is bounded to fit it (`bound_schema`)."""
-    options = _COMPACT if strict else {**_COMPACT, "lenient": True}
-    if budget is not None:
-        schema = bound_schema(schema, budget)
-    body = {key: value for key, value in schema.items() if key != "x-guidance"}
-    body["x-guidance"] = options
-    # the grammar's own JSON text is compact too: the engine bounds the grammar's size
-    text = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    return "%json " + text
-
-
-# -- bounds on what a schema leaves unbounded ---------------------------------------------------
-
-# A small model asked for JSON may loop inside a string or an array until `max_tokens` cuts it
-# (the SDK's `.parse()` then raises). So the grammar narrows the schema, never widening it, so
-# that every answer it allows still validates against the client's schema, and its longest
-# answer fits the token budget: strings without `maxLength` (nor enum, const, pattern or
-# format) get one, arrays without `maxItems` get one, objects with `properties` and no word on
-# others take no others, and free objects (no `properties`) take at most a few keys of at most
-# 32 identifier characters, holding scalars or lists of them.
-CHARS_PER_TOKEN = 2  # what a token of JSON text holds, taken low: the bounds are sized by it
-MAX_CALLS = 16  # parallel calls in one answer, at most
-# (string length, array length) tried in turn, the largest first, the two cut by turns
-BOUNDS = (
-    (512, 16), (256, 16), (256, 8), (128, 8), (128, 4), (64, 4), (64, 2), (32, 2), (32, 1),
-    (16, 1), (8, 1),
-)  # fmt: skip
-_FREE_KEY = "^[A-Za-z0-9_ -]{1,32}$"
-_UNBOUNDED = 10**6  # what the estimate counts for a part of unknown size (a $ref)
-
-
-def bound_schema(schema: dict, budget: int) -> dict:
-    """`schema` narrowed so that its longest answer fits about `budget` tokens: the longest
-    strings and arrays that fit, else the shortest (8 characters, one item)."""
-    chars = budget * CHARS_PER_TOKEN
-    for length, items in BOUNDS:
-        bounded = _bound(schema, length, items)
-        if _longest(bounded, length) <= chars:
-            break
-    return bounded
-
-
-def _bound(node: object, length: int, items: int) -> object:
-    if isinstance(node, list):
-        return [_bound(item, length, items) for item in node]
-    if not isinstance(node, dict):
-        return node
-    out = {key: _bound_child(key, value, length, items) for key, value in node.items()}
-    kinds = node.get("type")
-    kinds = set(kinds) if isinstance(kinds, list) else {kinds} if kinds else set()
-    fixed = any(k in node for k in ("enum", "const", "$ref"))
-    if "string" in kinds and not fixed and not {"maxLength", "pattern", "format"} & set(node):
-        out["maxLength"] = max(length, _count(node, "minLength", 0))
-    if "array" in kinds and not fixed and "maxItems" not in node:
-        out["maxItems"] = max(items, _count(node, "minItems", 0))
-    if "object" in kinds and not fixed:
-        others = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
-        if node.get("properties") and not others & set(node):
-            out["additionalProperties"] = False  # only the named ones
-        elif not node.get("properties") and not others & set(node):
-            out["patternProperties"] = {_FREE_KEY: _free_value(length, items)}
-            out["additionalProperties"] = False
-            out.setdefault("maxProperties", max(items, _count(node, "minProperties", 0)))
-    return out
-
-
-def _bound_child(key: str, value: object, length: int, items: int) -> object:
-    if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(
-        value, dict
-    ):
-        return {name: _bound(sub, length, items) for name, sub in value.items()}
-    if key in ("items", "additionalProperties", "prefixItems", "anyOf", "oneOf", "allOf"):
-        return _bound(value, length, items)
-    return value  # enum and const values, descriptions, numbers: as they are
-
-
-def _count(node: dict, key: str, default: int) -> int:
-    """A schema's count keyword (`minItems`, `maxLength`, ...) if it is a non-negative integer,
-    else `default`: a malformed one is left for the grammar compiler to refuse."""
-    value = node.get(key)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return default
-
-
-def _listed(node: dict, key: str) -> list:
-    value = node.get(key)
-    return value if isinstance(value, list) else []
-
-
-def _free_value(length: int, items: int) -> dict:
-    scalar: list[dict] = [
-        {"type": "string", "maxLength": length},
-        {"type": "number"},
-        {"type": "boolean"},
-        {"type": "null"},
-    ]
-    listed = {"type": "array", "items": {"anyOf": scalar}, "maxItems": items}
-    return {"anyOf": [*scalar, listed]}
-
-
-def _longest(node: object, length: int) -> int:
-    """An estimate of the longest compact JSON text `node` allows, in characters."""
-    if not isinstance(node, dict):
-        return 5 if node is True else 0
-    if "const" in node:
-        return len(json.dumps(node["const"]))
-    if isinstance(node.get("enum"), list) and node["enum"]:
-        return max(len(json.dumps(value)) for value in node["enum"])
-    if "$ref" in node:
-        return _UNBOUNDED
-    branches = [b for key in ("anyOf", "oneOf") for b in _listed(node, key)]
-    if branches:
-        return max(_longest(b, length) for b in branches)
-    kinds = node.get("type")
-    kinds = kinds if isinstance(kinds, list) else [kinds] if kinds else ["object"]
-    return max(_longest_of(kind, node, length) for kind in kinds)
-
-
-def _longest_of(kind: str, node: dict, length: int) -> int:
-    if kind == "string":
-        return _count(node, "maxLength", length) + 2
-    if kind in ("number", "integer"):
-        return 24
-    if kind in ("boolean", "null"):
-        return 5
-    if kind == "array":
-        count = _count(node, "maxItems", _UNBOUNDED)
-        item = node.get("items")
-        prefix = _listed(node, "prefixItems")
-        # counted, never listed: a client's minItems may be in the billions
-        sizes = [_longest(p, length) + 2 for p in prefix[:count]]
-        total = 2 + sum(sizes)
-        if isinstance(item, dict) or item is None:
-            total += (_longest(item or {}, length) + 2) * max(0, count - len(prefix))
-        return total
-    if kind == "object":
-        total = 2
-        properties = node.get("properties")
-        for name, sub in (properties if isinstance(properties, dict) else {}).items():
-            total += len(json.dumps(name)) + 4 + _longest(sub, length)
-        extra = node.get("patternProperties")
-        extra = extra if isinstance(extra, dict) else {}
-        for sub in extra.values():
-            total += _count(node, "maxProperties", _UNBOUNDED) * (38 + _longest(sub, length))
-        if node.get("additionalProperties", True) is not False and not extra:
-            total += _UNBOUNDED
-        return total
-    return _UNBOUNDED
-
-
-def _check_schema(schema: dict, strict: bool, param: str) -> None:
-    _checked(f"start: value\nvalue: {_json_rule(schema, strict)}\n", param)
-
-
-def _checked(grammar: str, param: str, what: str = "the schema is not supported") -> str:
-    """`grammar`, if the engine will compile it; else a refusal naming `param`."""
-    if len(grammar) > MAX_GRAMMAR_CHARS:
-        raise _refuse(
-            param,
-            f"the grammar it makes has {len(grammar)} characters; at most {MAX_GRAMMAR_CHARS}",
-        )
-    error = _grammar_error(grammar)
-    if error:
-        raise _refuse(param, f"{what}: {error}")
-    return grammar
-
-
-def _grammar_error(grammar: str) -> str:
-    """llguidance's complaint about a grammar, without its position and echo of the grammar (""
-    if none). Remembered by digest: clients send the same tools request after request, and a
-    large tool set takes llguidance tens of milliseconds (with the GIL released)."""
-    key = hashlib.sha256(grammar.encode()).digest()
-    with _validated_lock:
-        if key in _validated:
-            _validated.move_to_end(key)
-            return _validated[key]
-    message = llguidance.LLMatcher.validate_grammar(
-        grammar, limits=llguidance.LLParserLimits(**PARSER_LIMITS)
-    )
-    # drop the position and llguidance's echo of the grammar (numbered lines, carets)
-    lines = [line.strip() for line in message.splitlines() if not _ECHO.match(line)]
-    error = re.sub(r"^at \d+\(\d+\): ", "", " ".join(line for line in lines if line))
-    with _validated_lock:
-        _validated[key] = error
-        while len(_validated) > _VALIDATED_MAX:
-            _validated.popitem(last=False)
-    return error
-
-
-_ECHO = re.compile(r"\s*(\d+ \|.*|\^+)\s*$")
-_VALIDATED_MAX = 1024
-_validated: OrderedDict[bytes, str] = OrderedDict()  # grammar digest -> error ("" when valid)
-_validated_lock = threading.Lock()
-
-
-def _format_grammar(schema: dict, strict: bool, param: str, budget: int | None) -> str:
-    _schema_text(schema, param)
-    rule = _json_rule(schema, strict, budget)
-    return _checked(f"{_TEXT_START}answer_text: {rule}\n", param)
-
-
-def response_format_grammar(
-    fmt: dict | None, param: str = "response_format", *, budget: int | None = None
-) -> str | None:
-    """Chat Completions' `response_format`: text (None), any JSON object, or a JSON schema
-    (`{"type": "json_schema", "json_schema": {name, schema, strict, description}}`). `budget`:
-    the answer's max tokens, which the JSON's unbounded parts are bounded to fit."""
-    kind = _format_type(fmt, param)
-    if kind != "json_schema" or not isinstance(fmt, dict):
-        return _simple_format(kind, budget)
-    spec = fmt.get("json_schema")
-    if not isinstance(spec, dict):
-        raise _refuse(f"{param}.json_schema", "must be an object: name, schema, strict")
-    return _schema_format(spec, f"{param}.json_schema", budget)
-
-
-def text_format_grammar(
-    fmt: dict | None, param: str = "text.format", *, budget: int | None = None
-) -> str | None:
-    """The Responses API's `text.format`: `{"type": "text" | "json_object"}` or
-    `{"type": "json_schema", name, schema, strict, description}`; `budget` as in
-    `response_format_grammar`."""
-    kind = _format_type(fmt, param)
-    if kind != "json_schema" or not isinstance(fmt, dict):
-        return _simple_format(kind, budget)
-    return _schema_format(fmt, param, budget)
-
-
-def _format_type(fmt: object, param: str) -> str:
-    if fmt is None:
-        return "text"
-    if not isinstance(fmt, dict):
-        raise _refuse(param, "must be an object with a type")
-    kind = fmt.get("type")
-    if kind not in ("text", "json_object", "json_schema"):
-        raise _refuse(
-            f"{param}.type",
-            f"format {_shown(kind)} is not supported: 'text', 'json_object' or 'json_schema'",
-        )
-    return kind
-
-
-def _simple_format(kind: str, budget: int | None) -> str | None:
-    if kind == "text":
-        return None
-    return f"{_TEXT_START}answer_text: {_json_rule({'type': 'object'}, True, budget)}\n"
-
-
-def _schema_format(spec: dict, param: str, budget: int | None) -> str:
-    name = spec.get("name")
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise _refuse(f"{param}.name", "must be 1 to 64 characters of a-z, A-Z, 0-9, _ and -")
-    _description(spec.get("description"), f"{param}.description")
-    strict = spec.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise _refuse(f"{param}.strict", "must be a boolean")
-    schema = spec.get("schema")
-    if schema is None:
-        schema = {"type": "object"}
-    elif not isinstance(schema, dict):
-        raise _refuse(f"{param}.schema", "must be a JSON schema object")
-    return _format_grammar(schema, bool(strict), f"{param}.schema", budget)
 
 
 # -- the plan ------------------------------------------------------------------------------------
@@ -574,7 +270,7 @@ def plan_tools(
         parallel = parallel_tool_calls
     else:
         raise _refuse("parallel_tool_calls", "must be a boolean")
-    if text_grammar is not None and not text_grammar.startswith(_TEXT_START):
+    if text_grammar is not None and not text_grammar.startswith(TEXT_START):
         raise ValueError("text_grammar must come from response_format_grammar")
     if not tools:
         # "auto" and "none" without tools mean plain text, as OpenAI takes them (clients send
@@ -593,7 +289,7 @@ def plan_tools(
         grammar = text_grammar or plain_text_grammar()
         return ToolPlan(tuple(tools), choice, None, parallel, prompt, grammar)
     offered = [t for t in tools if t.name == function] if function else tools
-    grammar = _checked(
+    grammar = checked_grammar(
         _tools_grammar(offered, choice, parallel, text_grammar, budget),
         "tools",
         "the tools' schemas are not supported together",
@@ -606,7 +302,7 @@ def plain_text_grammar() -> str:
     """Plain text that does not start with `<` and never holds a call's tag. Also for an answer
     after tool results when no tools are offered: a small model otherwise imitates the
     results' markup (`<tool_response>...`) instead of answering."""
-    return _checked("start: TEXT\n" + _PLAIN_TEXT, "tools", "the plain-text grammar")
+    return checked_grammar("start: TEXT\n" + _PLAIN_TEXT, "tools", "the plain-text grammar")
 
 
 def _parse_choice(tool_choice: object, names: set[str], param: str) -> tuple[Choice, str | None]:
@@ -655,9 +351,9 @@ def _tools_grammar(
     for i, tool in enumerate(tools):
         schema = tool.parameters if budget is None else bound_schema(tool.parameters, budget)
         lines.append(f"fn_{i}: {_literal(tool.name + CALL_SEP)} args_{i}")
-        lines.append(f"args_{i}: {_json_rule(schema, tool.strict)}")
+        lines.append(f"args_{i}: {json_rule(schema, tool.strict)}")
         overhead = len(CALL_HEAD + tool.name + CALL_SEP + CALL_TAIL + CALL_JOIN)
-        longest_call = max(longest_call, overhead + _longest(schema, 0))
+        longest_call = max(longest_call, overhead + longest_chars(schema, 0))
     if not parallel:
         lines.insert(1, "calls: call")
     elif budget is None:
@@ -672,7 +368,7 @@ def _tools_grammar(
         if text_grammar is None:
             start = "start: TEXT | calls\n" + _PLAIN_TEXT
         else:
-            start = "start: answer_text | calls\n" + text_grammar[len(_TEXT_START) :]
+            start = "start: answer_text | calls\n" + text_grammar[len(TEXT_START) :]
     elif choice == "required":
         start = "start: calls\n"
     else:  # one call of the named function

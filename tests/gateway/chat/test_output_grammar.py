@@ -20,9 +20,6 @@ import numpy as np
 import pytest
 
 from gateway.chat.output_grammar import (
-    MAX_DESCRIPTION_CHARS,
-    MAX_GRAMMAR_CHARS,
-    MAX_SCHEMA_BYTES,
     MAX_TOOLS,
     ArgumentsPiece,
     CallStart,
@@ -30,18 +27,23 @@ from gateway.chat.output_grammar import (
     TextPiece,
     ToolCall,
     ToolCallStream,
-    bound_schema,
     call_id,
     plan_tools,
     render_answer,
     render_tool_call,
     render_tool_result,
-    response_format_grammar,
     split_answer,
-    text_format_grammar,
     tools_from_chat,
     tools_from_responses,
 )
+from gateway.chat.response_formats import (
+    MAX_DESCRIPTION_CHARS,
+    MAX_GRAMMAR_CHARS,
+    MAX_SCHEMA_BYTES,
+    response_format_grammar,
+    text_format_grammar,
+)
+from gateway.chat.schema_bounds import bound_schema
 from gateway.protocol.errors import ERROR_CODES, GatewayError
 
 RID = "resp_0123"
@@ -213,7 +215,7 @@ def test_tool_choice_refusals(tools: Any, choice: Any, param: str, text: str) ->
 
 
 def test_grammars_stay_within_what_the_engine_compiles() -> None:
-    from gateway.chat.output_grammar import PARSER_LIMITS
+    from gateway.chat.response_formats import PARSER_LIMITS
     from gateway.engine.local.grammar import MAX_GRAMMAR_CHARS as ENGINE_MAX
     from gateway.engine.local.grammar import PARSER_LIMITS as ENGINE_LIMITS
 

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.chat.output_grammar import bound_schema
+from gateway.chat.schema_bounds import bound_schema
 from gateway.engine.interface import GenerationRequest, WarmUpResult
 from gateway.testing.fake_gateway import FakeGateway, eventually, start_gateway, unit_settings
 from gateway.testing.fakes import FakeEncoder, FakeEngine
