@@ -40,6 +40,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_level: str = "info"
     api_keys: list[str] = []  # empty: no authentication, every caller is "anonymous"
     rate_limit_per_minute: int = 0  # responses per minute per API key; 0: no limit
+    # the admin API's key (/v1/admin/keys): set, it turns managed API keys on (gateway.policy)
+    admin_api_key: str = ""
     # language model: "local" (in this process) or "openai" (streamed chat completions on
     # OpenAI-compatible upstream replicas: vLLM, SGLang, trtllm-serve, another visiongate)
     engine: str = "local"
@@ -175,6 +177,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             f"must be 1..{self.max_output_tokens_limit}, got {self.max_output_tokens}",
         )
         need(self.rate_limit_per_minute >= 0, "rate_limit_per_minute", "must be >= 0")
+        need(
+            not self.admin_api_key or len(self.admin_api_key) >= 16,
+            "admin_api_key",
+            "must be empty or at least 16 characters",
+        )
         need(
             self.lm_dtype in ("auto", "float32", "bfloat16", "float16", "int8"),
             "lm_dtype",

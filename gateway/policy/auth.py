@@ -1,18 +1,38 @@
 """API keys -> owner ids. With no keys configured every caller is the owner "anonymous".
 
+Two kinds of keys. Static ones, listed in the `api_keys` setting, own `key_<16 hex of the key's
+SHA-256>`. Managed ones (`gateway.policy.key_store`, made through the admin API once
+`admin_api_key` is set) own their record's id; a revoked or expired one is refused
+(`api_key_revoked`, `api_key_expired`, HTTP 401), and one whose record names allowed models that
+do not include the gateway's is refused with `permission_denied` (403).
+
 A key travels in a header only: `Authorization: Bearer <key>` (HTTP and WebSocket), or, for
 browsers, which cannot set headers on a WebSocket, in the Realtime API's subprotocol form
 `Sec-WebSocket-Protocol: realtime, openai-insecure-api-key.<key>`. The connection is then
 accepted with a subprotocol that carries no key (`public_subprotocol`), so the key is never
 echoed. A key in a URL (`?api_key=`) is refused: URLs end up in access logs, proxies and
 browser history.
+
+`owner()` is synchronous (transports call it where they have headers), while a managed key's
+record lives in the store. So an ASGI middleware (`gateway.policy.key_guard.KeyResolver`) looks
+the key up first, with `prefetch()`, and leaves the answer in a context variable that `owner()`
+reads in the same request. Lookups go through an in-process cache of `cache_ttl_s` (1 s): at
+most one store read per key per second per replica, and a revocation reaches every replica
+within that second. While the store is unreachable a record read in the last `STALE_S` is
+still used; past that the caller gets `busy` (503), never a pass.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import hmac
-from collections.abc import Iterable, Mapping
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import structlog
 
 from gateway.protocol.errors import GatewayError
 from gateway.protocol.subprotocols import (
@@ -21,16 +41,31 @@ from gateway.protocol.subprotocols import (
     REALTIME_SUBPROTOCOL,
 )
 
+if TYPE_CHECKING:
+    from gateway.policy.key_store import KeyRecord, KeyStore
+
 __all__ = (
     "KEY_SUBPROTOCOL_PREFIX",
     "QUERY_KEY_REFUSED",
     "REALTIME_SUBPROTOCOL",
+    "STALE_S",
     "Authenticator",
+    "key_of",
     "public_subprotocol",
 )
 
+log = structlog.get_logger("visiongate.auth")
+
 # the WebSocket close reason (1008) for `?api_key=`
 QUERY_KEY_REFUSED = "pass the API key in the Authorization header or the subprotocol"
+STALE_S = 60.0  # how long a cached record stands in for a store that does not answer
+CACHE_ENTRIES = 10_000  # keys (and unknown digests) remembered; the oldest go first
+SCRUBBED_KEYS = 4096  # managed secrets registered with the log scrubber per process
+
+# (digest, record or None) that this request's middleware looked up
+_prefetched: contextvars.ContextVar[tuple[str, KeyRecord | None] | None] = contextvars.ContextVar(
+    "visiongate_prefetched_key", default=None
+)
 
 
 def public_subprotocol(offered: Iterable[str]) -> str | None:
@@ -50,36 +85,166 @@ def _subprotocol_key(offered: Iterable[str]) -> str:
     return ""
 
 
-class Authenticator:
-    __slots__ = ("_owners",)
+def key_of(headers: Mapping[str, str], subprotocols: Iterable[str] = ()) -> str:
+    """The key a caller sent: `Authorization: Bearer <key>`, else an offered
+    `openai-insecure-api-key.<key>` subprotocol; "" when neither."""
+    auth = headers.get("authorization", "")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        return value.strip() if scheme.lower() == "bearer" else ""
+    return _subprotocol_key(subprotocols)
 
-    def __init__(self, api_keys: list[str]) -> None:
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class Authenticator:
+    __slots__ = (
+        "_cache",
+        "_clock",
+        "_owners",
+        "_records",
+        "_scrubbed",
+        "_served_model",
+        "cache_ttl_s",
+        "store",
+    )
+
+    def __init__(
+        self,
+        api_keys: list[str],
+        store: KeyStore | None = None,
+        *,
+        cache_ttl_s: float = 1.0,
+        served_model: Callable[[], str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         # the owner id is a hash of the key: stable across restarts, never the key itself
-        self._owners = {
-            key: "key_" + hashlib.sha256(key.encode()).hexdigest()[:16] for key in api_keys
-        }
+        self._owners = {key: "key_" + _digest(key)[:16] for key in api_keys}
+        self.store = store
+        self.cache_ttl_s = cache_ttl_s
+        self._served_model = served_model
+        self._clock = clock
+        # digest -> (read at, record or None for an unknown digest)
+        self._cache: OrderedDict[str, tuple[float, KeyRecord | None]] = OrderedDict()
+        self._records: OrderedDict[str, KeyRecord] = OrderedDict()  # key id -> last record read
+        self._scrubbed: set[str] = set()
 
     @property
     def enabled(self) -> bool:
-        return bool(self._owners)
+        return bool(self._owners) or self.store is not None
 
-    def owner(self, headers: Mapping[str, str], subprotocols: Iterable[str] = ()) -> str:
-        """The caller's owner id from `Authorization: Bearer <key>`, else (WebSocket only) from
-        an offered `openai-insecure-api-key.<key>` subprotocol. GatewayError(unauthorized) when
-        keys are configured and neither carries a known one; the message never holds the key."""
-        if not self._owners:
-            return "anonymous"
-        auth = headers.get("authorization", "")
-        if auth:
-            scheme, _, value = auth.partition(" ")
-            key = value.strip() if scheme.lower() == "bearer" else ""
-        else:
-            key = _subprotocol_key(subprotocols)
+    def static_owner(self, key: str) -> str | None:
         found = None
         # compare against every key so the time taken does not tell which prefix matched
         for known, owner in self._owners.items():
             if key and hmac.compare_digest(key.encode(), known.encode()):
                 found = owner
-        if found is None:
-            raise GatewayError("unauthorized", "missing or unknown API key")
         return found
+
+    # ------------------------------------------------------------ managed keys
+
+    async def lookup(self, key: str) -> KeyRecord | None:
+        """The managed record of `key` (None: unknown), from the cache when read in the last
+        `cache_ttl_s`. GatewayError(busy) when the store fails and nothing recent is cached."""
+        if self.store is None or not key:
+            return None
+        digest = _digest(key)
+        now = self._clock()
+        cached = self._cache.get(digest)
+        if cached is not None and now - cached[0] < self.cache_ttl_s:
+            return cached[1]
+        try:
+            record = await self.store.by_digest(digest)
+        except Exception as exc:
+            if cached is not None and now - cached[0] < STALE_S:
+                return cached[1]
+            log.warning("key_store_unavailable", error=type(exc).__name__)
+            raise GatewayError("busy", "API keys cannot be checked right now; retry") from None
+        self._remember(digest, record, now)
+        if (
+            record is not None
+            and digest not in self._scrubbed
+            and len(self._scrubbed) < SCRUBBED_KEYS
+        ):
+            from gateway.telemetry import register_secrets
+
+            self._scrubbed.add(digest)
+            register_secrets([key])  # wherever a client puts it, it is redacted from logs
+        return record
+
+    def _remember(self, digest: str, record: KeyRecord | None, now: float) -> None:
+        self._cache[digest] = (now, record)
+        self._cache.move_to_end(digest)
+        while len(self._cache) > CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        if record is not None:
+            self._records[record.id] = record
+            self._records.move_to_end(record.id)
+            while len(self._records) > CACHE_ENTRIES:
+                self._records.popitem(last=False)
+
+    def forget(self, key_id: str) -> None:
+        """Drop what this process cached of a key (its revocation was just written here)."""
+        for digest, (_, record) in list(self._cache.items()):
+            if record is not None and record.id == key_id:
+                del self._cache[digest]
+
+    def admit(self, record: KeyRecord | None) -> str:
+        """The owner id of a managed record, or the GatewayError that refuses it."""
+        if record is None:
+            raise GatewayError("unauthorized", "missing or unknown API key")
+        if record.revoked:
+            raise GatewayError("api_key_revoked", "this API key was revoked")
+        if record.expired():
+            raise GatewayError("api_key_expired", "this API key has expired")
+        if record.models is not None and self._served_model is not None:
+            model = self._served_model()
+            if model not in record.models:
+                raise GatewayError("permission_denied", "this API key may not use this model")
+        return record.id
+
+    async def prefetch(self, headers: Mapping[str, str], subprotocols: Iterable[str] = ()) -> None:
+        """Look a managed key up ahead of `owner()` (the middleware calls it once a request).
+        Raises GatewayError(busy) when the store cannot be read."""
+        key = key_of(headers, subprotocols)
+        if self.store is None or not key or self.static_owner(key) is not None:
+            return
+        record = await self.lookup(key)
+        _prefetched.set((_digest(key), record))
+
+    async def resolve(self, headers: Mapping[str, str], subprotocols: Iterable[str] = ()) -> str:
+        """`owner()` for a caller outside a request the middleware saw (a periodic check)."""
+        key = key_of(headers, subprotocols)
+        static = self.static_owner(key) if key else None
+        if static is not None or not self.enabled:
+            return static or "anonymous"
+        return self.admit(await self.lookup(key))
+
+    def limits_of(self, owner: str) -> KeyRecord | None:
+        """The managed record behind an owner id, as last read (None: not a managed key)."""
+        return self._records.get(owner)
+
+    # ------------------------------------------------------------ the transports' entry
+
+    def owner(self, headers: Mapping[str, str], subprotocols: Iterable[str] = ()) -> str:
+        """The caller's owner id from `Authorization: Bearer <key>`, else (WebSocket only) from
+        an offered `openai-insecure-api-key.<key>` subprotocol. GatewayError(unauthorized) when
+        keys are configured and neither carries a known one; the message never holds the key."""
+        if not self.enabled:
+            return "anonymous"
+        key = key_of(headers, subprotocols)
+        found = self.static_owner(key)
+        if found is not None:
+            return found
+        if self.store is None or not key:
+            raise GatewayError("unauthorized", "missing or unknown API key")
+        digest = _digest(key)
+        prefetched = _prefetched.get()
+        if prefetched is not None and hmac.compare_digest(prefetched[0], digest):
+            return self.admit(prefetched[1])
+        cached = self._cache.get(digest)
+        if cached is not None and self._clock() - cached[0] < self.cache_ttl_s:
+            return self.admit(cached[1])
+        raise GatewayError("unauthorized", "missing or unknown API key")

@@ -6,6 +6,9 @@ script, so it runs on one Redis or any Redis Cluster node), so the limit holds a
 replicas; while Redis is unreachable the limiter lets requests through (and logs it) rather than
 refuse every key. A limit of 0 disables limiting. An exhausted owner gets
 GatewayError("rate_limited"), HTTP 429, with the seconds to wait in the message.
+
+`limit_of(owner)`, when given, names an owner's own limit (a managed API key's `rpm`), which
+replaces the gateway's `per_minute` for that owner; None: the gateway's.
 """
 
 from __future__ import annotations
@@ -56,24 +59,36 @@ def _limited(owner: str, per_minute: int, retry_s: float) -> GatewayError:
     )
 
 
-class MemoryRateLimiter:
-    __slots__ = ("_buckets", "_clock", "per_minute")
+LimitOf = Callable[[str], "int | None"]
 
-    def __init__(self, per_minute: int, *, clock=time.monotonic) -> None:
+
+def _limit(per_minute: int, limit_of: LimitOf | None, owner: str) -> int:
+    own = limit_of(owner) if limit_of is not None else None
+    return per_minute if own is None else own
+
+
+class MemoryRateLimiter:
+    __slots__ = ("_buckets", "_clock", "limit_of", "per_minute")
+
+    def __init__(
+        self, per_minute: int, *, clock=time.monotonic, limit_of: LimitOf | None = None
+    ) -> None:
         self.per_minute = per_minute
+        self.limit_of = limit_of
         self._buckets: dict[str, tuple[float, float]] = {}  # owner -> (tokens, updated_at)
         self._clock = clock
 
     async def acquire(self, owner: str) -> None:
-        if self.per_minute <= 0:
+        per_minute = _limit(self.per_minute, self.limit_of, owner)
+        if per_minute <= 0:
             return
         now = self._clock()
-        rate = self.per_minute / 60.0
-        tokens, updated = self._buckets.get(owner, (float(self.per_minute), now))
-        tokens = min(float(self.per_minute), tokens + (now - updated) * rate)
+        rate = per_minute / 60.0
+        tokens, updated = self._buckets.get(owner, (float(per_minute), now))
+        tokens = min(float(per_minute), tokens + (now - updated) * rate)
         if tokens < 1.0:
             self._buckets[owner] = (tokens, now)
-            raise _limited(owner, self.per_minute, (1.0 - tokens) / rate)
+            raise _limited(owner, per_minute, (1.0 - tokens) / rate)
         self._buckets[owner] = (tokens - 1.0, now)
 
     async def aclose(self) -> None:
@@ -92,18 +107,27 @@ return n
 
 
 class RedisRateLimiter:
-    __slots__ = ("_count", "_redis", "namespace", "per_minute")
+    __slots__ = ("_count", "_redis", "limit_of", "namespace", "per_minute")
 
-    def __init__(self, per_minute: int, redis_url: str, namespace: str = "vg") -> None:
+    def __init__(
+        self,
+        per_minute: int,
+        redis_url: str,
+        namespace: str = "vg",
+        *,
+        limit_of: LimitOf | None = None,
+    ) -> None:
         from gateway.caching.redis_connections import async_client
 
         self.per_minute = per_minute
+        self.limit_of = limit_of
         self.namespace = namespace
         self._redis = async_client(redis_url, socket_connect_timeout=2.0, socket_timeout=2.0)
         self._count = self._redis.register_script(_COUNT)
 
     async def acquire(self, owner: str) -> None:
-        if self.per_minute <= 0:
+        per_minute = _limit(self.per_minute, self.limit_of, owner)
+        if per_minute <= 0:
             return
         window = int(time.time() // 60)
         key = f"{self.namespace}:rate:{owner}:{window}"
@@ -117,8 +141,8 @@ class RedisRateLimiter:
                 "rate_limit_unavailable", error=repr(exc)
             )
             return
-        if int(count) > self.per_minute:
-            raise _limited(owner, self.per_minute, 60 - time.time() % 60)
+        if int(count) > per_minute:
+            raise _limited(owner, per_minute, 60 - time.time() % 60)
 
     async def aclose(self) -> None:
         await self._redis.aclose()
@@ -197,7 +221,9 @@ def refused_error(limit: int, retry_s: float) -> GatewayError:
     )
 
 
-def make_rate_limiter(per_minute: int, redis_url: str | None) -> RateLimiter:
-    if redis_url and per_minute > 0:
-        return RedisRateLimiter(per_minute, redis_url)
-    return MemoryRateLimiter(per_minute)
+def make_rate_limiter(
+    per_minute: int, redis_url: str | None, *, limit_of: LimitOf | None = None
+) -> RateLimiter:
+    if redis_url and (per_minute > 0 or limit_of is not None):
+        return RedisRateLimiter(per_minute, redis_url, limit_of=limit_of)
+    return MemoryRateLimiter(per_minute, limit_of=limit_of)

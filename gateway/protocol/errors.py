@@ -29,6 +29,13 @@ ERROR_CODES: dict[str, tuple[str, int]] = {
     "previous_response_not_found": ("invalid_request_error", 400),
     "session_not_found": ("invalid_request_error", 404),
     "unauthorized": ("authentication_error", 401),
+    # a managed API key (gateway.policy.key_store) that was revoked, or is past its expires_at
+    "api_key_revoked": ("authentication_error", 401),
+    "api_key_expired": ("authentication_error", 401),
+    # a key that is valid but may not do this: the admin API with a normal key, a model the
+    # key is not allowed
+    "permission_denied": ("permission_error", 403),
+    "api_key_not_found": ("invalid_request_error", 404),
     "rate_limited": ("rate_limit_error", 429),
     "busy": ("server_error", 503),
     "answer_not_stored": ("server_error", 503),

@@ -24,6 +24,7 @@ from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 
 from gateway import __version__ as VERSION
+from gateway.api.admin import admin_route_handlers
 from gateway.api.http.bodies import BoundedRequest
 from gateway.api.http.body_guard import BodyGuard
 from gateway.api.openai import http_route_handlers
@@ -34,6 +35,8 @@ from gateway.chat.service import ChatService
 from gateway.chat.vision_resolver import VisionResolver
 from gateway.engine.interface import Engine, image_input_of
 from gateway.policy.auth import Authenticator
+from gateway.policy.key_guard import KeyResolver
+from gateway.policy.key_store import make_key_store
 from gateway.policy.ratelimit import RefusedBytes, make_rate_limiter
 from gateway.server.readiness import Readiness
 from gateway.server.state import GatewayState, Serving
@@ -79,7 +82,7 @@ def build_engine(settings: Settings) -> Engine:
         max_queue=settings.engine_max_queue,
         # without API keys every caller is one owner: the automatic share is the whole queue
         max_queue_per_key=settings.engine_max_queue_per_key
-        or (0 if settings.api_keys else settings.engine_max_queue),
+        or (0 if settings.api_keys or settings.admin_api_key else settings.engine_max_queue),
         kv_budget_bytes=settings.kv_budget_bytes,
         kv_spill_redis_url=settings.redis_url,
         kv_ttl_s=settings.kv_ttl_s,
@@ -175,15 +178,17 @@ def create_app(
         images=make_image_store(
             settings.redis_url, settings.image_store_bytes, settings.vision_cache_ttl_s
         ),
-        auth=Authenticator(settings.api_keys),
-        rate_limiter=make_rate_limiter(settings.rate_limit_per_minute, settings.redis_url),
+        auth=(auth := _authenticator(settings, engine)),
+        rate_limiter=make_rate_limiter(
+            settings.rate_limit_per_minute,
+            settings.redis_url,
+            limit_of=(lambda o: (r := auth.limits_of(o)) and r.rpm) if auth.store else None,
+        ),
         telemetry=telemetry,
         # with the session store's backend: a record names a session of that store
         responses=make_response_store(settings.redis_url, settings.session_ttl_s),
         # with no API keys every caller is one owner: one caller's refusals would stop everyone
-        refused=RefusedBytes(
-            settings.max_refused_body_bytes_per_minute if settings.api_keys else 0
-        ),
+        refused=RefusedBytes(settings.max_refused_body_bytes_per_minute if auth.enabled else 0),
     )
     gauges = {"sessions": 0, "queue": 0, "vision_cache": 0}
     telemetry.metrics.observe_gauges(
@@ -251,6 +256,7 @@ def create_app(
             prometheus_metrics,
             realtime_route(state),
             *http_route_handlers(state),
+            *admin_route_handlers(state),
         ],
         lifespan=[lifespan],
         exception_handlers={HTTPException: routing_error_handler(state)},
@@ -263,7 +269,15 @@ def create_app(
     )
     # a key whose large bodies keep being refused is answered from its headers (body_guard.py)
     app.asgi_handler = BodyGuard(app.asgi_handler, state)
+    # managed API keys are read from their store before anything above asks for an owner
+    app.asgi_handler = KeyResolver(app.asgi_handler, state.auth)
     return with_request_ids(app)  # outermost: every response, routed or not, gets its id
+
+
+def _authenticator(settings: Settings, engine: Engine) -> Authenticator:
+    """Static keys, and with an admin key the managed ones on the session store's backend."""
+    store = make_key_store(settings.redis_url) if settings.admin_api_key else None
+    return Authenticator(settings.api_keys, store, served_model=lambda: engine.model_id)
 
 
 async def _load_models(state: GatewayState, encoder: Encoder | None) -> None:
@@ -356,6 +370,7 @@ async def _close(state: GatewayState) -> None:
         state.vision_cache,
         state.images,
         state.rate_limiter,
+        *([state.auth.store] if state.auth.store is not None else []),
     ):
         await store.aclose()
     state.telemetry.shutdown()

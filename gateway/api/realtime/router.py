@@ -17,6 +17,7 @@ from litestar import WebSocket, websocket
 from gateway.api.realtime.channel import CLOSE_POLICY
 from gateway.api.realtime.connection import RealtimeConnection
 from gateway.policy.auth import QUERY_KEY_REFUSED, public_subprotocol
+from gateway.policy.key_guard import watch_key
 from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:
@@ -45,8 +46,13 @@ def realtime_route(state: GatewayState) -> WebsocketRouteHandler:
         except GatewayError as exc:
             await socket.close(code=CLOSE_POLICY, reason=exc.message)
             return
-        await RealtimeConnection(socket, state, owner).run(
-            query.get("session_id"), model=query.get("model")
-        )
+        connection = RealtimeConnection(socket, state, owner)
+
+        async def key_refused(exc: GatewayError) -> None:  # revoked or expired while open
+            await connection._send_error(exc, None)
+            await socket.close(code=CLOSE_POLICY, reason=exc.code)
+
+        async with watch_key(state.auth, socket.headers, offered, key_refused):
+            await connection.run(query.get("session_id"), model=query.get("model"))
 
     return realtime

@@ -1,0 +1,87 @@
+"""Routes of the admin API, `/v1/admin`: thin handlers over `AdminServing`.
+
+Every answer that is not a success is the OpenAI-shaped error object with a stable code, what
+routing or body limits refuse included (a create body over `protocol.MAX_BODY` is
+`request_too_large`, 413). Registered only when `admin_api_key` is set.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from litestar import Request, Response, Router, delete, get, post
+from litestar.exceptions import HTTPException
+
+from gateway.api.admin import protocol as p
+from gateway.api.admin.serving import AdminServing
+from gateway.protocol.errors import GatewayError, error_response
+
+if TYPE_CHECKING:
+    from gateway.server.state import GatewayState
+
+__all__ = ("admin_route_handlers",)
+
+log = structlog.get_logger("visiongate.admin")
+
+NO_STORE = {"Cache-Control": "no-store"}
+
+
+def admin_route_handlers(state: GatewayState) -> list[Any]:
+    """The `/v1/admin` router, or nothing when the gateway has no admin key or key store."""
+    settings, store = state.settings, state.auth.store
+    if not settings.admin_api_key or store is None:
+        return []
+    from gateway.telemetry import register_secrets
+
+    register_secrets([settings.admin_api_key])
+    admin = AdminServing(settings.admin_api_key, state.auth, store)
+
+    @post("/keys", status_code=201, request_max_body_size=p.MAX_BODY)
+    async def create_key(request: Request) -> Response[p.CreatedKey]:
+        await admin.check_admin(request.headers)
+        created = await admin.create(await request.body())
+        return Response(created, status_code=201, headers=NO_STORE)
+
+    @get("/keys")
+    async def list_keys(request: Request) -> p.KeyList:
+        await admin.check_admin(request.headers)
+        return await admin.list(request.query_params)
+
+    @get("/keys/{key_id:str}")
+    async def get_key(request: Request, key_id: str) -> p.KeyView:
+        await admin.check_admin(request.headers)
+        return await admin.get(key_id)
+
+    @delete("/keys/{key_id:str}", status_code=200)
+    async def revoke_key(request: Request, key_id: str) -> p.KeyView:
+        await admin.check_admin(request.headers)
+        return await admin.revoke(key_id)
+
+    @get("/usage")
+    async def list_usage(request: Request) -> p.UsageList:
+        await admin.check_admin(request.headers)
+        return await admin.usage(request.query_params)
+
+    def on_error(request: Request, exc: Exception) -> Response[Any]:
+        if not isinstance(exc, GatewayError):
+            status = getattr(exc, "status_code", 500) if isinstance(exc, HTTPException) else 500
+            if status == 413:
+                exc = GatewayError("request_too_large", "the request body is too large")
+            elif status < 500:
+                exc = GatewayError("invalid_request", str(getattr(exc, "detail", "bad request")))
+            else:
+                log.error("admin_handler_failed", error=type(exc).__name__, exc_info=exc)
+                exc = GatewayError("internal_error", f"internal error: {type(exc).__name__}")
+        state.metrics.record_error(code=exc.code, api="http")
+        log.info("client_error", api="admin", code=exc.code, message=exc.message)
+        return Response(error_response(exc), status_code=exc.http_status)
+
+    return [
+        Router(
+            path="/v1/admin",
+            tags=["Admin"],
+            route_handlers=[create_key, list_keys, get_key, revoke_key, list_usage],
+            exception_handlers={Exception: on_error},
+        )
+    ]
