@@ -233,9 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     from dashboards.commands import register as register_dashboards
+    from gateway.cli.keys import register as register_keys
     from gateway.cli.worker_cli import register as register_worker
 
-    for register in (register_worker, register_dashboards):
+    for register in (register_worker, register_dashboards, register_keys):
         register(sub)
     return parser
 

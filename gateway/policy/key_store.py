@@ -9,7 +9,7 @@ A record (`KeyRecord`) is immutable but for its revocation: limits are set when 
 (revoke and create another to change them). Its `id` (`key_` and 24 hex digits, the first 12
 the creation time in ms) is the owner id of the key's sessions, rate limits and usage; `owner`
 is the operator's label for whom the key belongs to (a customer, a team), never an identity.
-Ids sort in creation order, which is what listing pages by.
+Ids sort in creation order (to the millisecond), which is what listing pages by.
 
 Two stores with one contract: `MemoryKeyStore` (one process) and `RedisKeyStore`, chosen as the
 session store is (`make_key_store`: Redis when `redis_url` is set). Redis layout, namespace
