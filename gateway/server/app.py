@@ -37,6 +37,7 @@ from gateway.engine.interface import Engine, image_input_of
 from gateway.policy.auth import Authenticator
 from gateway.policy.key_guard import KeyResolver
 from gateway.policy.key_store import make_key_store
+from gateway.policy.key_usage import CountingLimiter
 from gateway.policy.ratelimit import RefusedBytes, make_rate_limiter
 from gateway.server.readiness import Readiness
 from gateway.server.state import GatewayState, Serving
@@ -179,10 +180,13 @@ def create_app(
             settings.redis_url, settings.image_store_bytes, settings.vision_cache_ttl_s
         ),
         auth=(auth := _authenticator(settings, engine)),
-        rate_limiter=make_rate_limiter(
-            settings.rate_limit_per_minute,
-            settings.redis_url,
-            limit_of=(lambda o: (r := auth.limits_of(o)) and r.rpm) if auth.store else None,
+        rate_limiter=CountingLimiter(  # and each managed key's responses counted
+            make_rate_limiter(
+                settings.rate_limit_per_minute,
+                settings.redis_url,
+                limit_of=(lambda o: (r := auth.limits_of(o)) and r.rpm) if auth.store else None,
+            ),
+            auth,
         ),
         telemetry=telemetry,
         # with the session store's backend: a record names a session of that store

@@ -111,6 +111,15 @@ async def test_model_allow_list_and_per_key_rpm(replicas) -> None:
         client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
         )
+    # the two responses it started are its usage
+    admin = admin_headers()
+    for _ in range(50):
+        usage = httpx.get(f"{a.http_url}/v1/admin/usage", headers=admin).json()["data"]
+        counts = {u["id"]: u["requests"] for u in usage}
+        if counts.get(slow["id"]) == 2:
+            break
+        await asyncio.sleep(0.05)
+    assert counts[slow["id"]] == 2 and counts[other["id"]] == 0
 
 
 def test_attackers_pass_over_the_admin_api(replicas) -> None:
