@@ -10,6 +10,7 @@ response's trace.
 
 from __future__ import annotations
 
+from gateway.telemetry._instruments import METRICS, PROMETHEUS_NAMES, metric_views
 from gateway.telemetry._litestar import EXCLUDED_PATHS, litestar_plugin
 from gateway.telemetry._logging import (
     add_trace_ids,
@@ -17,14 +18,9 @@ from gateway.telemetry._logging import (
     log_response,
     register_secrets,
 )
-from gateway.telemetry._metrics import (
-    METRICS,
-    PROMETHEUS_NAMES,
-    GatewayMetrics,
-    SchedulerStats,
-    metric_views,
-)
+from gateway.telemetry._metrics import GatewayMetrics
 from gateway.telemetry._otel_config import OTLPTarget, TelemetryConfig, config_from_env
+from gateway.telemetry._scheduler_gauges import SchedulerStats
 from gateway.telemetry._telemetry import NoopTelemetry, Telemetry, setup_telemetry
 from gateway.telemetry._tracing import (
     ATTR,

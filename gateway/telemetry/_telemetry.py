@@ -26,8 +26,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry, generate_latest
 
+from gateway.telemetry._instruments import metric_views
 from gateway.telemetry._logging import configure_logging
-from gateway.telemetry._metrics import GatewayMetrics, metric_views
+from gateway.telemetry._metrics import GatewayMetrics
 from gateway.telemetry._otel_config import OTLPTarget, TelemetryConfig, config_from_env
 from gateway.telemetry._tracing import ATTR, record_stage_spans, response_span_name
 

@@ -23,7 +23,7 @@ from dashboards.slo import (
     TTFT_OBJECTIVE_S,
 )
 from gateway.telemetry import Telemetry, config_from_env
-from gateway.telemetry._metrics import ITL_BUCKETS_S
+from gateway.telemetry._instruments import ITL_BUCKETS_S
 from tests.deploy.conftest import PROMETHEUS_DIR
 from tests.gateway.telemetry.test_metrics import record_one_of_each
 
