@@ -1,6 +1,6 @@
 """The request layer: every check of a chat request's values, written once for both transports.
 
-The WebSocket layer (`realtime_connection`) and the HTTP layer (`http/chat`, `http/messages`)
+The WebSocket layer (`gateway.api.realtime`) and the HTTP layer (`gateway.api.openai`)
 decode their own wire shapes, then hand the values here: sampling ranges, output-token limits,
 stop strings, the lengths of instructions and text, item and image counts, image parts (data
 URLs, allow-listed remote URLs, `visiongate:sha256:` references, which name only images the
@@ -13,6 +13,10 @@ the WebSocket, `temperature` over HTTP), which the caller passes in.
 Not here: the shape of a frame or body (unknown fields, wrong types; each transport's decoder
 refuses those), sessions and their storage, and readiness (`GatewayState.require()` raises the
 one `busy` answer).
+
+Over 500 lines on purpose: it is the one place every check of a request's values is written,
+so that no transport grows a check of its own; its sections (scalar values, tool calls and
+results, content and images) share `RequestLimits` and the refusal helpers.
 """
 
 from __future__ import annotations
