@@ -407,6 +407,7 @@ def run_vlm(args: argparse.Namespace, checkpoints: list[str]) -> list[dict]:
     import tempfile
 
     from bench import _encoder_vlm as vlm
+    from bench._encoder_vlm_report import print_family_table
 
     torch.manual_seed(0)
     photos = photo_bytes()
@@ -427,7 +428,7 @@ def run_vlm(args: argparse.Namespace, checkpoints: list[str]) -> list[dict]:
             )
             if tiny:
                 res["checkpoint"] = f"tiny {res['family']} (tests/vlm_checkpoints, seed 0)"
-            vlm.print_family_table(res)
+            print_family_table(res)
             results.append(res)
     return results
 
@@ -442,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if vlms or args.tiny_families:
         from bench import _encoder_vlm as vlm
+        from bench._encoder_vlm_report import plot_vlm
         from gateway.telemetry import configure_logging
 
         configure_logging("warning")
@@ -461,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             "families": results,
         }
         (args.out / "encoder_vlm.json").write_text(json.dumps(doc, indent=2))
-        vlm.plot_vlm(results, args.out / "encoder_vlm.png")
+        plot_vlm(results, args.out / "encoder_vlm.png")
         print(f"\nwrote {args.out / 'encoder_vlm.json'} and {args.out / 'encoder_vlm.png'}")
         if tower is None:
             return 0

@@ -23,14 +23,14 @@ exit status is 1 if any part failed.
 Timing: warm-up calls first (CUDA: kernels compiled and autotuned); kernel-only figures are
 timed with CUDA events read after one synchronize; whole pipelines by wall clock, as both wait
 for the device before returning. Writes DIR/gpu.json (rewritten after each part, so a run cut
-short keeps what it measured) and DIR/gpu.png.
+short keeps what it measured) and DIR/gpu.png. The towers' shapes and checkpoints:
+`bench/_gpu_towers.py`; the figures, gpu.json and gpu.png: `bench/_gpu_report.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import platform
 import shutil
@@ -41,12 +41,13 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
 from PIL import Image
 
+from bench._gpu_report import BATCHES, FLOPS_BATCH, Report, expected_figures, plot
+from bench._gpu_towers import QUICK_TOWERS, TOWERS, TowerShape, random_checkpoint, tower_flops
 from bench.encoder import Baseline, photo_bytes, throughput
 from encoder_worker.config import EncoderConfig
 from encoder_worker.patch_rows import pil_preprocess, preprocess_batch
@@ -54,107 +55,7 @@ from encoder_worker.pipeline import EncoderPipeline
 from kernels import dequantize_int4, quantize_int4
 from kernels._triton import use_triton
 
-__all__ = (
-    "QUICK_TOWERS",
-    "TOWERS",
-    "TowerShape",
-    "expected_figures",
-    "main",
-    "random_checkpoint",
-    "tower_flops",
-)
-
-BATCHES = (1, 8, 32)
-FLOPS_BATCH = 32
-
-
-class TowerShape(NamedTuple):
-    kind: str  # "clip" | "siglip"
-    hidden: int
-    mlp: int
-    layers: int
-    heads: int
-    image: int
-    patch: int
-
-    @property
-    def tokens(self) -> int:
-        """Sequence length through the tower: the patches, plus CLIP's CLS token."""
-        return (self.image // self.patch) ** 2 + (self.kind == "clip")
-
-
-TOWERS = {
-    "clip-vit-l14-336": TowerShape("clip", 1024, 4096, 24, 16, 336, 14),
-    "siglip-so400m-14-384": TowerShape("siglip", 1152, 4304, 27, 16, 384, 14),
-}
-QUICK_TOWERS = {
-    "clip-tiny": TowerShape("clip", 64, 256, 3, 4, 112, 14),
-    "siglip-tiny": TowerShape("siglip", 72, 288, 3, 4, 112, 14),
-}
-
-
-def tower_flops(shape: TowerShape, layers_run: int, batch: int) -> int:
-    """Multiply-adds x 2 of `VisionTower.forward` on `batch` images.
-
-    Per layer and token: q, k, v and out projections (8 D^2), the MLP (4 D M), and attention
-    scores plus the weighted sum (4 T D); plus the patch embedding (2 * 3P^2 * D per patch).
-    The CLS saliency row (2 T D, once) and norms / activations are left out (< 0.1%)."""
-    d, t, n = shape.hidden, shape.tokens, (shape.image // shape.patch) ** 2
-    per_layer = t * (8 * d * d + 4 * d * shape.mlp + 4 * t * d)
-    return batch * (n * 2 * 3 * shape.patch**2 * d + layers_run * per_layer)
-
-
-# -- figures -------------------------------------------------------------------------------------
-
-
-def expected_figures(towers: dict[str, TowerShape]) -> dict[str, tuple[str, bool]]:
-    """Every figure a run over `towers` records: name -> (unit, CUDA only)."""
-    figs = {}
-    for op in ("pack", "unpack"):
-        figs[f"int4.{op}_gbps"] = ("GB/s", False)
-        figs[f"int4.{op}_peak_ratio"] = ("fraction of --peak-gbps", True)
-    for t in towers:
-        for way in ("cpu_pil", "cpu_fused", "gpu_fused"):
-            figs[f"preprocess.{t}.{way}"] = ("ms/image", way.startswith("gpu"))
-        figs[f"tower.{t}.tflops"] = ("TFLOP/s", False)
-        figs[f"tower.{t}.peak_ratio"] = ("fraction of --peak-tflops", True)
-        for b in BATCHES:
-            for way in ("baseline", "optimized"):
-                figs[f"throughput.{t}.batch{b}.{way}"] = ("images/s", False)
-    return figs
-
-
-class Report:
-    """gpu.json as it is built: each figure is measured (value, unit, device, dtype, shape,
-    timings) or skipped with its reason; the file is rewritten after every part."""
-
-    def __init__(self, path: Path, machine: dict, settings: dict) -> None:
-        self.path = path
-        self.doc = {"machine": machine, "settings": settings, "towers": {}, "figures": {}}
-        self.failed: list[str] = []
-        self.t0 = time.monotonic()
-
-    def measured(self, name: str, value: float, unit: str, *, cuda_only: bool, **fields) -> None:
-        if not (value > 0 and np.isfinite(value)):
-            raise RuntimeError(f"{name}: measured {value!r} {unit}")
-        rec = {"value": float(value), "unit": unit, "cuda_only": cuda_only}
-        rec.update(fields)
-        self.doc["figures"][name] = rec
-
-    def skipped(self, name: str, unit: str, reason: str, cuda_only: bool) -> None:
-        self.doc["figures"][name] = {"skipped": reason, "unit": unit, "cuda_only": cuda_only}
-
-    def skip_missing(self, expected: dict[str, tuple[str, bool]], reason: str) -> None:
-        """Record each expected figure that has no record yet as skipped for `reason`."""
-        for name, (unit, cuda_only) in expected.items():
-            if name not in self.doc["figures"]:
-                self.skipped(name, unit, reason, cuda_only)
-
-    def save(self) -> None:
-        self.doc["elapsed_s"] = round(time.monotonic() - self.t0, 2)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.doc, indent=2))
-        os.replace(tmp, self.path)
+__all__ = ("main",)
 
 
 def _time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> list:
@@ -299,48 +200,6 @@ def bench_preprocess(
     print(f"[preprocess {tower}] ms/image: {line}", flush=True)
 
 
-def random_checkpoint(shape: TowerShape, path: Path, device: torch.device, seed: int = 0) -> Path:
-    """A random-weight CLIP / SigLIP vision checkpoint of `shape`, written as safetensors.
-
-    The model is made on the meta device and filled in place on `device` (normal(0, 0.02)
-    weights, unit norms, zero biases), one pass instead of transformers' per-module
-    initializers over 400M parameters; it is stored in bf16 to halve the bytes written, hashed
-    (`describe_tower`) and read back."""
-    from transformers import (
-        CLIPVisionConfig,
-        CLIPVisionModel,
-        SiglipVisionConfig,
-        SiglipVisionModel,
-    )
-
-    common = {
-        "hidden_size": shape.hidden,
-        "intermediate_size": shape.mlp,
-        "num_hidden_layers": shape.layers,
-        "num_attention_heads": shape.heads,
-        "image_size": shape.image,
-        "patch_size": shape.patch,
-    }
-    if shape.kind == "clip":
-        cfg, cls = CLIPVisionConfig(hidden_act="quick_gelu", **common), CLIPVisionModel
-    else:
-        cfg, cls = SiglipVisionConfig(**common), SiglipVisionModel
-    with torch.device("meta"):
-        model = cls(cfg)
-    model = model.to_empty(device=device)
-    g = torch.Generator(device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0 if name.endswith("weight") else 0.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02, generator=g)
-    model.to("cpu", torch.bfloat16).save_pretrained(path, safe_serialization=True)
-    return path
-
-
 @torch.inference_mode()
 def bench_tower_flops(
     rep: Report, args: argparse.Namespace, pipe: EncoderPipeline, name: str, shape: TowerShape
@@ -478,7 +337,7 @@ def _part(rep: Report, what: str, fn: Callable[[], None]) -> None:
     rep.save()
 
 
-# -- machine, plot, entry point ------------------------------------------------------------------
+# -- machine, entry point -----------------------------------------------------------------------
 
 
 def _machine(device: torch.device) -> dict:
@@ -504,67 +363,6 @@ def _machine(device: torch.device) -> dict:
         info["memory_gib"] = round(props.total_memory / 2**30, 1)
         info["multiprocessors"] = props.multi_processor_count
     return info
-
-
-def plot(doc: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figs, m = doc["figures"], doc["machine"]
-    towers = list(doc["towers"])
-
-    def val(name: str) -> float:
-        return figs.get(name, {}).get("value", 0.0)
-
-    fig, ((ax1, ax2), (ax3, ax4)) = plt.subplots(2, 2, figsize=(13, 9))
-    x = np.arange(len(BATCHES))
-    width = 0.8 / max(2 * len(towers), 1)
-    for i, tower in enumerate(towers):
-        for j, way in enumerate(("baseline", "optimized")):
-            vals = [val(f"throughput.{tower}.batch{b}.{way}") for b in BATCHES]
-            k = 2 * i + j
-            ax1.bar(x - 0.4 + (k + 0.5) * width, vals, width, label=f"{tower} {way}")
-    ax1.set_xticks(x, [f"batch {b}" for b in BATCHES])
-    ax1.set_ylabel("images / s")
-    ax1.set_title("baseline vs optimized pipeline")
-    ax1.legend(fontsize=7)
-
-    ways = ("cpu_pil", "cpu_fused", "gpu_fused")
-    for i, tower in enumerate(towers):
-        vals = [val(f"preprocess.{tower}.{w}") for w in ways]
-        ax2.bar(np.arange(3) + (i - 0.5) * 0.4, vals, 0.4, label=tower)
-        if i == 0 and "skipped" in figs.get(f"preprocess.{tower}.gpu_fused", {}):
-            ax2.text(2, 0, "skipped:\nno CUDA", ha="center", va="bottom", fontsize=8)
-    ax2.set_xticks(np.arange(3), ["CPU Pillow", "CPU fused", "GPU fused"])
-    ax2.set_ylabel("ms per image")
-    ax2.set_title("preprocessing on real photos")
-    ax2.legend(fontsize=7)
-
-    peak = doc["settings"]["peak_tflops"]
-    tf = [val(f"tower.{t}.tflops") for t in towers]
-    ax3.bar(towers, tf, color="tab:blue")
-    if m["device"].startswith("cuda"):
-        ax3.axhline(peak, color="tab:red", linestyle="--", label=f"peak {peak:g}")
-        ax3.legend(fontsize=7)
-    ax3.set_ylabel("TFLOP/s")
-    ratios = [figs.get(f"tower.{t}.peak_ratio", {}).get("value") for t in towers]
-    shown = ", ".join(f"{r:.0%}" for r in ratios if r is not None) or "no CUDA, no peak"
-    ax3.set_title(f"tower at batch {FLOPS_BATCH} ({shown})")
-
-    gb = doc["settings"]["peak_gbps"]
-    ax4.bar(["pack", "unpack"], [val("int4.pack_gbps"), val("int4.unpack_gbps")], color="tab:green")
-    if m["device"].startswith("cuda"):
-        ax4.axhline(gb, color="tab:red", linestyle="--", label=f"peak {gb:g} GB/s")
-        ax4.legend(fontsize=7)
-    ax4.set_ylabel("GB/s")
-    ax4.set_title("INT4 visual tokens")
-    mode = "quick, tiny shapes" if doc["settings"]["quick"] else "real shapes"
-    fig.suptitle(f"visiongate encoder on {m['device_name']} ({mode}, torch {m['torch']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _parser() -> argparse.ArgumentParser:

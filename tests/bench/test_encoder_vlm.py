@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import _encoder_vlm as vlm
+from bench._encoder_vlm_report import plot_vlm
 from bench.encoder import main, photo_bytes
 from tests.vlm_checkpoints import qwen2_5_vl
 
@@ -97,7 +98,7 @@ def test_optimized_keeps_fewer_smaller_tokens(table: dict) -> None:
 
 def test_plot_writes_png(table: dict, tmp_path: Path) -> None:
     out = tmp_path / "encoder_vlm.png"
-    vlm.plot_vlm([table], out)
+    plot_vlm([table], out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

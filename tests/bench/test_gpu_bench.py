@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.gpu import BATCHES, QUICK_TOWERS, random_checkpoint, tower_flops
+from bench._gpu_report import BATCHES
+from bench._gpu_towers import QUICK_TOWERS, random_checkpoint, tower_flops
 
 ROOT = Path(__file__).resolve().parents[2]
 # one intra-op thread: tiny tensors on a CPU shared with other jobs run many times faster
@@ -186,7 +187,8 @@ def test_gpu_check_script_fails_when_a_gpu_test_fails(tmp_path) -> None:
 
 
 def test_a_failed_part_is_recorded_and_its_figures_marked_unmeasured(tmp_path) -> None:
-    from bench.gpu import Report, _part, expected_figures
+    from bench._gpu_report import Report, expected_figures
+    from bench.gpu import _part
 
     rep = Report(tmp_path / "gpu.json", {"device": "cpu"}, {"quick": True})
 
