@@ -489,13 +489,8 @@ class ChatService:
         pending: dict[str, asyncio.Task[Resolved]] | None = None,
         then_image: str | None = None,
     ) -> WarmUpResult | None:
-        """Prefill the session's conversation as its next response will render it, through its
-        last item (a finished message: the question comes as an item of its own), or with
-        `then_image` (a digest) as the start of a new user message left open (an HTTP turn
-        that sends the photo and its question together), into the engine's prefix cache,
-        pinned for the session. Only images whose tokens are ready are used (pre-encodes that
-        finished, or the vision cache): None, without touching the engine, while any is still
-        encoding or the engine cannot warm up. Traced as `llm.warmup` and counted."""
+        """The session's KV warm-up over this service's engine and vision cache (see
+        `gateway.chat.session_warmup.warm_up`)."""
         return await warm_up(
             self.engine,
             self.vision,

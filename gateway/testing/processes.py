@@ -43,7 +43,7 @@ __all__ = (
     "which_served",
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV_PREFIX = "VISIONGATE_"
 # three model loads at once on two cores take about three times one load (~30 s)
 READY_TIMEOUT_S = 300.0

@@ -21,7 +21,7 @@ from gateway.server.runner import ServerThread
 from tests.conftest import free_port, tiny_vision_tower, wait_for_port
 from tests.gateway.conftest import gateway_settings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @contextlib.contextmanager

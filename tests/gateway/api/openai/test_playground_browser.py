@@ -16,7 +16,7 @@ import pytest
 from gateway.server.runner import ServerThread
 from tests.conftest import unique_photo
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[4]
 ARTIFACTS = REPO / "artifacts"
 CHROMIUM_ARGS = [
     "--headless",

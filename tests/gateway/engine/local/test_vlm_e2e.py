@@ -30,7 +30,7 @@ from gateway.testing.realtime_peer import Peer, data_url, deltas
 from tests.conftest import photo_bytes
 from tests.gateway.conftest import gateway_settings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 FAMILIES = ("llava", "idefics3", "qwen2_5_vl")
 INSTRUCTIONS = "You describe pictures."
 QUESTION = "What is in this picture?"
