@@ -19,6 +19,7 @@ from gateway.api.realtime import protocol as rt
 from gateway.api.realtime.items import output_item_id
 from gateway.chat.events import Finished, Started, TextChunk
 from gateway.chat.tool_stream import ArgumentsPiece, CallStart, Piece, TextPiece, ToolCallStream
+from gateway.protocol.report import CacheReport, Timings
 
 if TYPE_CHECKING:
     from gateway.chat.events import ResponseOptions
@@ -106,8 +107,8 @@ class ResponseOutput:
         state.status_details = details
         state.usage = _usage(ev)
         state.visiongate = rt.ResponseExtension(
-            timings=rt.Timings.of(ev),
-            cache=rt.CacheReport.of(ev),
+            timings=Timings.of(ev),
+            cache=CacheReport.of(ev),
             image_tokens_total=ev.image_tokens_total,
             model=self.model,
             truncated_items=ev.truncated_items,

@@ -170,8 +170,8 @@ class ResponseEvents(Channel):
                 view, options, pending=self.pending, received_at=received
             ):
                 if isinstance(ev, Finished):
-                    finished = True
                     await self._finish(ev, output, event_id)
+                    finished = True
                 else:
                     await output.on_event(ev)
         except asyncio.CancelledError:
@@ -180,7 +180,13 @@ class ResponseEvents(Channel):
             log.exception("response_failed", response_id=rid)
             if not finished:
                 error = GatewayError("internal_error", f"the response failed: {type(exc).__name__}")
-                await self._finish(Finished(rid, iid, "failed", "", error=error), output, event_id)
+                try:
+                    await self._finish(
+                        Finished(rid, iid, "failed", "", error=error), output, event_id
+                    )
+                except Exception:  # building the done event itself failed: the error still goes
+                    log.exception("response_done_failed", response_id=rid)
+                    await self._send_error(error, event_id)
 
     async def _finish(self, ev: Finished, output: ResponseOutput, event_id: str | None) -> None:
         options = output.options
