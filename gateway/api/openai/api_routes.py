@@ -15,10 +15,11 @@ from litestar.response import Stream
 
 from gateway.api.http.disconnect import unless_client_leaves
 from gateway.api.openai.chat import protocol as p
-from gateway.api.openai.chat.serving import EventStream
-from gateway.api.openai.completions.serving import Completion, CompletionRequest, CompletionServing
+from gateway.api.openai.completions.protocol import Completion, CompletionRequest
+from gateway.api.openai.completions.serving import CompletionServing
 from gateway.api.openai.responses import protocol as r
 from gateway.api.openai.responses.serving import ResponsesServing
+from gateway.api.openai.serving import EventStream
 from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:

@@ -24,8 +24,9 @@ from litestar.static_files import create_static_files_router
 
 from gateway.api.openai.api_routes import more_route_handlers
 from gateway.api.openai.chat import protocol as p
-from gateway.api.openai.chat.serving import ChatCompletionServing, EventStream
+from gateway.api.openai.chat.serving import ChatCompletionServing
 from gateway.api.openai.resources import ImageServing, ModelServing, SessionServing
+from gateway.api.openai.serving import EventStream
 from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:

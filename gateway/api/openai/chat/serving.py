@@ -19,16 +19,27 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import structlog
 
-from gateway.api.http.event_streams import close_shielded, read_ahead, replay
+from gateway.api.http.event_streams import close_shielded, replay
 from gateway.api.openai.chat import protocol as p
 from gateway.api.openai.chat.messages import Conversation, all_parts, parse_messages, reconcile
+from gateway.api.openai.serving import (
+    DONE,
+    EventStream,
+    Opened,
+    Receive,
+    admit_turn,
+    failure_of,
+    fingerprint,
+    open_answer,
+    watch_disconnect,
+)
 from gateway.chat.events import Finished, ResponseOptions, TextChunk
 from gateway.chat.output_grammar import (
     plain_text_grammar,
@@ -38,8 +49,6 @@ from gateway.chat.output_grammar import (
 )
 from gateway.chat.requests import (
     RequestLimits,
-    add_inline_images,
-    admit_encodes,
     check_cache_salt,
     check_choices,
     check_image_count,
@@ -49,7 +58,6 @@ from gateway.chat.requests import (
     check_session_id,
     fetch_remote,
     refuse_unsupported,
-    resolve_references,
     response_options,
 )
 from gateway.chat.tool_stream import (
@@ -69,22 +77,11 @@ if TYPE_CHECKING:
     from gateway.engine.interface import TokenLogprob
     from gateway.server.state import GatewayState
 
-__all__ = ("ChatCompletionServing", "EventStream")
+__all__ = ("ChatCompletionServing",)
 
 log = structlog.get_logger("visiongate.http")
 
 _json = msgspec.json.Encoder()
-DONE = b"data: [DONE]\n\n"
-
-Receive = Callable[[], Awaitable[Any]]  # the ASGI receive channel of the request
-
-
-@dataclass(slots=True)
-class EventStream:
-    """SSE frames of one streamed completion, ready to send."""
-
-    frames: AsyncIterator[bytes]
-    session_id: str | None
 
 
 @dataclass(slots=True)
@@ -97,7 +94,8 @@ class _Prepared:
     completion_id: str
     created: int
     model: str
-    permit: EncodePermit  # the request's encode slots, held until its images are resolved
+    # the request's encode slots, held until its images are resolved (set once admitted)
+    permit: EncodePermit | None = None
 
 
 class ChatCompletionServing:
@@ -122,7 +120,9 @@ class ChatCompletionServing:
         except GatewayError as exc:
             return p.error_response(exc)
         watch = (
-            asyncio.ensure_future(_watch_disconnect(receive, prepared))
+            asyncio.ensure_future(
+                watch_disconnect(receive, prepared.options.cancel, prepared.completion_id)
+            )
             if receive is not None
             else None
         )
@@ -135,28 +135,17 @@ class ChatCompletionServing:
     async def _answer(
         self, request: p.ChatCompletionRequest, prepared: _Prepared, received: float
     ) -> p.ChatCompletion | EventStream | p.ErrorResponse:
-        try:
-            events = self.state.require().service.respond(
-                prepared.session, prepared.options, received_at=received
-            )
-            first = await read_ahead(events, prepared.options.cancel)
-        finally:
-            prepared.permit.close()  # the images are resolved (or failed) before any text
-        end = first[-1] if first else None
-        if end is None or (isinstance(end, Finished) and end.status == "failed"):
-            await close_shielded(events)
-            error = (
-                end.error
-                if isinstance(end, Finished) and end.error
-                else GatewayError("engine_error", "the engine ended without a result")
-            )
-            self._finished(end, prepared)
-            return p.error_response(error)
+        events = self.state.require().service.respond(
+            prepared.session, prepared.options, received_at=received
+        )
+        opened = await open_answer(events, prepared.options.cancel, prepared.permit)
+        if isinstance(opened, GatewayError):
+            return p.error_response(opened)
         if request.stream:
             return EventStream(
-                self._sse(prepared, first, events), prepared.session.id if prepared.stored else None
+                self._sse(prepared, opened), prepared.session.id if prepared.stored else None
             )
-        return await self._complete(prepared, first, events)
+        return await self._complete(prepared, opened)
 
     # ------------------------------------------------------------ preparing
 
@@ -164,24 +153,22 @@ class ChatCompletionServing:
         self, request: p.ChatCompletionRequest, owner: str, session_id: str | None
     ) -> _Prepared:
         state, limits = self.state, self.limits
-        vision = state.require().vision
+        state.require()  # the one "busy" answer while the model loads
         model = state.engine.model_id
         check_model(request.model, model)
         options = _options(request, limits)
         check_item_count(len(request.messages), limits, "messages")
         fetched = await fetch_remote(all_parts(request.messages), limits, param="messages")
         conv = parse_messages(request.messages, limits, fetched)
-        await resolve_references(conv.refs, vision, owner=owner)
-        await state.rate_limiter.acquire(owner)
-        # slots for the encodes this request needs, taken before anything of it is stored
-        permit = await admit_encodes([*conv.inline, *conv.refs], vision, owner=owner)
-        try:
-            return await self._prepare_session(
-                request, owner, session_id, options, conv, model, permit
-            )
-        except BaseException:
-            permit.close()
-            raise
+        permit, prepared = await admit_turn(
+            state,
+            owner=owner,
+            inline=conv.inline,
+            refs=conv.refs,
+            build=lambda: self._prepare_session(request, owner, session_id, options, conv, model),
+        )
+        prepared.permit = permit
+        return prepared
 
     async def _prepare_session(
         self,
@@ -191,11 +178,8 @@ class ChatCompletionServing:
         options: ResponseOptions,
         conv: Conversation,
         model: str,
-        permit: EncodePermit,
     ) -> _Prepared:
         state, settings, limits = self.state, self.state.settings, self.limits
-        await add_inline_images(conv.inline, state.require().vision, owner=owner)
-
         stored = session_id is not None
         if session_id is None:
             session = Session.new(
@@ -235,7 +219,6 @@ class ChatCompletionServing:
             completion_id=options.client_id,
             created=int(time.time()),
             model=model,
-            permit=permit,
         )
 
     async def _session(self, session_id: str, owner: str) -> Session:
@@ -263,12 +246,13 @@ class ChatCompletionServing:
     # ------------------------------------------------------------ answering
 
     async def _complete(
-        self, prepared: _Prepared, first: list[ServiceEvent], events: AsyncIterator[ServiceEvent]
+        self, prepared: _Prepared, opened: Opened[ServiceEvent]
     ) -> p.ChatCompletion | p.ErrorResponse:
+        events = opened.events
         logprobs: dict[int, list[TokenLogprob]] = {}
         finished: Finished | None = None
         try:
-            async for ev in replay(first, events, _is_finished):
+            async for ev in replay(opened.first, events, _is_finished):
                 if isinstance(ev, TextChunk):
                     logprobs.setdefault(ev.index, []).extend(ev.logprobs)
                 elif isinstance(ev, Finished):
@@ -278,12 +262,7 @@ class ChatCompletionServing:
             await close_shielded(events)
         self._finished(finished, prepared)
         if finished is None or finished.status == "failed":
-            error = (
-                finished.error
-                if finished and finished.error
-                else GatewayError("engine_error", "the engine ended without a result")
-            )
-            return p.error_response(error)
+            return p.error_response(failure_of(finished))
         ext = self._extension(finished, prepared)
         return p.ChatCompletion(
             id=prepared.completion_id,
@@ -294,24 +273,22 @@ class ChatCompletionServing:
                 for end in finished.answers()
             ],
             usage=_usage(finished, ext),
-            system_fingerprint=self._fingerprint(),
+            system_fingerprint=fingerprint(self.state),
             visiongate=ext,
         )
 
-    async def _sse(
-        self, prepared: _Prepared, first: list[ServiceEvent], events: AsyncIterator[ServiceEvent]
-    ) -> AsyncIterator[bytes]:
-        options = prepared.options
+    async def _sse(self, prepared: _Prepared, opened: Opened[ServiceEvent]) -> AsyncIterator[bytes]:
+        options, events = prepared.options, opened.events
         include_usage = bool(
             prepared.request.stream_options and prepared.request.stream_options.include_usage
         )
         answers = [_StreamedAnswer(options, i) for i in range(options.n)]
-        frame = _Frames(prepared, self._fingerprint(), include_usage)
+        frame = _Frames(prepared, fingerprint(self.state), include_usage)
         finished: Finished | None = None
         try:
             for i in range(options.n):  # every choice announced first, in order
                 yield frame(i, p.Delta(role="assistant", content=""))
-            async for ev in replay(first, events, _is_finished):
+            async for ev in replay(opened.first, events, _is_finished):
                 if isinstance(ev, TextChunk):
                     answer = answers[ev.index]
                     answer.logprobs.extend(ev.logprobs)
@@ -320,12 +297,7 @@ class ChatCompletionServing:
                 elif isinstance(ev, Finished):
                     finished = ev
             if finished is None or finished.status == "failed":
-                error = (
-                    finished.error
-                    if finished and finished.error
-                    else GatewayError("engine_error", "the engine ended without a result")
-                )
-                yield b"data: " + _json.encode(p.error_response(error)) + b"\n\n"
+                yield b"data: " + _json.encode(p.error_response(failure_of(finished))) + b"\n\n"
             else:
                 ext = self._extension(finished, prepared)
                 for end in finished.answers():
@@ -350,9 +322,6 @@ class ChatCompletionServing:
                 log.info("http_stream_abandoned", completion_id=prepared.completion_id)
             await close_shielded(events)
             self._finished(finished, prepared)
-
-    def _fingerprint(self) -> str:
-        return "fp_" + self.state.require().vision.fingerprint[:12]
 
     def _extension(self, ev: Finished, prepared: _Prepared) -> p.CompletionExtension:
         return p.CompletionExtension(
@@ -555,17 +524,6 @@ class _Frames:
             visiongate=extension,
         )
         return b"data: " + _json.encode(chunk) + b"\n\n"
-
-
-async def _watch_disconnect(receive: Receive, prepared: _Prepared) -> None:
-    """Cancel the answer when the client goes away before it is sent."""
-    while True:
-        message = await receive()
-        if message.get("type") == "http.disconnect":
-            if not prepared.options.cancel.is_set():
-                prepared.options.cancel.set()
-                log.info("http_client_gone", completion_id=prepared.completion_id)
-            return
 
 
 def _usage(ev: Finished, ext: p.CompletionExtension) -> p.Usage:

@@ -15,23 +15,26 @@ its HTTP status, and a client that disconnects cancels generation.
 
 from __future__ import annotations
 
-import asyncio
 import secrets
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-import anyio
 import msgspec
 import structlog
-from msgspec import Struct
 
 from gateway.api.http.event_streams import close_shielded, replay
 from gateway.api.openai.chat import protocol as p
-from gateway.api.openai.chat.serving import DONE, EventStream
-from gateway.chat.events import Finished
+from gateway.api.openai.completions.protocol import (
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionUsage,
+    LegacyLogprobs,
+)
+from gateway.api.openai.serving import DONE, EventStream, failure_of, fingerprint, open_answer
+from gateway.chat.events import ChoiceEnd, Finished, ResponseOptions, TextChunk
 from gateway.chat.requests import (
     RequestLimits,
     check_cache_salt,
@@ -43,29 +46,14 @@ from gateway.chat.requests import (
     check_stop,
     check_text,
 )
-from gateway.chat.response_trace import ResponseTrace
-from gateway.engine.interface import (
-    EngineBusy,
-    EngineError,
-    GenerationRequest,
-    GenerationResult,
-    SamplingParams,
-    TextDelta,
-)
-from gateway.protocol.errors import ERROR_CODES, GatewayError
+from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:
-    from gateway.engine.interface import Delta, Engine, TokenLogprob
+    from gateway.chat.generation_stream import RawEvent
+    from gateway.engine.interface import Engine, TokenLogprob
     from gateway.server.state import GatewayState
 
-__all__ = (
-    "Completion",
-    "CompletionChoice",
-    "CompletionRequest",
-    "CompletionServing",
-    "CompletionUsage",
-    "LegacyLogprobs",
-)
+__all__ = ("CompletionServing",)
 
 log = structlog.get_logger("visiongate.http")
 
@@ -73,69 +61,6 @@ _json = msgspec.json.Encoder()
 DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions
 MAX_LEGACY_LOGPROBS = 5
 MAX_PROMPTS = 64  # prompts in one request
-MAX_PROMPTS_AT_ONCE = 8  # of them, in the engine at the same time
-
-
-# ---------------------------------------------------------------- wire shapes
-
-
-class CompletionRequest(Struct):
-    model: str
-    prompt: str | list[Any]
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    logprobs: int | None = None
-    echo: bool | None = None
-    stream: bool | None = None
-    stream_options: p.StreamOptions | None = None
-    suffix: str | None = None
-    best_of: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, int] | None = None
-    user: str | None = None  # accepted and ignored
-    # as vLLM's: prefix-cache entries are shared only between requests with the same salt,
-    # within the API key's own
-    cache_salt: str | None = None
-
-
-class LegacyLogprobs(Struct):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class CompletionChoice(Struct):
-    index: int
-    text: str
-    logprobs: LegacyLogprobs | None
-    finish_reason: Literal["stop", "length"] | None
-
-
-class CompletionUsage(Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: p.PromptTokensDetails
-
-
-class Completion(Struct, tag="text_completion", tag_field="object", omit_defaults=True):
-    """A completion, or (streaming) one chunk of it: chunks leave `usage` out."""
-
-    id: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    system_fingerprint: str | None = None
-    usage: CompletionUsage | None = None
-
-
-# ---------------------------------------------------------------- serving
 
 
 @dataclass(slots=True)
@@ -154,22 +79,21 @@ class _Choice:
 class _Run:
     request: CompletionRequest
     prompts: list[str | tuple[int, ...]]
-    n: int
-    logprobs: int | None
-    completion_id: str
+    options: ResponseOptions
     created: int
     model: str
-    cancel: threading.Event
-    trace: ResponseTrace
-    received: float
     choices: list[_Choice]
-    results: list[GenerationResult] = field(default_factory=list)
-    first_ns: int | None = None
-    generate_ns: int = 0  # when the prompts went to the engine (epoch ns)
-    ttft_ms: float = 0.0
+
+    @property
+    def completion_id(self) -> str:
+        return self.options.response_id
 
 
 class CompletionServing:
+    """Legacy completions through `ChatService.respond_raw`: the service runs the prompts (at
+    most a few in the engine at once), keeps the trace and the response metrics; this builds
+    the legacy answer from its events."""
+
     def __init__(self, state: GatewayState) -> None:
         self.state = state
         self.limits = RequestLimits.of(state.settings)
@@ -179,38 +103,29 @@ class CompletionServing:
     ) -> Completion | EventStream | p.ErrorResponse:
         received = time.perf_counter()
         try:
-            run, requests = await self._prepare(request, owner, received)
+            run = await self._prepare(request, owner)
         except GatewayError as exc:
             return p.error_response(exc)
-        run.generate_ns = time.time_ns()
-        deltas = _generate_all(self.state.engine, requests, run.cancel)
-        first: list[tuple[int, Delta]] = []
-        try:
-            # run until the first text or the end, so a failure still gets its HTTP status
-            while not first or not isinstance(first[-1][1], TextDelta):
-                first.append(await deltas.__anext__())
-        except StopAsyncIteration:
-            pass
-        except GatewayError as exc:
-            await close_shielded(deltas)
-            self._finish(run, exc)
-            return p.error_response(exc)
-        except BaseException:
-            run.cancel.set()
-            await close_shielded(deltas)
-            raise
+        events = self.state.require().service.respond_raw(
+            run.prompts, run.options, owner=owner, received_at=received
+        )
+        opened = await open_answer(events, run.options.cancel)
+        if isinstance(opened, GatewayError):
+            return p.error_response(opened)
         if request.stream:
-            return EventStream(self._sse(run, first, deltas), None)
+            return EventStream(self._sse(run, opened.first, opened.events), None)
+        finished: Finished | None = None
         try:
-            async for index, delta in replay(first, deltas, _never):
-                self._take(run, index, delta)
-        except GatewayError as exc:
-            self._finish(run, exc)
-            return p.error_response(exc)
+            async for event in replay(opened.first, opened.events, _is_finished):
+                self._take(run, event)
+                if isinstance(event, Finished):
+                    finished = event
         finally:
-            run.cancel.set()
-            await close_shielded(deltas)
-        self._finish(run)
+            run.options.cancel.set()  # no-op once finished; frees the engine otherwise
+            await close_shielded(opened.events)
+        if finished is None or finished.status == "failed":
+            return p.error_response(failure_of(finished))
+        self._logged(run, finished)
         return Completion(
             id=run.completion_id,
             created=run.created,
@@ -220,19 +135,17 @@ class CompletionServing:
                     index=i,
                     text=c.prefix + "".join(c.text),
                     logprobs=_legacy(c.logprobs, len(c.prefix))
-                    if run.logprobs is not None
+                    if run.options.logprobs is not None
                     else None,
                     finish_reason=c.finish_reason or "stop",
                 )
                 for i, c in enumerate(run.choices)
             ],
-            system_fingerprint=self._fingerprint(),
-            usage=_usage(run),
+            system_fingerprint=fingerprint(self.state),
+            usage=_usage(finished),
         )
 
-    async def _prepare(
-        self, request: CompletionRequest, owner: str, received: float
-    ) -> tuple[_Run, list[GenerationRequest]]:
+    async def _prepare(self, request: CompletionRequest, owner: str) -> _Run:
         state, limits = self.state, self.limits
         state.require()  # the one "busy" answer while the model loads
         model = state.engine.model_id
@@ -259,53 +172,27 @@ class CompletionServing:
             limits.max_output_tokens_limit,
             "max_tokens",
         )
-        check_cache_salt(request.cache_salt)
-        sampling = SamplingParams(
+        options = ResponseOptions(
+            response_id=f"cmpl-{secrets.token_hex(12)}",
+            api="completions",
             max_output_tokens=max_tokens or DEFAULT_MAX_TOKENS,
-            temperature=0.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
+            temperature=request.temperature,  # None: greedy, as chat's default
+            top_p=request.top_p,
             seed=request.seed,
             stop=check_stop(request.stop),
             logprobs=logprobs,
             n=n,
+            # the prefix-cache namespace of the API key, narrowed by the client's salt
+            cache_salt=check_cache_salt(request.cache_salt),
+            store=False,
         )
         await state.rate_limiter.acquire(owner)
-        completion_id = f"cmpl-{secrets.token_hex(12)}"
-        cancel = threading.Event()
-        requests = [
-            GenerationRequest(
-                request_id=f"{completion_id}-{i}",
-                messages=[],
-                sampling=sampling,
-                cancel=cancel,
-                # the prefix-cache namespace of the API key (narrowed by a client's salt)
-                cache_salt=owner
-                if request.cache_salt is None
-                else f"{owner}\0salt:{request.cache_salt}",
-                owner=owner,  # the fair share of the API key
-                raw_prompt=prompt,
-            )
-            for i, prompt in enumerate(prompts)
-        ]
-        trace = ResponseTrace(
-            state.telemetry,
-            model=model,
-            api="completions",
-            response_id=completion_id,
-            session_id=None,
-            started_ns=time.time_ns() - int((time.perf_counter() - received) * 1e9),
-        )
-        run = _Run(
+        return _Run(
             request=request,
             prompts=prompts,
-            n=n,
-            logprobs=logprobs,
-            completion_id=completion_id,
+            options=options,
             created=int(time.time()),
             model=model,
-            cancel=cancel,
-            trace=trace,
-            received=received,
             choices=[
                 _Choice(prefix=prompt, offset=len(prompt))
                 if request.echo and isinstance(prompt, str)
@@ -314,68 +201,63 @@ class CompletionServing:
                 for _ in range(n)
             ],
         )
-        return run, requests
 
-    def _take(self, run: _Run, index: int, delta: Delta) -> tuple[_Choice, int, list]:
-        """Add one delta of prompt `index` to its choice; (the choice, its index, the delta's
-        log-probabilities)."""
-        at = index * run.n + delta.index
-        choice = run.choices[at]
-        if isinstance(delta, TextDelta):
-            if run.first_ns is None:
-                run.first_ns = time.time_ns()
-                run.ttft_ms = _ms(run.received)
-                run.trace.first_token(run.ttft_ms)
-            choice.text.append(delta.text)
-            choice.logprobs.extend(delta.logprobs)
-            return choice, at, list(delta.logprobs)
-        run.results.append(delta)
-        run.trace.llm(run.generate_ns, delta)
-        choice.finish_reason = "length" if delta.finish_reason == "length" else "stop"
-        choice.logprobs.extend(delta.logprobs)
-        return choice, at, list(delta.logprobs)
+    def _take(self, run: _Run, event: RawEvent) -> tuple[_Choice, int, list[TokenLogprob]] | None:
+        """Add one event to its choice; (the choice, its index, the event's log-probabilities),
+        or None for an event of no choice (the start, the end)."""
+        if isinstance(event, TextChunk):
+            choice = run.choices[event.index]
+            choice.text.append(event.text)
+            choice.logprobs.extend(event.logprobs)
+            return choice, event.index, list(event.logprobs)
+        if isinstance(event, ChoiceEnd):
+            choice = run.choices[event.index]
+            choice.finish_reason = "length" if event.reason == "max_output_tokens" else "stop"
+            choice.logprobs.extend(event.logprobs)
+            return choice, event.index, list(event.logprobs)
+        return None
 
     async def _sse(
-        self, run: _Run, first: list[tuple[int, Delta]], deltas: AsyncIterator[tuple[int, Delta]]
+        self, run: _Run, first: list[RawEvent], events: AsyncIterator[RawEvent]
     ) -> AsyncIterator[bytes]:
         include_usage = bool(
             run.request.stream_options and run.request.stream_options.include_usage
         )
-        done = False
+        legacy_logprobs = run.options.logprobs is not None
+        finished: Finished | None = None
         try:
-            try:
-                async for index, delta in replay(first, deltas, _never):
-                    choice, at, logprobs = self._take(run, index, delta)
-                    text = delta.text if isinstance(delta, TextDelta) else ""
-                    if not choice.echoed:
-                        text, choice.echoed = choice.prefix + text, True
-                    legacy = None
-                    if run.logprobs is not None:
-                        legacy = _legacy(logprobs, choice.offset)
-                        choice.offset += sum(len(t.token) for t in logprobs)
-                    reason = None if isinstance(delta, TextDelta) else choice.finish_reason
-                    if not text and legacy is None and reason is None:
-                        continue
-                    yield self._chunk(run, [CompletionChoice(at, text, legacy, reason)])
-            except GatewayError as exc:
-                self._finish(run, exc)
-                done = True
-                yield b"data: " + _json.encode(p.error_response(exc)) + b"\n\n"
-                yield DONE
-                return
-            self._finish(run)
-            done = True
-            if include_usage:
-                yield self._chunk(run, [], usage=_usage(run))
+            async for event in replay(first, events, _is_finished):
+                if isinstance(event, Finished):
+                    finished = event
+                    continue
+                taken = self._take(run, event)
+                if taken is None:
+                    continue
+                choice, at, logprobs = taken
+                text = event.text if isinstance(event, TextChunk) else ""
+                if not choice.echoed:
+                    text, choice.echoed = choice.prefix + text, True
+                legacy = None
+                if legacy_logprobs:
+                    legacy = _legacy(logprobs, choice.offset)
+                    choice.offset += sum(len(t.token) for t in logprobs)
+                reason = choice.finish_reason if isinstance(event, ChoiceEnd) else None
+                if not text and legacy is None and reason is None:
+                    continue
+                yield self._chunk(run, [CompletionChoice(at, text, legacy, reason)])
+            if finished is None or finished.status == "failed":
+                yield b"data: " + _json.encode(p.error_response(failure_of(finished))) + b"\n\n"
+            else:
+                self._logged(run, finished)
+                if include_usage:
+                    yield self._chunk(run, [], usage=_usage(finished))
             yield DONE
         finally:
             # reached on completion and on a client disconnect (the stream is cancelled)
-            run.cancel.set()
-            await close_shielded(deltas)
-            if not done:
+            run.options.cancel.set()
+            if finished is None:
                 log.info("http_stream_abandoned", completion_id=run.completion_id)
-                run.trace.root.set_attribute("visiongate.abandoned", True)
-                run.trace.root.end()
+            await close_shielded(events)
 
     def _chunk(
         self, run: _Run, choices: list[CompletionChoice], *, usage: CompletionUsage | None = None
@@ -385,50 +267,20 @@ class CompletionServing:
             created=run.created,
             model=run.model,
             choices=choices,
-            system_fingerprint=self._fingerprint(),
+            system_fingerprint=fingerprint(self.state),
             usage=usage,
         )
         return b"data: " + _json.encode(chunk) + b"\n\n"
 
-    def _finish(self, run: _Run, error: GatewayError | None = None) -> None:
-        """Close the trace and record the response's metrics, as chat does."""
-        usage = _usage(run)
-        first = run.results[0] if run.results else None
-        incomplete = any(c.finish_reason == "length" for c in run.choices)
-        status = "failed" if error else ("incomplete" if incomplete else "completed")
-        run.trace.finish(
-            Finished(
-                run.completion_id,
-                "",
-                status,
-                "",
-                error=error,
-                input_tokens=usage.prompt_tokens,
-                text_tokens=usage.prompt_tokens,
-                output_tokens=usage.completion_tokens,
-                cached_tokens=usage.prompt_tokens_details.cached_tokens,
-                timings={
-                    "queue_ms": first.queue_ms if first else 0.0,
-                    "prefill_ms": first.prefill_ms if first else 0.0,
-                    "decode_ms": first.decode_ms if first else 0.0,
-                    "ttft_ms": run.ttft_ms,
-                    "total_ms": _ms(run.received),
-                },
-            ),
-            stream_start_ns=run.first_ns,
+    def _logged(self, run: _Run, finished: Finished) -> None:
+        log.info(
+            "http_completion",
+            completion_id=run.completion_id,
+            api="completions",
+            prompts=len(run.prompts),
+            status=finished.status,
+            cached_tokens=finished.cached_tokens,
         )
-        if error is None:
-            log.info(
-                "http_completion",
-                completion_id=run.completion_id,
-                api="completions",
-                prompts=len(run.prompts),
-                status=status,
-                cached_tokens=usage.prompt_tokens_details.cached_tokens,
-            )
-
-    def _fingerprint(self) -> str:
-        return "fp_" + self.state.require().vision.fingerprint[:12]
 
 
 def _invalid(message: str, param: str) -> GatewayError:
@@ -506,80 +358,15 @@ def _legacy(tokens: list[TokenLogprob], start: int) -> LegacyLogprobs:
     )
 
 
-def _usage(run: _Run) -> CompletionUsage:
-    # every choice of a prompt reports the prompt: count it once, from its first choice
-    prompts = [r for r in run.results if r.index == 0]
-    prompt_tokens = sum(r.input_tokens for r in prompts)
-    completion_tokens = sum(r.output_tokens for r in run.results)
+def _usage(finished: Finished) -> CompletionUsage:
+    """The service's usage (each prompt counted once, however many choices it has)."""
     return CompletionUsage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=p.PromptTokensDetails(
-            cached_tokens=sum(r.cached_tokens for r in prompts)
-        ),
+        prompt_tokens=finished.input_tokens,
+        completion_tokens=finished.output_tokens,
+        total_tokens=finished.input_tokens + finished.output_tokens,
+        prompt_tokens_details=p.PromptTokensDetails(cached_tokens=finished.cached_tokens),
     )
 
 
-_END = object()
-
-
-async def _generate_all(
-    engine: Engine, requests: list[GenerationRequest], cancel: threading.Event
-) -> AsyncIterator[tuple[int, Delta]]:
-    """The engine's deltas of every prompt, as they come, tagged with the prompt's index; at
-    most MAX_PROMPTS_AT_ONCE prompts in the engine at a time. The first failure ends it as a
-    GatewayError with the engine's code; closing it cancels every prompt."""
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    gate = asyncio.Semaphore(MAX_PROMPTS_AT_ONCE)
-
-    async def run(index: int, request: GenerationRequest) -> None:
-        try:
-            async with gate:
-                if cancel.is_set():
-                    return
-                stream = engine.generate(request)
-                try:
-                    async for delta in stream:
-                        queue.put_nowait((index, delta))
-                finally:
-                    await stream.aclose()  # type: ignore[attr-defined]
-        except EngineBusy as exc:  # the engine's queue is full
-            queue.put_nowait(
-                (index, GatewayError("busy", str(exc), retry_after_s=exc.retry_after_s))
-            )
-        except EngineError as exc:
-            code = exc.code if exc.code in ERROR_CODES else "engine_error"
-            queue.put_nowait((index, GatewayError(code, str(exc))))
-        except Exception as exc:
-            log.exception("completion_failed", request_id=request.request_id)
-            error = GatewayError("internal_error", f"the completion failed: {type(exc).__name__}")
-            queue.put_nowait((index, error))
-        finally:
-            queue.put_nowait((index, _END))
-
-    tasks = [asyncio.ensure_future(run(i, request)) for i, request in enumerate(requests)]
-    try:
-        running = len(tasks)
-        while running:
-            index, item = await queue.get()
-            if item is _END:
-                running -= 1
-            elif isinstance(item, GatewayError):
-                raise item
-            else:
-                yield index, item
-    finally:
-        cancel.set()
-        for task in tasks:
-            task.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _ms(t0: float) -> float:
-    return round((time.perf_counter() - t0) * 1e3, 3)
-
-
-def _never(_item: object) -> bool:
-    return False  # the stream goes on after its first text
+def _is_finished(event: object) -> bool:
+    return isinstance(event, Finished)

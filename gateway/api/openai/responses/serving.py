@@ -30,10 +30,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 
-from gateway.api.http.event_streams import close_shielded, read_ahead, replay
+from gateway.api.http.event_streams import close_shielded, replay
 from gateway.api.openai.chat import protocol as p
-from gateway.api.openai.chat.serving import EventStream
 from gateway.api.openai.responses import protocol as r
+from gateway.api.openai.responses.output import ResponseOutput, frame
+from gateway.api.openai.serving import EventStream, Opened, admit_turn, open_answer
 from gateway.chat.events import Finished, TextChunk
 from gateway.chat.output_grammar import (
     plain_text_grammar,
@@ -43,8 +44,6 @@ from gateway.chat.output_grammar import (
 )
 from gateway.chat.requests import (
     RequestLimits,
-    add_inline_images,
-    admit_encodes,
     check_conversation_size,
     check_image_count,
     check_item_count,
@@ -53,10 +52,8 @@ from gateway.chat.requests import (
     conversation_chars,
     fetch_remote,
     refuse_unsupported,
-    resolve_references,
     response_options,
 )
-from gateway.chat.tool_stream import ArgumentsPiece, CallStart, TextPiece, ToolCallStream
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.response_records import ResponseRecord
 from gateway.sessions.session import Session, StoredItem, new_id
@@ -64,7 +61,6 @@ from gateway.sessions.session import Session, StoredItem, new_id
 if TYPE_CHECKING:
     from gateway.chat.events import ResponseOptions, ServiceEvent
     from gateway.chat.vision_resolver import EncodePermit
-    from gateway.engine.interface import TokenLogprob
     from gateway.server.state import GatewayState
 
 __all__ = ("ResponsesServing",)
@@ -76,23 +72,9 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 MAX_INPUT_ITEMS_PAGE = 100
 
-# visiongate's codes -> OpenAI's codes for a failed response (the stable code goes in `type`)
-_FAILED_CODES = {
-    "invalid_image": "invalid_image",
-    "unsupported_image_format": "unsupported_image_media_type",
-    "image_too_large": "image_too_large",
-    "image_fetch_failed": "failed_to_download_image",
-    "image_not_found": "image_file_not_found",
-    "rate_limited": "rate_limit_exceeded",
-    "busy": "rate_limit_exceeded",
-    "context_length_exceeded": "invalid_prompt",
-    "input_too_large": "invalid_prompt",
-    "invalid_request": "invalid_prompt",
-}
-
 
 @dataclass(slots=True)
-class _Prepared:
+class Prepared:
     request: r.ResponsesRequest
     owner: str
     options: ResponseOptions
@@ -122,33 +104,22 @@ class ResponsesServing:
             prepared = await self._prepare(request, owner)
         except GatewayError as exc:
             return p.error_response(exc)
-        try:
-            events = self.state.require().service.respond(
-                prepared.session, prepared.options, received_at=received
-            )
-            first = await read_ahead(events, prepared.options.cancel)
-        finally:
-            prepared.permit.close()
-        end = first[-1] if first else None
-        if end is None or (isinstance(end, Finished) and end.status == "failed"):
-            await close_shielded(events)
+        events = self.state.require().service.respond(
+            prepared.session, prepared.options, received_at=received
+        )
+        opened = await open_answer(events, prepared.options.cancel, prepared.permit)
+        if isinstance(opened, GatewayError):
             await self._roll_back(prepared)
-            error = (
-                end.error
-                if isinstance(end, Finished) and end.error
-                else GatewayError("engine_error", "the engine ended without a result")
-            )
-            return p.error_response(error)
+            return p.error_response(opened)
         if request.stream:
             return EventStream(
-                self._sse(prepared, first, events),
-                prepared.session.id if prepared.stored else None,
+                self._sse(prepared, opened), prepared.session.id if prepared.stored else None
             )
-        return await self._complete(prepared, first, events)
+        return await self._complete(prepared, opened)
 
-    async def _prepare(self, request: r.ResponsesRequest, owner: str) -> _Prepared:
+    async def _prepare(self, request: r.ResponsesRequest, owner: str) -> Prepared:
         state, limits = self.state, self.limits
-        vision = state.require().vision
+        state.require()  # the one "busy" answer while the model loads
         model = state.engine.model_id
         check_model(request.model, model)
         options, notes = self._options(request)
@@ -160,16 +131,13 @@ class ResponsesServing:
         items = r.convert_items(request.input, limits)
         fetched = await fetch_remote(r.image_parts(items), limits, param="input")
         parsed = r.parse_input(items, limits, fetched)
-        await resolve_references(parsed.refs, vision, owner=owner)
-        await state.rate_limiter.acquire(owner)
-        # slots for the encodes this request needs, taken before anything of it is stored
-        permit = await admit_encodes([*parsed.inline, *parsed.refs], vision, owner=owner)
-        try:
-            await add_inline_images(parsed.inline, vision, owner=owner)
-            session, created, forked = await self._session(request, owner, parsed, previous)
-        except BaseException:
-            permit.close()
-            raise
+        permit, (session, created, forked) = await admit_turn(
+            state,
+            owner=owner,
+            inline=parsed.inline,
+            refs=parsed.refs,
+            build=lambda: self._session(request, owner, parsed, previous),
+        )
         options.store = bool(request.store is None or request.store)
         log.info(
             "responses_turn",
@@ -179,7 +147,7 @@ class ResponsesServing:
             forked=forked,
             items=len(session.items),
         )
-        return _Prepared(
+        return Prepared(
             request=request,
             owner=owner,
             options=options,
@@ -333,7 +301,7 @@ class ResponsesServing:
         if not await self.state.sessions.create(session):  # an id of 80 random bits was taken
             raise GatewayError("internal_error", "could not create the conversation's session")
 
-    async def _roll_back(self, prepared: _Prepared) -> None:
+    async def _roll_back(self, prepared: Prepared) -> None:
         """A response that failed before any output leaves its chain as it found it."""
         if not prepared.stored:
             return
@@ -354,13 +322,12 @@ class ResponsesServing:
 
     # ------------------------------------------------------------ answering
 
-    async def _complete(
-        self, prepared: _Prepared, first: list[ServiceEvent], events: AsyncIterator[ServiceEvent]
-    ) -> r.ResponseObject:
-        out = _Output(prepared)
+    async def _complete(self, prepared: Prepared, opened: Opened[ServiceEvent]) -> r.ResponseObject:
+        events = opened.events
+        out = ResponseOutput(prepared)
         finished: Finished | None = None
         try:
-            async for ev in replay(first, events, _is_finished):
+            async for ev in replay(opened.first, events, _is_finished):
                 if isinstance(ev, TextChunk):
                     out.feed(ev)
                 elif isinstance(ev, Finished):
@@ -372,30 +339,29 @@ class ResponsesServing:
         await self._record(prepared, response, finished)
         return response
 
-    async def _sse(
-        self, prepared: _Prepared, first: list[ServiceEvent], events: AsyncIterator[ServiceEvent]
-    ) -> AsyncIterator[bytes]:
-        out = _Output(prepared)
+    async def _sse(self, prepared: Prepared, opened: Opened[ServiceEvent]) -> AsyncIterator[bytes]:
+        events = opened.events
+        out = ResponseOutput(prepared)
         finished: Finished | None = None
         try:
-            yield _frame(r.ResponseCreated(sequence_number=out.next(), response=out.snapshot()))
-            yield _frame(r.ResponseInProgress(sequence_number=out.next(), response=out.snapshot()))
-            async for ev in replay(first, events, _is_finished):
+            yield frame(r.ResponseCreated(sequence_number=out.next(), response=out.snapshot()))
+            yield frame(r.ResponseInProgress(sequence_number=out.next(), response=out.snapshot()))
+            async for ev in replay(opened.first, events, _is_finished):
                 if isinstance(ev, TextChunk):
                     out.feed(ev)
                 elif isinstance(ev, Finished):
                     finished = ev
-                for frame in out.take():
-                    yield frame
+                for ready in out.take():
+                    yield ready
             response = out.finish(finished)
             await self._record(prepared, response, finished)
             end = {
                 "completed": r.ResponseCompleted,
                 "failed": r.ResponseFailed,
             }.get(response.status, r.ResponseIncomplete)
-            for frame in out.take():
-                yield frame
-            yield _frame(end(sequence_number=out.next(), response=response))
+            for ready in out.take():
+                yield ready
+            yield frame(end(sequence_number=out.next(), response=response))
         finally:
             # reached on completion and on a client disconnect (the stream is cancelled)
             prepared.options.cancel.set()
@@ -404,7 +370,7 @@ class ResponsesServing:
             await close_shielded(events)
 
     async def _record(
-        self, prepared: _Prepared, response: r.ResponseObject, finished: Finished | None
+        self, prepared: Prepared, response: r.ResponseObject, finished: Finished | None
     ) -> None:
         """Keep a stored response's record, so that it can be retrieved and continued."""
         if not prepared.stored:
@@ -486,262 +452,6 @@ class ResponsesServing:
             last_id=page[-1]["id"] if page else None,
             has_more=start + len(page) < len(items),
         )
-
-
-class _Output:
-    """Builds a response's output from the service's text, and the stream events that add it:
-    message items for text, function_call items for the calls the tools grammar made (read as
-    they stream, so a call's arguments go out as they are written). The non-streamed answer
-    is built the same way, so both give the same output."""
-
-    def __init__(self, prepared: _Prepared) -> None:
-        self.prepared = prepared
-        options = prepared.options
-        self.response_id = options.response_id
-        self.logprobs = options.logprobs is not None
-        self.calls = ToolCallStream(options.response_id) if options.tools else None
-        self.items: list[r.OutputItem] = []
-        self.events: list[r.ResponseEvent] = []
-        self.sequence = 0
-        self.messages = 0  # message items opened
-        self.message: r.OutputMessage | None = None  # the open one
-        self.text: list[str] = []
-        self.message_logprobs: list[r.Logprob] = []
-        self.call: r.FunctionCall | None = None  # the open one
-        self.arguments: list[str] = []
-
-    def next(self) -> int:
-        self.sequence += 1
-        return self.sequence - 1
-
-    def take(self) -> list[bytes]:
-        frames = [_frame(ev) for ev in self.events]
-        self.events.clear()
-        return frames
-
-    def feed(self, chunk: TextChunk) -> None:
-        logprobs = [_logprob(t) for t in chunk.logprobs] if self.logprobs else []
-        if self.calls is None:
-            self._text(chunk.text, logprobs)
-            return
-        for piece in self.calls.feed(chunk.text):
-            self._piece(piece, logprobs)
-            if isinstance(piece, TextPiece):
-                logprobs = []
-
-    def _piece(self, piece: TextPiece | CallStart | ArgumentsPiece, logprobs: list) -> None:
-        if isinstance(piece, TextPiece):
-            self._text(piece.text, logprobs)
-        elif isinstance(piece, CallStart):
-            self._close_message("completed")
-            self._close_call("completed")
-            self.call = r.FunctionCall(
-                id=f"fc_{self.response_id.removeprefix('resp_')}_{piece.index}",
-                call_id=piece.id,
-                name=piece.name,
-                arguments="",
-                status="in_progress",
-            )
-            self._emit(r.OutputItemAdded, output_index=len(self.items), item=self.call)
-        elif self.call is not None:
-            self.arguments.append(piece.text)
-            self._emit(
-                r.ArgumentsDelta,
-                item_id=self.call.id,
-                output_index=len(self.items),
-                delta=piece.text,
-            )
-
-    def _text(self, text: str, logprobs: list[r.Logprob]) -> None:
-        if not text and not logprobs:
-            return
-        if self.message is None:
-            self._close_call("completed")
-            self._open_message()
-        assert self.message is not None
-        self.text.append(text)
-        self.message_logprobs.extend(logprobs)
-        self._emit(
-            r.OutputTextDelta,
-            item_id=self.message.id,
-            output_index=len(self.items),
-            content_index=0,
-            delta=text,
-            logprobs=logprobs,
-        )
-
-    def _open_message(self) -> None:
-        item_id = self.prepared.options.item_id
-        self.message = r.OutputMessage(
-            id=item_id if not self.messages else f"{item_id}_{self.messages}",
-            status="in_progress",
-            content=[],
-        )
-        self.messages += 1
-        self.text, self.message_logprobs = [], []
-        self._emit(r.OutputItemAdded, output_index=len(self.items), item=self.message)
-        self._emit(
-            r.ContentPartAdded,
-            item_id=self.message.id,
-            output_index=len(self.items),
-            content_index=0,
-            part=r.OutputText(text="", annotations=[]),
-        )
-
-    def _close_message(self, status: str) -> None:
-        message, self.message = self.message, None
-        if message is None:
-            return
-        text, at = "".join(self.text), len(self.items)
-        logprobs = self.message_logprobs
-        part = r.OutputText(text=text, annotations=[], logprobs=logprobs if self.logprobs else None)
-        self._emit(
-            r.OutputTextDone,
-            item_id=message.id,
-            output_index=at,
-            content_index=0,
-            text=text,
-            logprobs=logprobs,
-        )
-        self._emit(
-            r.ContentPartDone, item_id=message.id, output_index=at, content_index=0, part=part
-        )
-        done = r.OutputMessage(id=message.id, status=status, content=[part])  # type: ignore[arg-type]
-        self._emit(r.OutputItemDone, output_index=at, item=done)
-        self.items.append(done)
-
-    def _close_call(self, status: str) -> None:
-        call, self.call = self.call, None
-        if call is None:
-            return
-        arguments, at = "".join(self.arguments), len(self.items)
-        self.arguments = []
-        self._emit(
-            r.ArgumentsDone, item_id=call.id, output_index=at, arguments=arguments, name=call.name
-        )
-        done = r.FunctionCall(
-            id=call.id,
-            call_id=call.call_id,
-            name=call.name,
-            arguments=arguments,
-            status=status,  # type: ignore[arg-type]
-        )
-        self._emit(r.OutputItemDone, output_index=at, item=done)
-        self.items.append(done)
-
-    def finish(self, finished: Finished | None) -> r.ResponseObject:
-        """Close what is open and return the whole response."""
-        if self.calls is not None:
-            for piece in self.calls.finish():
-                self._piece(piece, [])
-        status = "failed" if finished is None else finished.status
-        if finished is not None and finished.logprobs and self.logprobs:
-            extra = [_logprob(t) for t in finished.logprobs]
-            if self.message is None and not self.items and self.call is None:
-                self._open_message()
-            if self.message is not None:
-                self.message_logprobs.extend(extra)
-        if not self.items and self.message is None and self.call is None and status != "failed":
-            self._open_message()  # an empty answer is still one (empty) message
-        item_status = "completed" if status == "completed" else "incomplete"
-        self._close_message(item_status)
-        self._close_call(item_status)
-        response = self.snapshot()
-        response.output = list(self.items)
-        if finished is None:  # the service ended without a result
-            response.status = "failed"
-            response.error = _error(GatewayError("engine_error", "the response ended early"))
-            return response
-        response.status = {"completed": "completed", "failed": "failed"}.get(
-            finished.status, "cancelled" if finished.status == "cancelled" else "incomplete"
-        )
-        if response.status == "incomplete":
-            reason = "max_output_tokens" if finished.reason == "max_output_tokens" else None
-            response.incomplete_details = r.IncompleteDetails(reason=reason)
-        if finished.status == "failed":
-            response.error = _error(
-                finished.error or GatewayError("engine_error", "the response failed")
-            )
-        response.usage = r.ResponseUsage(
-            input_tokens=finished.input_tokens,
-            input_tokens_details=r.InputTokensDetails(cached_tokens=finished.cached_tokens),
-            output_tokens=finished.output_tokens,
-            output_tokens_details=r.OutputTokensDetails(),
-            total_tokens=finished.input_tokens + finished.output_tokens,
-        )
-        prepared = self.prepared
-        response.visiongate = r.ResponseExtension(
-            timings=p.Timings.of(finished),
-            cache=p.CacheReport.of(finished),
-            image_tokens=finished.image_tokens,
-            image_tokens_total=finished.image_tokens_total,
-            session_id=prepared.session.id if prepared.stored else None,
-            truncated_items=finished.truncated_items,
-            stored=(finished.store_error is None) if prepared.stored else None,
-            forked=prepared.forked,
-            notes=prepared.notes,
-        )
-        return response
-
-    def snapshot(self) -> r.ResponseObject:
-        """The response as it starts: in progress, no output yet; the request's values."""
-        prepared, request, options = self.prepared, self.prepared.request, self.prepared.options
-        session = prepared.session
-        text: dict[str, Any] = {"format": {"type": "text"}}
-        if request.text is not None:
-            text = {k: v for k, v in msgspec.structs.asdict(request.text).items() if v}
-            text.setdefault("format", {"type": "text"})
-        response = r.ResponseObject(
-            id=options.response_id,
-            created_at=prepared.created_at,
-            status="in_progress",
-            model=prepared.model,
-            output=[],
-            usage=None,
-            error=None,
-            incomplete_details=None,
-            instructions=request.instructions,
-            previous_response_id=request.previous_response_id,
-            store=prepared.stored,
-            metadata=request.metadata or {},
-            tools=request.tools or [],
-            tool_choice=request.tool_choice or "auto",
-            parallel_tool_calls=request.parallel_tool_calls is not False,
-            temperature=session.temperature if options.temperature is None else options.temperature,
-            top_p=session.top_p if options.top_p is None else options.top_p,
-            max_output_tokens=request.max_output_tokens,
-            text=text,
-            truncation=request.truncation or "disabled",
-            top_logprobs=request.top_logprobs,
-            user=request.user,
-            reasoning=request.reasoning,
-        )
-        return response
-
-    def _emit(self, kind: type[r.ResponseEvent], **fields: Any) -> None:
-        self.events.append(kind(sequence_number=self.next(), **fields))
-
-
-def _frame(event: r.ResponseEvent) -> bytes:
-    return b"event: " + r.event_type(event).encode() + b"\ndata: " + _json.encode(event) + b"\n\n"
-
-
-def _logprob(token: TokenLogprob) -> r.Logprob:
-    return r.Logprob(
-        token=token.token,
-        bytes=list(token.bytes),
-        logprob=token.logprob,
-        top_logprobs=[r.TopLogprob(token=t, bytes=list(b), logprob=lp) for t, lp, b in token.top],
-    )
-
-
-def _error(exc: GatewayError) -> r.ResponseError:
-    return r.ResponseError(
-        code=_FAILED_CODES.get(exc.code, "server_error"),
-        message=exc.message,
-        param=exc.param,
-        type=exc.code,
-    )
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:

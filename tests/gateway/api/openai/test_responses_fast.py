@@ -19,7 +19,8 @@ from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from gateway.api.openai.responses import protocol as r
-from gateway.api.openai.responses.serving import _Output, _Prepared
+from gateway.api.openai.responses.output import ResponseOutput
+from gateway.api.openai.responses.serving import Prepared
 from gateway.chat.events import Finished, ResponseOptions, TextChunk
 from gateway.chat.tool_stream import call_id, render_tool_call
 from gateway.engine.interface import EngineError, TokenLogprob
@@ -134,14 +135,14 @@ def test_stream_events_in_order_match_the_sdk_and_the_plain_answer(
     assert [e.type for e in streamed] == kinds
 
 
-def _weather_call_prepared(options: ResponseOptions) -> _Prepared:
-    """A prepared, unstored response offering one function tool (for `_Output` alone)."""
+def _weather_call_prepared(options: ResponseOptions) -> Prepared:
+    """A prepared, unstored response offering one function tool (for `ResponseOutput` alone)."""
     request = r.ResponsesRequest(
         model=MODEL,
         input="weather?",
         tools=[{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}],
     )
-    return _Prepared(
+    return Prepared(
         request=request,
         owner="anonymous",
         options=options,
@@ -162,7 +163,7 @@ def test_tool_calls_become_function_call_items_and_events() -> None:
     options = ResponseOptions(tools=True, item_id="msg_1", logprobs=None)
     prepared = _weather_call_prepared(options)
     answer = "Let me check." + render_tool_call("get_weather", '{"city": "Paris"}')
-    out = _Output(prepared)
+    out = ResponseOutput(prepared)
     for at in range(0, len(answer), 7):  # in pieces that cut the call's tags apart
         out.feed(TextChunk(answer[at : at + 7]))
     finished = Finished(options.response_id, options.item_id, "completed", answer)
@@ -189,7 +190,7 @@ def test_an_answer_that_is_only_a_call_is_one_function_call_item() -> None:
     options = ResponseOptions(tools=True, item_id="msg_1", logprobs=0)
     prepared = _weather_call_prepared(options)
     answer = render_tool_call("get_weather", '{"city": "Paris"}')
-    out = _Output(prepared)
+    out = ResponseOutput(prepared)
     out.feed(TextChunk(answer))
     tail = (TokenLogprob("<", -0.1, b"<"),)  # tokens the call held back still end it cleanly
     response = out.finish(
