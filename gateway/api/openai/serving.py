@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import structlog
 
@@ -41,19 +41,16 @@ __all__ = (
     "DONE",
     "EventStream",
     "Opened",
-    "Receive",
     "admit_turn",
     "failure_of",
     "fingerprint",
     "open_answer",
-    "watch_disconnect",
 )
 
 log = structlog.get_logger("visiongate.http")
 
 DONE = b"data: [DONE]\n\n"  # the last frame of every Chat Completions and Completions stream
 
-Receive = Callable[[], Awaitable[Any]]  # the ASGI receive channel of a request
 T = TypeVar("T")
 E = TypeVar("E")
 
@@ -130,15 +127,3 @@ def failure_of(end: object) -> GatewayError:
 def fingerprint(state: GatewayState) -> str:
     """`system_fingerprint`: names the vision pipeline the answers' images went through."""
     return "fp_" + state.require().vision.fingerprint[:12]
-
-
-async def watch_disconnect(receive: Receive, cancel: threading.Event, answer_id: str) -> None:
-    """Cancel an answer whose client goes away before it is sent (`receive` is the request's
-    ASGI channel, its body already read); a stream is watched by the server instead."""
-    while True:
-        message = await receive()
-        if message.get("type") == "http.disconnect":
-            if not cancel.is_set():
-                cancel.set()
-                log.info("http_client_gone", answer_id=answer_id)
-            return

@@ -16,7 +16,6 @@ pieces of the arguments). `n` answers are choices 0..n-1; `logprobs` go with the
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -33,12 +32,10 @@ from gateway.api.openai.serving import (
     DONE,
     EventStream,
     Opened,
-    Receive,
     admit_turn,
     failure_of,
     fingerprint,
     open_answer,
-    watch_disconnect,
 )
 from gateway.chat.events import Finished, ResponseOptions, TextChunk
 from gateway.chat.output_grammar import (
@@ -104,33 +101,16 @@ class ChatCompletionServing:
         self.limits = RequestLimits.of(state.settings)
 
     async def create(
-        self,
-        request: p.ChatCompletionRequest,
-        *,
-        owner: str,
-        session_id: str | None,
-        receive: Receive | None = None,
+        self, request: p.ChatCompletionRequest, *, owner: str, session_id: str | None
     ) -> p.ChatCompletion | EventStream | p.ErrorResponse:
-        """`receive` (the request's ASGI channel, its body already read) is watched until the
-        answer is ready to send: a client that goes away meanwhile cancels it. A stream is
-        watched by the server from its first frame on."""
+        """The answer to `request` from `owner`'s key; `session_id` (the header's) joins a
+        session, as the body's `session_id` does."""
         received = time.perf_counter()
         try:
             prepared = await self._prepare(request, owner, session_id or request.session_id)
         except GatewayError as exc:
             return p.error_response(exc)
-        watch = (
-            asyncio.ensure_future(
-                watch_disconnect(receive, prepared.options.cancel, prepared.completion_id)
-            )
-            if receive is not None
-            else None
-        )
-        try:
-            return await self._answer(request, prepared, received)
-        finally:
-            if watch is not None:
-                watch.cancel()
+        return await self._answer(request, prepared, received)
 
     async def _answer(
         self, request: p.ChatCompletionRequest, prepared: _Prepared, received: float

@@ -33,7 +33,7 @@ import structlog
 from gateway.api.http.event_streams import close_shielded, replay
 from gateway.api.openai.chat import protocol as p
 from gateway.api.openai.responses import protocol as r
-from gateway.api.openai.responses.output import ResponseOutput, frame
+from gateway.api.openai.responses.output_builder import ResponseOutput, frame
 from gateway.api.openai.serving import EventStream, Opened, admit_turn, open_answer
 from gateway.chat.events import Finished, TextChunk
 from gateway.chat.output_grammar import (

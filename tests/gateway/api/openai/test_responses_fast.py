@@ -19,7 +19,7 @@ from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from gateway.api.openai.responses import protocol as r
-from gateway.api.openai.responses.output import ResponseOutput
+from gateway.api.openai.responses.output_builder import ResponseOutput
 from gateway.api.openai.responses.serving import Prepared
 from gateway.chat.events import Finished, ResponseOptions, TextChunk
 from gateway.chat.tool_stream import call_id, render_tool_call

@@ -9,7 +9,7 @@ event one SSE frame (`event:` its type, `data:` its JSON).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -19,11 +19,11 @@ from gateway.chat.tool_stream import ArgumentsPiece, CallStart, TextPiece, ToolC
 from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:
-    from gateway.api.openai.responses.serving import Prepared
-    from gateway.chat.events import Finished, TextChunk
+    from gateway.chat.events import Finished, ResponseOptions, TextChunk
     from gateway.engine.interface import TokenLogprob
+    from gateway.sessions.session import Session
 
-__all__ = ("ResponseOutput", "frame")
+__all__ = ("PreparedResponse", "ResponseOutput", "frame")
 
 _json = msgspec.json.Encoder()
 
@@ -42,13 +42,26 @@ _FAILED_CODES = {
 }
 
 
+class PreparedResponse(Protocol):
+    """What the output of a response is built from: the serving layer's prepared response."""
+
+    request: r.ResponsesRequest
+    options: ResponseOptions
+    session: Session
+    stored: bool  # the session lives in the store
+    forked: bool  # the response started a new branch of its chain
+    notes: list[str]  # what of the request was ignored, said in the response's extension
+    created_at: int
+    model: str
+
+
 class ResponseOutput:
     """Builds a response's output from the service's text, and the stream events that add it:
     message items for text, function_call items for the calls the tools grammar made (read as
     they stream, so a call's arguments go out as they are written). The non-streamed answer
     is built the same way, so both give the same output."""
 
-    def __init__(self, prepared: Prepared) -> None:
+    def __init__(self, prepared: PreparedResponse) -> None:
         self.prepared = prepared
         options = prepared.options
         self.response_id = options.response_id

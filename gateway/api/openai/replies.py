@@ -1,0 +1,132 @@
+"""How every `/v1` handler answers: the caller's owner id, a serving value as HTTP, one error shape.
+
+A serving object returns a value (`gateway.api.openai.serving`); `reply` maps it: an
+`ErrorResponse` gets the status of its code (and `Retry-After` when it has one), an
+`EventStream` becomes `text/event-stream` (with `X-Session-Id` when it joined a stored
+session), anything else is a 200. Whatever is raised under `/v1` (a `GatewayError`, a body
+Litestar could not decode or validate, a fault) is turned into the same OpenAI error object by
+`as_gateway_error`, so clients see one error shape everywhere. Every error answer is counted
+in the error metric and logged once, by `error_reply`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.response import Stream
+
+from gateway.api.openai.chat import protocol as p
+from gateway.api.openai.serving import EventStream
+from gateway.protocol.errors import GatewayError
+
+if TYPE_CHECKING:
+    from gateway.server.state import GatewayState
+
+__all__ = (
+    "ERRORS",
+    "MiB",
+    "as_gateway_error",
+    "error_reply",
+    "owner_of",
+    "reply",
+    "session_body_limit",
+)
+
+log = structlog.get_logger("visiongate.http")
+
+MiB = 1024 * 1024
+MAX_SESSION_BODY = 512 * MiB
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+# the error statuses a `/v1` route can answer, for the OpenAPI schema
+ERRORS = {
+    status: ResponseSpec(p.ErrorResponse, description=text)
+    for status, text in (
+        (400, "Invalid request"),
+        (401, "Missing or unknown API key"),
+        (403, "Not allowed for this API key"),
+        (404, "Not found"),
+        (413, "Too large"),
+        (415, "Unsupported image format"),
+        (429, "Rate limited"),
+        (503, "Loading or busy"),
+    )
+}
+
+
+def session_body_limit(state: GatewayState) -> int:
+    """The body a conversation request may send: OpenAI clients resend every image on every
+    turn, so room for a full session of images (base64) and its text."""
+    settings = state.settings
+    return min(
+        MAX_SESSION_BODY,
+        settings.max_image_bytes * 4 // 3 * settings.max_images_per_session + 4 * MiB,
+    )
+
+
+def owner_of(state: GatewayState, request: Request) -> str:
+    """The owner id of the request's API key; GatewayError (401) without a valid one."""
+    return state.auth.owner(request.headers)
+
+
+def reply(value: Any, state: GatewayState, *, session_id: str | None = None) -> Response[Any]:
+    """A serving value as its HTTP answer; `session_id` goes out as `X-Session-Id`."""
+    if isinstance(value, p.ErrorResponse):
+        return error_reply(value, state)
+    if isinstance(value, EventStream):
+        headers = dict(STREAM_HEADERS)
+        if value.session_id:
+            headers["X-Session-Id"] = value.session_id
+        return Stream(value.frames, media_type="text/event-stream", headers=headers)
+    headers = {"X-Session-Id": session_id} if session_id else None
+    return Response(value, status_code=200, headers=headers)
+
+
+def error_reply(
+    error: p.ErrorResponse, state: GatewayState, *, status: int | None = None
+) -> Response[p.ErrorResponse]:
+    if error.error.code:
+        state.metrics.record_error(code=error.error.code, api="http")
+    log.info(
+        "client_error",
+        api="http",
+        code=error.error.code,
+        message=error.error.message,
+        param=error.error.param,
+    )
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+    return Response(error, status_code=status or error.status_code, headers=headers)
+
+
+def as_gateway_error(exc: Exception) -> GatewayError:
+    """Anything raised under /v1 -> a GatewayError with a stable code."""
+    if isinstance(exc, GatewayError):
+        return exc
+    if isinstance(exc, RecursionError) or isinstance(exc.__cause__, RecursionError):
+        return GatewayError("invalid_json", "the body is nested too deeply")
+    if isinstance(exc, ValidationException):
+        problems = exc.extra if isinstance(exc.extra, list) else []
+        if problems and isinstance(problems[0], dict):
+            first = problems[0]
+            key = first.get("key") or None
+            message = str(first.get("message", "invalid value"))
+            return GatewayError(
+                "invalid_request", f"{message}" + (f" at {key}" if key else ""), param=key
+            )
+        detail = str(exc.detail)
+        code = "invalid_json" if "JSON" in detail else "invalid_request"
+        return GatewayError(code, detail)
+    if isinstance(exc, HTTPException):
+        if exc.status_code == 413:
+            return GatewayError("request_too_large", "the request body is too large")
+        if exc.status_code == 400 and "JSON" in str(exc.detail):
+            return GatewayError("invalid_json", str(exc.detail))
+        if exc.status_code < 500:
+            return GatewayError("invalid_request", str(exc.detail))
+        return GatewayError("internal_error", str(exc.detail))
+    log.error("http_handler_failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+    return GatewayError("internal_error", f"internal error: {type(exc).__name__}")
