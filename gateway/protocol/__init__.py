@@ -1,1 +1,3 @@
-"""Wire types: the Realtime WebSocket events (text and image subset) and shared error codes."""
+"""What every transport shares on the wire: error codes and their HTTP statuses (`errors`), the
+timing and cache report of a response (`report`) and the WebSocket subprotocols (`subprotocols`).
+"""

@@ -10,6 +10,7 @@ package being its `__init__`. Run on its own: `pytest tests/project/test_package
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -322,3 +323,19 @@ def test_only_one_gateway_module_imports_the_workers_redis_rules() -> None:
         f"gateway modules importing encoder_worker.redis_conn (use {REDIS_CONNECTIONS}):\n"
         + "\n".join(importers)
     )
+
+
+def test_the_layout_page_names_every_package() -> None:
+    """docs/design/layout.md, a newcomer's map, names every package directory of the tree (and
+    none that is gone), so that it cannot fall behind a move."""
+    page = (ROOT / "docs" / "design" / "layout.md").read_text()
+    named = set(re.findall(r"^\| `([a-z_/]+)/` \|", page, flags=re.MULTILINE))
+    packages = {
+        str(init.parent.relative_to(ROOT))
+        for top in ("gateway", "encoder_worker", "kernels", "dashboards", "deploy", "bench")
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    missing = sorted(packages - named)
+    assert not missing, f"packages the layout page does not name: {missing}"
+    gone = sorted(d for d in named - packages if not (ROOT / d).is_dir())
+    assert not gone, f"the layout page names directories that do not exist: {gone}"
