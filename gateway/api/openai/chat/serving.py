@@ -5,13 +5,13 @@ The serving layer returns values, never raises for a bad request: a `ChatComplet
 A streamed answer is started before the HTTP status is chosen: the first text (or the failure)
 decides between `200 text/event-stream` and an error with its proper code. A client that
 disconnects cancels generation, which frees the engine at once: mid-stream, and while a
-non-streamed answer is computed (the ASGI channel is watched for `http.disconnect`). The
+non-streamed answer is computed (the router watches the ASGI channel for it). The
 request's values are checked by the request layer (`gateway.chat.requests`, and
 `gateway.chat.output_grammar` for tools and response formats), as the WebSocket's are.
 
-With tools, each answer is read by a `ToolCallStream`: its text goes out as content, its calls
-as `tool_calls` (streamed: the first delta of a call carries id, type and name, the next ones
-pieces of the arguments). `n` answers are choices 0..n-1; `logprobs` go with the content.
+How an answer is shown (content, tool calls, chunks) is `chunks`; `n` answers are choices
+0..n-1; `logprobs` go with the content. Admitting the turn and opening its answer are the
+steps every OpenAI API shares (`gateway.api.openai.serving`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,13 @@ import structlog
 
 from gateway.api.http.event_streams import close_shielded, replay
 from gateway.api.openai.chat import protocol as p
+from gateway.api.openai.chat.chunks import (
+    Frames,
+    StreamedAnswer,
+    choice_of,
+    finish_reason_of,
+    usage_of,
+)
 from gateway.api.openai.chat.messages import Conversation, all_parts, parse_messages, reconcile
 from gateway.api.openai.serving import (
     DONE,
@@ -57,19 +64,11 @@ from gateway.chat.requests import (
     refuse_unsupported,
     response_options,
 )
-from gateway.chat.tool_stream import (
-    ArgumentsPiece,
-    CallStart,
-    Piece,
-    TextPiece,
-    ToolCallStream,
-    split_answer,
-)
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import Session
 
 if TYPE_CHECKING:
-    from gateway.chat.events import ChoiceEnd, ServiceEvent
+    from gateway.chat.events import ServiceEvent
     from gateway.chat.vision_resolver import EncodePermit
     from gateway.engine.interface import TokenLogprob
     from gateway.server.state import GatewayState
@@ -249,10 +248,10 @@ class ChatCompletionServing:
             created=prepared.created,
             model=prepared.model,
             choices=[
-                _choice(end, [*logprobs.get(end.index, ()), *end.logprobs], prepared.options)
+                choice_of(end, [*logprobs.get(end.index, ()), *end.logprobs], prepared.options)
                 for end in finished.answers()
             ],
-            usage=_usage(finished, ext),
+            usage=usage_of(finished, ext),
             system_fingerprint=fingerprint(self.state),
             visiongate=ext,
         )
@@ -262,8 +261,14 @@ class ChatCompletionServing:
         include_usage = bool(
             prepared.request.stream_options and prepared.request.stream_options.include_usage
         )
-        answers = [_StreamedAnswer(options, i) for i in range(options.n)]
-        frame = _Frames(prepared, fingerprint(self.state), include_usage)
+        answers = [StreamedAnswer(options, i) for i in range(options.n)]
+        frame = Frames(
+            prepared.completion_id,
+            prepared.created,
+            prepared.model,
+            fingerprint(self.state),
+            include_usage,
+        )
         finished: Finished | None = None
         try:
             for i in range(options.n):  # every choice announced first, in order
@@ -288,12 +293,12 @@ class ChatCompletionServing:
                     yield frame(
                         end.index,
                         p.Delta(),
-                        finish_reason=_finish_reason(end, answer.calls > 0),
+                        finish_reason=finish_reason_of(end, answer.calls > 0),
                         logprobs=answer.take_logprobs() if answer.logprobs else None,
                         extension=ext,
                     )
                 if include_usage:
-                    yield frame.usage(_usage(finished, ext))
+                    yield frame.usage(usage_of(finished, ext))
             yield DONE
         finally:
             # reached on completion and on a client disconnect (the stream is cancelled)
@@ -380,142 +385,6 @@ def _options(request: p.ChatCompletionRequest, limits: RequestLimits) -> Respons
         options.tools_prompt = plan.prompt
         options.tools = plan.choice != "none"
     return options
-
-
-def _answer_id(response_id: str, index: int) -> str:
-    """What names the tool calls of answer `index` (the first answer's are the stored ones)."""
-    return response_id if index == 0 else f"{response_id}/{index}"
-
-
-def _finish_reason(end: ChoiceEnd, called: bool) -> p.FinishReason:
-    if end.status == "incomplete":
-        return "length"
-    return "tool_calls" if called else "stop"
-
-
-def _choice(end: ChoiceEnd, logprobs: list[TokenLogprob], options: ResponseOptions) -> p.Choice:
-    text, calls = end.text, []
-    if options.tools:
-        text, calls = split_answer(end.text, _answer_id(options.response_id, end.index))
-    message = p.ChatMessage(
-        content=text if text or not calls else None,
-        refusal=None,
-        role="assistant",
-        tool_calls=[
-            p.ToolCall(id=c.id, function=p.ToolCallFunction(name=c.name, arguments=c.arguments))
-            for c in calls
-        ]
-        or msgspec.UNSET,
-    )
-    return p.Choice(
-        index=end.index,
-        message=message,
-        finish_reason=_finish_reason(end, bool(calls)),
-        logprobs=p.ChoiceLogprobs.of(logprobs) if options.logprobs is not None else None,
-    )
-
-
-class _StreamedAnswer:
-    """One answer of a stream: its text read into content and tool-call deltas, and the
-    log-probabilities not sent yet (they go with the next frame of this answer)."""
-
-    __slots__ = ("calls", "logprobs", "reader", "wants_logprobs")
-
-    def __init__(self, options: ResponseOptions, index: int) -> None:
-        self.reader = (
-            ToolCallStream(_answer_id(options.response_id, index)) if options.tools else None
-        )
-        self.calls = 0
-        self.logprobs: list[TokenLogprob] = []
-        self.wants_logprobs = options.logprobs is not None
-
-    def feed(self, text: str) -> list[p.Delta]:
-        if self.reader is None:
-            return [p.Delta(content=text)] if text else []
-        return self._deltas(self.reader.feed(text))
-
-    def finish(self) -> list[p.Delta]:
-        return [] if self.reader is None else self._deltas(self.reader.finish())
-
-    def take_logprobs(self) -> p.ChoiceLogprobs | None:
-        if not self.wants_logprobs:
-            return None
-        taken = p.ChoiceLogprobs.of(self.logprobs)
-        self.logprobs = []
-        return taken
-
-    def _deltas(self, pieces: list[Piece]) -> list[p.Delta]:
-        deltas: list[p.Delta] = []
-        for piece in pieces:
-            if isinstance(piece, TextPiece):
-                deltas.append(p.Delta(content=piece.text))
-            elif isinstance(piece, CallStart):
-                self.calls += 1
-                function = p.DeltaFunction(name=piece.name, arguments="")
-                call = p.DeltaToolCall(piece.index, id=piece.id, type="function", function=function)
-                deltas.append(p.Delta(tool_calls=[call]))
-            elif isinstance(piece, ArgumentsPiece):
-                function = p.DeltaFunction(arguments=piece.text)
-                deltas.append(p.Delta(tool_calls=[p.DeltaToolCall(piece.index, function=function)]))
-        return deltas
-
-
-class _Frames:
-    """SSE frames of one completion's chunks."""
-
-    __slots__ = ("fingerprint", "include_usage", "prepared")
-
-    def __init__(self, prepared: _Prepared, fingerprint: str, include_usage: bool) -> None:
-        self.prepared = prepared
-        self.fingerprint = fingerprint
-        self.include_usage = include_usage
-
-    def __call__(
-        self,
-        index: int,
-        delta: p.Delta,
-        *,
-        finish_reason: p.FinishReason | None = None,
-        logprobs: p.ChoiceLogprobs | None = None,
-        extension: p.CompletionExtension | None = None,
-    ) -> bytes:
-        choice = p.ChunkChoice(index, delta, finish_reason=finish_reason, logprobs=logprobs)
-        return self._encode([choice], None, extension)
-
-    def usage(self, usage: p.Usage) -> bytes:
-        return self._encode([], usage, None)
-
-    def _encode(
-        self,
-        choices: list[p.ChunkChoice],
-        usage: p.Usage | None,
-        extension: p.CompletionExtension | None,
-    ) -> bytes:
-        prepared = self.prepared
-        chunk = p.ChatCompletionChunk(
-            id=prepared.completion_id,
-            object="chat.completion.chunk",
-            created=prepared.created,
-            model=prepared.model,
-            system_fingerprint=self.fingerprint,
-            choices=choices,
-            # asked for: null on every chunk but the last; not asked for: left out
-            usage=usage if self.include_usage else msgspec.UNSET,
-            visiongate=extension,
-        )
-        return b"data: " + _json.encode(chunk) + b"\n\n"
-
-
-def _usage(ev: Finished, ext: p.CompletionExtension) -> p.Usage:
-    return p.Usage(
-        prompt_tokens=ev.input_tokens,
-        completion_tokens=ev.output_tokens,
-        total_tokens=ev.input_tokens + ev.output_tokens,
-        prompt_tokens_details=p.PromptTokensDetails(
-            cached_tokens=ev.cached_tokens, image_tokens=ev.image_tokens
-        ),
-        visiongate=ext,
-    )
 
 
 def _is_finished(event: ServiceEvent) -> bool:
