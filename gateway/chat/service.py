@@ -25,7 +25,7 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
 
@@ -49,6 +49,7 @@ from gateway.chat.generation_stream import (
     raw_events,
     status_of,
 )
+from gateway.chat.metering import admitted, input_estimate, observe, raw_input_estimate
 from gateway.chat.response_trace import ResponseTrace
 from gateway.chat.session_warmup import warm_up
 from gateway.chat.turn_prompt import (
@@ -70,6 +71,9 @@ from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import Session, SessionStore, StoredItem, StoredPart
 from gateway.telemetry import NoopTelemetry, Telemetry
 
+if TYPE_CHECKING:
+    from gateway.policy.key_usage import TokenMeter
+
 __all__ = ("ChatService", "RawEvent", "kv_key_for")
 
 log = structlog.get_logger("visiongate.service")
@@ -86,12 +90,15 @@ class ChatService:
         sessions: SessionStore,
         max_output_tokens_limit: int,
         telemetry: Telemetry | None = None,
+        meter: TokenMeter | None = None,
     ) -> None:
         self.engine = engine
         self.vision = vision
         self.sessions = sessions
         self.max_output_tokens_limit = max_output_tokens_limit
         self.telemetry = telemetry or NoopTelemetry()
+        # a managed key's token limits and usage (gateway.chat.metering); None: not counted
+        self.meter = meter
 
     def _trace(self, options: ResponseOptions, session_id: str | None, t0: float) -> ResponseTrace:
         return ResponseTrace(
@@ -129,13 +136,22 @@ class ChatService:
             else:
                 await self._drop_placeholder(session, options)
 
+        estimate = input_estimate(session, options, self.engine)
+        metered, refused = await admitted(self.meter, session.owner, estimate, options, t0, ending)
+        if refused is not None:
+            yield refused
+            return
         inner = self._respond(session, options, pending or {}, t0, ending)
         events = guarded(inner, ending, options, t0, failed, keep)
         try:
             async for event in events:
+                if metered is not None:
+                    observe(metered, event)
                 yield event
         finally:  # a consumer gone: the guard's ending runs now, not when it is collected
             await events.aclose()
+            if metered is not None:
+                metered.close()
 
     async def respond_raw(
         self,
@@ -160,15 +176,24 @@ class ChatService:
                 options.response_id, options.item_id, "failed", "", error=error, timings=timings
             )
 
+        estimate = raw_input_estimate(prompts)
+        metered, refused = await admitted(self.meter, owner, estimate, options, t0, ending)
+        if refused is not None:
+            yield refused
+            return
         inner = raw_events(
             self.engine, self.max_output_tokens_limit, prompts, options, owner, t0, ending
         )
         events = guarded(inner, ending, options, t0, failed, None)
         try:
             async for event in events:
+                if metered is not None:
+                    observe(metered, event)
                 yield event
         finally:
             await events.aclose()
+            if metered is not None:
+                metered.close()
 
     async def _respond(
         self,

@@ -18,8 +18,10 @@ one Redis Cluster slot (a key store is small: thousands of records, not millions
   `vg:{vg-keys}:r:<digest>`  the msgpack `KeyRecord` of the key whose secret has that digest
   `vg:{vg-keys}:i:<id>`      that digest, to reach a record by its id (the admin API)
   `vg:{vg-keys}:ids`         a sorted set of every id (score 0: ordered by id, paged by lex)
-Usage counters are hashes of their own slot per key, `vg:key-usage:{<id>}` (fields `requests`,
-`input_tokens`, `output_tokens`), so counting spreads over a cluster's shards.
+Usage counters are hashes of their own slot per key, `vg:key-usage:{<id>}` (the fields of
+`KeyUsage`: `requests`, `input_tokens`, `cached_tokens`, `output_tokens`, `image_tokens`,
+`encode_ms`), so counting spreads over a cluster's shards. They count from the key's creation
+on; the windows of its token limits are `gateway.policy.token_limits`'.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import msgspec
 __all__ = (
     "KEY_ID",
     "SECRET_PREFIX",
+    "USAGE_FIELDS",
     "KeyRecord",
     "KeyStore",
     "KeyUsage",
@@ -77,10 +80,11 @@ class KeyRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     expires_at: float | None = None  # unix seconds; None: never
     models: list[str] | None = None  # None: every model the gateway serves
     rpm: int | None = None  # responses per minute; None: the gateway's rate_limit_per_minute
-    input_tpm: int | None = None  # stored for quota enforcement; not enforced yet
-    output_tpm: int | None = None  # stored for quota enforcement; not enforced yet
-    budget_tokens: int | None = None  # tokens per `budget_period`; stored, not enforced yet
-    budget_period: Period | None = None
+    # token limits (gateway.policy.token_limits); None: none of that kind
+    input_tpm: int | None = None  # input tokens per minute
+    output_tpm: int | None = None  # output tokens per minute
+    budget_tokens: int | None = None  # input + output tokens per `budget_period`
+    budget_period: Period | None = None  # the UTC day or calendar month; set with budget_tokens
     revoked: bool = False
     revoked_at: float | None = None
 
@@ -90,11 +94,27 @@ class KeyRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
         )
 
 
+USAGE_FIELDS = (
+    "requests",
+    "input_tokens",
+    "cached_tokens",
+    "output_tokens",
+    "image_tokens",
+    "encode_ms",
+)
+
+
 class KeyUsage(msgspec.Struct):
+    """A key's counts since it was made: responses started, and the tokens of those that
+    ended (input includes cached and image tokens), and the ms they waited for encodes."""
+
     id: str
     requests: int = 0
     input_tokens: int = 0
+    cached_tokens: int = 0
     output_tokens: int = 0
+    image_tokens: int = 0
+    encode_ms: int = 0
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -116,9 +136,8 @@ class KeyStore(Protocol):
     async def revoke(self, key_id: str, at: float) -> KeyRecord | None:
         """Mark revoked (idempotent: a second revoke keeps the first time); None: no such id."""
 
-    async def count_usage(
-        self, key_id: str, *, requests: int = 0, input_tokens: int = 0, output_tokens: int = 0
-    ) -> None: ...
+    async def count_usage(self, key_id: str, **counts: int) -> None:
+        """Add to the key's counters (names: `USAGE_FIELDS`)."""
 
     async def usage(self, key_ids: list[str]) -> list[KeyUsage]: ...
 
@@ -169,16 +188,13 @@ class MemoryKeyStore:
             self._by_digest[self._digests[key_id]] = _encode(record)
         return record
 
-    async def count_usage(
-        self, key_id: str, *, requests: int = 0, input_tokens: int = 0, output_tokens: int = 0
-    ) -> None:
-        counts = self._usage.setdefault(key_id, [0, 0, 0])
-        counts[0] += requests
-        counts[1] += input_tokens
-        counts[2] += output_tokens
+    async def count_usage(self, key_id: str, **counts: int) -> None:
+        held = self._usage.setdefault(key_id, [0] * len(USAGE_FIELDS))
+        for i, field in enumerate(USAGE_FIELDS):
+            held[i] += int(counts.get(field, 0))
 
     async def usage(self, key_ids: list[str]) -> list[KeyUsage]:
-        return [KeyUsage(k, *self._usage.get(k, (0, 0, 0))) for k in key_ids]
+        return [KeyUsage(k, *self._usage.get(k, ())) for k in key_ids]
 
     async def aclose(self) -> None:
         return None
@@ -253,33 +269,22 @@ class RedisKeyStore:
             await self._redis.set(key, _encode(record))
         return record
 
-    async def count_usage(
-        self, key_id: str, *, requests: int = 0, input_tokens: int = 0, output_tokens: int = 0
-    ) -> None:
+    async def count_usage(self, key_id: str, **counts: int) -> None:
         key = self._usage_key(key_id)
         pipe = self._redis.pipeline(transaction=False)
-        for field, n in (
-            ("requests", requests),
-            ("input_tokens", input_tokens),
-            ("output_tokens", output_tokens),
-        ):
+        for field in USAGE_FIELDS:
+            n = int(counts.get(field, 0))
             if n:
                 pipe.hincrby(key, field, n)
-        await pipe.execute()
+        if len(pipe):
+            await pipe.execute()
 
     async def usage(self, key_ids: list[str]) -> list[KeyUsage]:
         out = []
         for key_id in key_ids:
             got = await self._redis.hgetall(self._usage_key(key_id))
             values = {k.decode(): int(v) for k, v in got.items()}
-            out.append(
-                KeyUsage(
-                    key_id,
-                    values.get("requests", 0),
-                    values.get("input_tokens", 0),
-                    values.get("output_tokens", 0),
-                )
-            )
+            out.append(KeyUsage(key_id, *(values.get(f, 0) for f in USAGE_FIELDS)))
         return out
 
     async def aclose(self) -> None:

@@ -1,57 +1,293 @@
-"""Per managed key, the responses it started, counted in the key store (`/v1/admin/usage`).
+"""Per managed key usage and token limits around each response (`/v1/admin/usage`, metrics).
 
-`CountingLimiter` wraps the rate limiter, whose `acquire(owner)` every transport calls once per
-response: a response that passes is counted for its owner when that owner is a managed key.
-Counts are written in the background (a store that is slow or down never delays a response;
-a count lost that way is logged). Token counts are not kept yet: they are known in the chat
-layer, after the answer, and nothing reports them to the policy layer so far.
+`CountingLimiter` wraps the request rate limiter, whose `acquire(owner)` every transport calls
+once per response before anything of it is stored: past the requests limit, it asks the token
+limiter (`gateway.policy.token_limits`) whether the key's token windows still have room, so a
+key past a token limit is refused (429) before its turn is stored, then counts the request.
+
+`TokenMeter.open(owner)` is the chat layer's hook for one response of a managed key
+(`Metered`): `admit(estimate)` counts the estimated input tokens against the key's limits in one
+atomic step, which is what keeps concurrent responses within a limit (plus one response), and
+returns the refusal if the key has no room left; `streamed(n)` counts output tokens as they go
+out, written every `CHARGE_EVERY` tokens; `finish(usage)` corrects the estimate to the real
+input count, counts what is left of the output, and records the usage: in the key store
+(requests, input, cached, output and image tokens, encode ms) and as metrics labelled by key
+(`gateway.telemetry`: at most `KEY_LABELS` key ids a process, the rest "other"). A response
+that ends without a `finish` (its consumer gone) still has its streamed tokens counted.
+
+Counts are written in the background: a store that is slow or down never delays a response;
+a count lost that way is logged. At most `MAX_PENDING` writes are in flight; past that they are
+dropped (and logged), not queued.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import structlog
+
+from gateway.policy.rate_headers import Allowance, note_tokens
+from gateway.policy.token_limits import TokenLimits, refusal
+from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:
     from gateway.policy.auth import Authenticator
     from gateway.policy.ratelimit import RateLimiter
+    from gateway.policy.token_limits import TokenLimiter
+    from gateway.telemetry import GatewayMetrics
 
-__all__ = ("CountingLimiter",)
+__all__ = ("CHARGE_EVERY", "CountingLimiter", "Metered", "TokenMeter", "TokenUsage")
 
 log = structlog.get_logger("visiongate.key_usage")
-MAX_PENDING = 1000  # counts in flight; past that they are dropped (and logged), not queued
+MAX_PENDING = 1000  # writes in flight
+CHARGE_EVERY = 16  # streamed output tokens written to the counters at a time
+KEY_LABELS = 100  # managed key ids a process labels metrics with; later ones are "other"
+
+
+class TokenUsage(msgspec.Struct, frozen=True, kw_only=True):
+    """What one finished response used."""
+
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    image_tokens: int = 0
+    encode_ms: float = 0.0
+
+
+class _Background:
+    """Writes that must not delay a response: bounded, awaited on close."""
+
+    __slots__ = ("_by_owner", "_pending")
+
+    def __init__(self) -> None:
+        self._pending: set[asyncio.Task[None]] = set()
+        self._by_owner: dict[str, set[asyncio.Task[None]]] = {}
+
+    def run(self, what: str, owner: str, work: Coroutine[Any, Any, None]) -> None:
+        if len(self._pending) >= MAX_PENDING:
+            work.close()
+            log.warning("key_usage_dropped", key_id=owner, what=what)
+            return
+
+        async def guarded() -> None:
+            try:
+                async with asyncio.timeout(2.5):
+                    await work
+            except Exception as exc:
+                log.warning("key_usage_lost", key_id=owner, what=what, error=type(exc).__name__)
+
+        task = asyncio.create_task(guarded())
+        self._pending.add(task)
+        mine = self._by_owner.setdefault(owner, set())
+        mine.add(task)
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._pending.discard(task)
+            mine.discard(task)
+            if not mine and self._by_owner.get(owner) is mine:
+                del self._by_owner[owner]
+
+        task.add_done_callback(done)
+
+    async def settled(self, owner: str, timeout_s: float = 1.0) -> None:
+        """Wait (at most `timeout_s`) for the writes of `owner` under way now."""
+        tasks = list(self._by_owner.get(owner, ()))
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
+    async def drain(self) -> None:
+        if self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+
+class TokenMeter:
+    """Token limits and usage of managed keys (`open` per response), over one token limiter."""
+
+    __slots__ = ("_background", "_labelled", "auth", "limiter", "metrics")
+
+    def __init__(
+        self, limiter: TokenLimiter, auth: Authenticator, metrics: GatewayMetrics | None = None
+    ) -> None:
+        self.limiter = limiter
+        self.auth = auth
+        self.metrics = metrics
+        self._background = _Background()
+        self._labelled: set[str] = set()
+
+    def limits(self, owner: str) -> TokenLimits | None:
+        return TokenLimits.of(self.auth.limits_of(owner))
+
+    def key_label(self, owner: str) -> str:
+        """The `key` label of a managed key's metrics: its id, for the first `KEY_LABELS`
+        ids this process sees, else "other" (a bounded set of series)."""
+        if owner in self._labelled:
+            return owner
+        if len(self._labelled) < KEY_LABELS:
+            self._labelled.add(owner)
+            return owner
+        return "other"
+
+    async def check(self, owner: str, *, refuse: bool = True) -> Allowance | None:
+        """Refuse (rate_limited) a key with no token room left; counts nothing. With
+        `refuse=False` only note what is left (for the headers of a refusal of another kind)."""
+        limits = self.limits(owner)
+        if limits is None:
+            return None
+        used = await self.limiter.admit(owner, limits, 0)
+        if used is None:
+            return None
+        if not used.admitted and refuse:
+            self._refused(owner)
+            raise refusal(limits, used)
+        allowance = used.tightest(limits)
+        note_tokens(allowance)
+        return allowance
+
+    async def peek(self, owner: str) -> Allowance | None:
+        """The tokens left under the key's tightest limit (None: no limit, or unreadable)."""
+        limits = self.limits(owner)
+        if limits is None:
+            return None
+        await self._background.settled(owner)  # the counts of the response that just ended
+        used = await self.limiter.admit(owner, limits, 0)
+        return used.tightest(limits) if used is not None else None
+
+    def open(self, owner: str) -> Metered | None:
+        """The meter of one response of `owner`; None when it is not a managed key."""
+        if self.auth.limits_of(owner) is None:
+            return None
+        return Metered(self, owner, self.limits(owner))
+
+    def charge(self, owner: str, limits: TokenLimits | None, *, input: int, output: int) -> None:
+        if limits is not None and (input or output):
+            work = self.limiter.charge(owner, limits, input=input, output=output)
+            self._background.run("tokens", owner, work)
+
+    def record(self, owner: str, usage: TokenUsage) -> None:
+        store = self.auth.store
+        if store is not None:
+            work = store.count_usage(
+                owner,
+                input_tokens=usage.input_tokens,
+                cached_tokens=usage.cached_tokens,
+                output_tokens=usage.output_tokens,
+                image_tokens=usage.image_tokens,
+                encode_ms=round(usage.encode_ms),
+            )
+            self._background.run("usage", owner, work)
+        if self.metrics is not None:
+            self.metrics.record_key_usage(
+                key=self.key_label(owner),
+                input_tokens=usage.input_tokens,
+                cached_tokens=usage.cached_tokens,
+                output_tokens=usage.output_tokens,
+                image_tokens=usage.image_tokens,
+                encode_s=usage.encode_ms / 1000.0,
+            )
+
+    def _refused(self, owner: str, limit: str = "tokens") -> None:
+        if self.metrics is not None:
+            self.metrics.record_key_refusal(key=self.key_label(owner), limit=limit)
+
+    async def aclose(self) -> None:
+        await self._background.drain()
+        await self.limiter.aclose()
+
+
+class Metered:
+    """One response of a managed key: its admission, its streamed tokens, its usage."""
+
+    __slots__ = ("_done", "_out_charged", "_out_seen", "_reserved", "limits", "meter", "owner")
+
+    def __init__(self, meter: TokenMeter, owner: str, limits: TokenLimits | None) -> None:
+        self.meter, self.owner, self.limits = meter, owner, limits
+        self._reserved = 0  # input tokens counted at admission (the estimate)
+        self._out_seen = 0
+        self._out_charged = 0
+        self._done = False
+
+    async def admit(self, estimate: int) -> GatewayError | None:
+        """Count the estimate against the key's limits; the refusal when there is no room."""
+        if self.limits is None:
+            return None
+        estimate = max(estimate, 1)
+        used = await self.meter.limiter.admit(self.owner, self.limits, estimate)
+        if used is None:  # the counters cannot be read: let through, nothing was counted
+            return None
+        if not used.admitted:
+            self.meter._refused(self.owner)
+            self._done = True  # refused: nothing was counted, nothing is recorded
+            return refusal(self.limits, used)
+        self._reserved = estimate
+        note_tokens(used.tightest(self.limits))
+        return None
+
+    def streamed(self, tokens: int = 1) -> None:
+        self._out_seen += tokens
+        if self._out_seen - self._out_charged >= CHARGE_EVERY:
+            self._charge(0, self._out_seen - self._out_charged)
+
+    def _charge(self, input: int, output: int) -> None:
+        self._out_charged += output
+        self.meter.charge(self.owner, self.limits, input=input, output=output)
+
+    def finish(self, usage: TokenUsage) -> None:
+        """The response ended with this usage: counters corrected, usage recorded (once)."""
+        if self._done:
+            return
+        self._done = True
+        self._charge(usage.input_tokens - self._reserved, usage.output_tokens - self._out_charged)
+        self.meter.record(self.owner, usage)
+
+    def close(self) -> None:
+        """The response is over; one that never finished counts what it streamed."""
+        if self._done:
+            return
+        self.finish(TokenUsage(input_tokens=self._reserved, output_tokens=self._out_seen))
 
 
 class CountingLimiter:
-    __slots__ = ("_pending", "auth", "inner")
+    """The request limiter, then the token limits' room, then the request counted."""
 
-    def __init__(self, inner: RateLimiter, auth: Authenticator) -> None:
+    __slots__ = ("_background", "auth", "inner", "tokens")
+
+    def __init__(
+        self, inner: RateLimiter, auth: Authenticator, tokens: TokenMeter | None = None
+    ) -> None:
         self.inner = inner
         self.auth = auth
-        self._pending: set[asyncio.Task[None]] = set()
+        self.tokens = tokens
+        self._background = _Background()
 
-    async def acquire(self, owner: str) -> None:
-        await self.inner.acquire(owner)
+    async def acquire(self, owner: str) -> Allowance | None:
+        try:
+            allowance = await self.inner.acquire(owner)
+        except GatewayError:
+            if self.tokens is not None and self.auth.limits_of(owner) is not None:
+                self.tokens._refused(owner, "requests")
+                await self.tokens.check(owner, refuse=False)  # the 429's token headers
+            raise
+        if self.tokens is not None:
+            await self.tokens.check(owner)
         store = self.auth.store
         if store is None or self.auth.limits_of(owner) is None:
-            return
-        if len(self._pending) >= MAX_PENDING:
-            log.warning("key_usage_dropped", key_id=owner)
-            return
-        task = asyncio.create_task(self._count(owner))
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+            return allowance
+        self._background.run("requests", owner, store.count_usage(owner, requests=1))
+        return allowance
 
-    async def _count(self, owner: str) -> None:
-        try:
-            async with asyncio.timeout(2.5):
-                await self.auth.store.count_usage(owner, requests=1)  # type: ignore[union-attr]
-        except Exception as exc:
-            log.warning("key_usage_lost", key_id=owner, error=type(exc).__name__)
+    async def peek(self, owner: str) -> Allowance | None:
+        return await self.inner.peek(owner)
+
+    async def rate_limits(self, owner: str) -> tuple[Allowance | None, Allowance | None]:
+        """(requests, tokens) left for `owner` now, for the Realtime `rate_limits.updated`."""
+        tokens = await self.tokens.peek(owner) if self.tokens is not None else None
+        return await self.inner.peek(owner), tokens
 
     async def aclose(self) -> None:
-        if self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        await self._background.drain()
+        if self.tokens is not None:
+            await self.tokens.aclose()
         await self.inner.aclose()

@@ -9,6 +9,10 @@ GatewayError("rate_limited"), HTTP 429, with the seconds to wait in the message.
 
 `limit_of(owner)`, when given, names an owner's own limit (a managed API key's `rpm`), which
 replaces the gateway's `per_minute` for that owner; None: the gateway's.
+
+`acquire` returns the owner's `Allowance` after it (limit, what is left, seconds until whole)
+and notes it for the `x-ratelimit-*-requests` headers (`gateway.policy.rate_headers`), a
+refusal's too; `peek` reads it without taking (the Realtime `rate_limits.updated` event).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
+from gateway.policy.rate_headers import Allowance, note_requests
 from gateway.protocol.errors import GatewayError
 
 __all__ = (
@@ -45,17 +50,23 @@ def counts_as_refused(status: int) -> bool:
 
 
 class RateLimiter(Protocol):
-    async def acquire(self, owner: str) -> None:
-        """Take one response from `owner`'s allowance or raise GatewayError(rate_limited)."""
+    async def acquire(self, owner: str) -> Allowance | None:
+        """Take one response from `owner`'s allowance or raise GatewayError(rate_limited); the
+        allowance left (None: no limit)."""
+
+    async def peek(self, owner: str) -> Allowance | None:
+        """The allowance left, taking nothing (None: no limit, or it cannot be read)."""
 
     async def aclose(self) -> None: ...
 
 
 def _limited(owner: str, per_minute: int, retry_s: float) -> GatewayError:
+    note_requests(Allowance(per_minute, 0, retry_s))
     return GatewayError(
         "rate_limited",
         f"rate limit of {per_minute} responses per minute reached; "
         f"retry in {max(retry_s, 0.1):.1f} s",
+        retry_after_s=max(retry_s, 1.0),
     )
 
 
@@ -78,18 +89,35 @@ class MemoryRateLimiter:
         self._buckets: dict[str, tuple[float, float]] = {}  # owner -> (tokens, updated_at)
         self._clock = clock
 
-    async def acquire(self, owner: str) -> None:
+    def _bucket(self, owner: str) -> tuple[int, float, float]:
+        """(limit, tokens in the bucket now, now); a limit of 0: none."""
         per_minute = _limit(self.per_minute, self.limit_of, owner)
-        if per_minute <= 0:
-            return
         now = self._clock()
-        rate = per_minute / 60.0
+        if per_minute <= 0:
+            return 0, 0.0, now
         tokens, updated = self._buckets.get(owner, (float(per_minute), now))
-        tokens = min(float(per_minute), tokens + (now - updated) * rate)
+        return per_minute, min(float(per_minute), tokens + (now - updated) * per_minute / 60), now
+
+    @staticmethod
+    def _allowance(per_minute: int, tokens: float) -> Allowance:
+        # the bucket is whole again once it has refilled what it lacks
+        return Allowance(per_minute, int(tokens), (per_minute - tokens) * 60.0 / per_minute)
+
+    async def acquire(self, owner: str) -> Allowance | None:
+        per_minute, tokens, now = self._bucket(owner)
+        if per_minute <= 0:
+            return None
         if tokens < 1.0:
             self._buckets[owner] = (tokens, now)
-            raise _limited(owner, per_minute, (1.0 - tokens) / rate)
+            raise _limited(owner, per_minute, (1.0 - tokens) * 60.0 / per_minute)
         self._buckets[owner] = (tokens - 1.0, now)
+        allowance = self._allowance(per_minute, tokens - 1.0)
+        note_requests(allowance)
+        return allowance
+
+    async def peek(self, owner: str) -> Allowance | None:
+        per_minute, tokens, _ = self._bucket(owner)
+        return self._allowance(per_minute, tokens) if per_minute > 0 else None
 
     async def aclose(self) -> None:
         self._buckets.clear()
@@ -125,12 +153,12 @@ class RedisRateLimiter:
         self._redis = async_client(redis_url, socket_connect_timeout=2.0, socket_timeout=2.0)
         self._count = self._redis.register_script(_COUNT)
 
-    async def acquire(self, owner: str) -> None:
+    async def acquire(self, owner: str) -> Allowance | None:
         per_minute = _limit(self.per_minute, self.limit_of, owner)
         if per_minute <= 0:
-            return
-        window = int(time.time() // 60)
-        key = f"{self.namespace}:rate:{owner}:{window}"
+            return None
+        now = time.time()
+        key = f"{self.namespace}:rate:{owner}:{int(now // 60)}"
         try:
             async with asyncio.timeout(2.5):  # a hung master must not hold every request
                 count = await self._count(keys=[key])
@@ -140,9 +168,24 @@ class RedisRateLimiter:
             structlog.get_logger("visiongate.ratelimit").warning(
                 "rate_limit_unavailable", error=repr(exc)
             )
-            return
+            return None
         if int(count) > per_minute:
-            raise _limited(owner, per_minute, 60 - time.time() % 60)
+            raise _limited(owner, per_minute, 60 - now % 60)
+        allowance = Allowance(per_minute, per_minute - int(count), 60 - now % 60)
+        note_requests(allowance)
+        return allowance
+
+    async def peek(self, owner: str) -> Allowance | None:
+        per_minute = _limit(self.per_minute, self.limit_of, owner)
+        if per_minute <= 0:
+            return None
+        now = time.time()
+        try:
+            async with asyncio.timeout(2.5):
+                count = await self._redis.get(f"{self.namespace}:rate:{owner}:{int(now // 60)}")
+        except Exception:
+            return None
+        return Allowance(per_minute, max(per_minute - int(count or 0), 0), 60 - now % 60)
 
     async def aclose(self) -> None:
         await self._redis.aclose()

@@ -37,8 +37,10 @@ from gateway.engine.interface import Engine, image_input_of
 from gateway.policy.auth import Authenticator
 from gateway.policy.key_guard import KeyResolver
 from gateway.policy.key_store import make_key_store
-from gateway.policy.key_usage import CountingLimiter
+from gateway.policy.key_usage import CountingLimiter, TokenMeter
+from gateway.policy.rate_headers import RateLimitHeaders
 from gateway.policy.ratelimit import RefusedBytes, make_rate_limiter
+from gateway.policy.token_limits import make_token_limiter
 from gateway.server.readiness import Readiness
 from gateway.server.state import GatewayState, Serving
 from gateway.sessions import make_session_store
@@ -169,6 +171,13 @@ def create_app(
     bind_telemetry = getattr(engine, "bind_telemetry", None)
     if bind_telemetry is not None:  # an upstream engine's per-replica metrics and spans
         bind_telemetry(telemetry)
+    auth = _authenticator(settings, engine)
+    # managed keys' token limits and usage, on the key store's backend
+    meter = (
+        TokenMeter(make_token_limiter(settings.redis_url), auth, telemetry.metrics)
+        if auth.store is not None
+        else None
+    )
     state = GatewayState(
         settings=settings,
         engine=engine,
@@ -179,15 +188,17 @@ def create_app(
         images=make_image_store(
             settings.redis_url, settings.image_store_bytes, settings.vision_cache_ttl_s
         ),
-        auth=(auth := _authenticator(settings, engine)),
-        rate_limiter=CountingLimiter(  # and each managed key's responses counted
+        auth=auth,
+        rate_limiter=CountingLimiter(  # then the token limits' room; each response counted
             make_rate_limiter(
                 settings.rate_limit_per_minute,
                 settings.redis_url,
                 limit_of=(lambda o: (r := auth.limits_of(o)) and r.rpm) if auth.store else None,
             ),
             auth,
+            meter,
         ),
+        token_meter=meter,
         telemetry=telemetry,
         # with the session store's backend: a record names a session of that store
         responses=make_response_store(settings.redis_url, settings.session_ttl_s),
@@ -273,6 +284,8 @@ def create_app(
     )
     # a key whose large bodies keep being refused is answered from its headers (body_guard.py)
     app.asgi_handler = BodyGuard(app.asgi_handler, state)
+    # the x-ratelimit-* headers of what admission found (gateway/policy/rate_headers.py)
+    app.asgi_handler = RateLimitHeaders(app.asgi_handler)
     # managed API keys are read from their store before anything above asks for an owner
     app.asgi_handler = KeyResolver(app.asgi_handler, state.auth)
     return with_request_ids(app)  # outermost: every response, routed or not, gets its id
@@ -322,6 +335,7 @@ async def _load_models(state: GatewayState, encoder: Encoder | None) -> None:
             sessions=state.sessions,
             max_output_tokens_limit=settings.max_output_tokens_limit,
             telemetry=state.telemetry,
+            meter=state.token_meter,
         )
         state.serving = Serving(encoder=encoder, vision=vision, service=service)
         if state.freeze_gc:

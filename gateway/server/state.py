@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from gateway.chat.vision_resolver import VisionResolver
     from gateway.engine.interface import Engine
     from gateway.policy.auth import Authenticator
+    from gateway.policy.key_usage import TokenMeter
     from gateway.policy.ratelimit import RateLimiter
     from gateway.sessions.response_records import ResponseStore
     from gateway.sessions.session import SessionStore
@@ -61,6 +62,8 @@ class GatewayState:
     responses: ResponseStore  # stored responses of the Responses API
     # per key, body bytes of refused requests over the last minute (gateway/api/http/body_guard.py)
     refused: RefusedBytes = field(default_factory=lambda: RefusedBytes(0))
+    # managed keys' token limits and usage (gateway/policy/key_usage.py); None: no key store
+    token_meter: TokenMeter | None = None
     # set by `gateway.server.runner.serve` (a process of its own): freeze the startup heap once
     # ready
     freeze_gc: bool = False

@@ -130,6 +130,31 @@ class GatewayMetrics:
         """One error event / HTTP error sent to a client, by its stable ``code``."""
         self._add("visiongate.errors", 1, {"code": code, "api": api})
 
+    def record_key_usage(
+        self,
+        *,
+        key: str,
+        input_tokens: int,
+        cached_tokens: int,
+        output_tokens: int,
+        image_tokens: int,
+        encode_s: float,
+    ) -> None:
+        """One finished response of a managed API key. ``key`` is its id, or "other" past the
+        ids a process labels (the caller bounds the set: `gateway.policy.key_usage`)."""
+        for kind, count in (
+            ("input", input_tokens),
+            ("cached", cached_tokens),
+            ("output", output_tokens),
+            ("image", image_tokens),
+        ):
+            self._add("visiongate.key.tokens", count, {"key": key, "type": kind})
+        self._add("visiongate.key.encode.duration", max(encode_s, 0.0), {"key": key})
+
+    def record_key_refusal(self, *, key: str, limit: str) -> None:
+        """A response of a managed key refused by its ``limit`` (requests | tokens)."""
+        self._add("visiongate.key.rate_limited", 1, {"key": key, "limit": limit})
+
     def record_upstream_attempt(
         self, *, upstream: str, outcome: str, ttft_s: float | None = None
     ) -> None:

@@ -76,11 +76,16 @@ class KeyList(msgspec.Struct, kw_only=True):
 
 
 class UsageView(msgspec.Struct, kw_only=True):
+    """A key's counts since it was made (`gateway.policy.key_store.KeyUsage`)."""
+
     id: str
     object: str = "api_key.usage"
-    requests: int
-    input_tokens: int
+    requests: int  # responses started
+    input_tokens: int  # of the responses that ended, cached and image tokens included
+    cached_tokens: int
     output_tokens: int
+    image_tokens: int
+    encode_ms: int  # what they waited for image encodes
 
 
 class UsageList(msgspec.Struct, kw_only=True):
@@ -114,5 +119,8 @@ def usage_view(usage: KeyUsage) -> UsageView:
         id=usage.id,
         requests=usage.requests,
         input_tokens=usage.input_tokens,
+        cached_tokens=usage.cached_tokens,
         output_tokens=usage.output_tokens,
+        image_tokens=usage.image_tokens,
+        encode_ms=usage.encode_ms,
     )

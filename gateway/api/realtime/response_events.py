@@ -199,6 +199,21 @@ class ResponseEvents(Channel):
         await output.done(ev)
         if ev.store_error is not None:  # the answer went out; its record in the session did not
             await self._send_error(ev.store_error, event_id)
+        await self._send_rate_limits()
+
+    async def _send_rate_limits(self) -> None:
+        """`rate_limits.updated` after a response.done, when the key has limits."""
+        read = getattr(self.state.rate_limiter, "rate_limits", None)
+        if read is None:
+            return
+        requests, tokens = await read(self.owner)
+        limits = [
+            rt.RateLimit(name, a.limit, a.remaining, round(a.reset_s, 3))
+            for name, a in (("requests", requests), ("tokens", tokens))
+            if a is not None
+        ]
+        if limits:
+            await self._send(rt.RateLimitsUpdated(self._eid(), limits))
 
     async def _split_answer(self, item_id: str) -> None:
         """The stored answer becomes the items the response showed (message, function calls)."""

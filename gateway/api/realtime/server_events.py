@@ -37,6 +37,8 @@ __all__ = (
     "OutputTextDone",
     "OutputTokenDetails",
     "Part",
+    "RateLimit",
+    "RateLimitsUpdated",
     "ResponseCreated",
     "ResponseDone",
     "ResponseExtension",
@@ -285,6 +287,23 @@ class FunctionCallArgumentsDone(
     arguments: str
 
 
+class RateLimit(Struct):
+    """One of the API key's limits after a response: "requests" (per minute) or "tokens"
+    (its tightest token limit), with what is left and the seconds until it is whole."""
+
+    name: Literal["requests", "tokens"]
+    limit: int
+    remaining: int
+    reset_seconds: float
+
+
+class RateLimitsUpdated(Struct, tag="rate_limits.updated", tag_field="type"):
+    """Sent after each `response.done` when the connection's key has limits."""
+
+    event_id: str
+    rate_limits: list[RateLimit]
+
+
 ServerEvent = (
     ErrorEvent
     | SessionCreated
@@ -305,4 +324,5 @@ ServerEvent = (
     | OutputTextDone
     | FunctionCallArgumentsDelta
     | FunctionCallArgumentsDone
+    | RateLimitsUpdated
 )

@@ -46,6 +46,15 @@ def record_one_of_each(m: GatewayMetrics) -> None:
     m.record_kv_warmup(outcome="warmed", computed_tokens=120)
     m.record_visual_budget(keep_ratio_cap=0.3)
     m.record_error(code="image_too_large", api="chat_completions")
+    m.record_key_usage(
+        key="key_0123456789abcdef01234567",
+        input_tokens=30,
+        cached_tokens=20,
+        output_tokens=12,
+        image_tokens=64,
+        encode_s=0.08,
+    )
+    m.record_key_refusal(key="key_0123456789abcdef01234567", limit="tokens")
     m.ws_connection_opened()
     m.observe_gauges(
         active_sessions=lambda: 2,

@@ -1,0 +1,97 @@
+"""The chat layer's side of per key token limits and usage (`gateway.policy.key_usage`).
+
+`ChatService` opens a meter for each response of a managed key, admits it with
+`input_estimate` / `raw_input_estimate` before the answer takes its place in the conversation
+(a refused response leaves nothing stored), hands every event to `observe` and closes the
+meter when the response is over. The estimates are cheap (no tokenizer: characters / 3 and a
+per message and per image allowance, rounded up) and err high for the text of a byte-level
+tokenizer; the real counts replace them when the response ends.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from gateway.chat.context_fit import IMAGE_OVERHEAD_TOKENS, MESSAGE_OVERHEAD_TOKENS
+from gateway.chat.events import Finished, TextChunk
+from gateway.chat.generation_stream import ms_since
+from gateway.chat.requests import conversation_chars
+from gateway.policy.key_usage import TokenUsage
+
+if TYPE_CHECKING:
+    from gateway.chat.events import ResponseOptions
+    from gateway.chat.generation_stream import Ending
+    from gateway.engine.interface import Engine
+    from gateway.policy.key_usage import Metered, TokenMeter
+    from gateway.sessions.session import Session
+
+__all__ = (
+    "IMAGE_TOKENS_ESTIMATE",
+    "admitted",
+    "input_estimate",
+    "observe",
+    "raw_input_estimate",
+)
+
+CHARS_PER_TOKEN = 3
+# visual tokens counted for an image before it is resolved, unless the engine names its own
+IMAGE_TOKENS_ESTIMATE = 256
+
+
+def input_estimate(session: Session, options: ResponseOptions, engine: Engine) -> int:
+    """The prompt tokens of a turn over `session`, estimated before anything is resolved."""
+    instructions = options.instructions or session.instructions
+    chars = conversation_chars(instructions, session.items) + len(options.tools_prompt or "")
+    per_image = int(getattr(engine, "image_tokens_estimate", 0) or 0) or IMAGE_TOKENS_ESTIMATE
+    images = len(session.image_digests)
+    return (
+        math.ceil(chars / CHARS_PER_TOKEN)
+        + MESSAGE_OVERHEAD_TOKENS * (len(session.items) + 1)
+        + (per_image + IMAGE_OVERHEAD_TOKENS) * images
+    )
+
+
+def raw_input_estimate(prompts: list[str | tuple[int, ...]]) -> int:
+    """The prompt tokens of raw prompts: token ids as they are, texts by their characters."""
+    return sum(
+        len(p) if isinstance(p, tuple) else math.ceil(len(p) / CHARS_PER_TOKEN) + 1 for p in prompts
+    )
+
+
+async def admitted(
+    meter: TokenMeter | None,
+    owner: str,
+    estimate: int,
+    options: ResponseOptions,
+    t0: float,
+    ending: Ending,
+) -> tuple[Metered | None, Finished | None]:
+    """The response's meter (None: not a managed key), or its end when its key's token limits
+    refuse it: a failed `Finished` with the `rate_limited` error, before anything is stored."""
+    metered = meter.open(owner) if meter is not None else None
+    refusal = await metered.admit(estimate) if metered is not None else None
+    if refusal is None:
+        return metered, None
+    timings = {"total_ms": ms_since(t0)}
+    refused = Finished(
+        options.response_id, options.item_id, "failed", "", error=refusal, timings=timings
+    )
+    return None, ending.finish(refused)
+
+
+def observe(meter: Metered, event: object) -> None:
+    """Count a streamed text delta as one output token (the engines send one token a delta;
+    the end corrects it), and a response's end as its usage."""
+    if isinstance(event, TextChunk):
+        meter.streamed(1)
+    elif isinstance(event, Finished):
+        meter.finish(
+            TokenUsage(
+                input_tokens=event.input_tokens,
+                cached_tokens=event.cached_tokens,
+                output_tokens=event.output_tokens,
+                image_tokens=event.image_tokens,
+                encode_ms=event.timings.get("encode_ms", 0.0),
+            )
+        )
