@@ -26,13 +26,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from gateway.chat.events import ResponseOptions
-from gateway.chat.image_input import (
-    ImageRef,
-    digest_of,
-    fetch_remote_images,
-    parse_image_url,
-    sniff_image,
-)
+from gateway.chat.image_input import ImageRef, digest_of, parse_image_url, sniff_image
+from gateway.chat.remote_images import fetch_remote_images
 from gateway.engine.interface import MAX_CHOICES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOP_LOGPROBS
 from gateway.protocol.errors import GatewayError, clip
 from gateway.sessions.session import StoredItem, StoredPart

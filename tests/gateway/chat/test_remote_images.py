@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.chat.image_input import fetch_remote_images, parse_image_url
+from gateway.chat.image_input import parse_image_url
+from gateway.chat.remote_images import fetch_remote_images
 from gateway.protocol.errors import GatewayError
 from gateway.testing.realtime_peer import Peer
 

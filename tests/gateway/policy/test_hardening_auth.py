@@ -16,7 +16,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from encoder_worker.decode import ALLOWED_FORMATS, check_image
 from encoder_worker.types import ImageError
-from gateway.chat.image_input import normalise_url, sniff_image, url_allowed
+from gateway.chat.image_input import sniff_image
+from gateway.chat.remote_images import normalise_url, url_allowed
 from gateway.policy.auth import QUERY_KEY_REFUSED, Authenticator, public_subprotocol
 from gateway.protocol.errors import GatewayError, clip
 from gateway.protocol.subprotocols import MSGPACK_SUBPROTOCOL
