@@ -42,6 +42,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rate_limit_per_minute: int = 0  # responses per minute per API key; 0: no limit
     # the admin API's key (/v1/admin/keys): set, it turns managed API keys on (gateway.policy)
     admin_api_key: str = ""
+    # ephemeral Realtime keys (POST /v1/realtime/client_secrets): the longest lifetime a client
+    # may ask for, in seconds (10..7200)
+    client_secret_max_ttl_s: int = 7200
+    # the playground's own key (one of api_keys, or a managed vgk- key): set, POST
+    # /playground/session mints ephemeral keys with it for whoever loads the page; empty: the
+    # page connects with an ephemeral key pasted into it (or with none on a keyless gateway)
+    playground_api_key: str = ""
     # language model: "local" (in this process) or "openai" (streamed chat completions on
     # OpenAI-compatible upstream replicas: vLLM, SGLang, trtllm-serve, another visiongate)
     engine: str = "local"
@@ -181,6 +188,18 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             not self.admin_api_key or len(self.admin_api_key) >= 16,
             "admin_api_key",
             "must be empty or at least 16 characters",
+        )
+        need(
+            10 <= self.client_secret_max_ttl_s <= 7200,
+            "client_secret_max_ttl_s",
+            f"must be 10..7200, got {self.client_secret_max_ttl_s}",
+        )
+        need(
+            not self.playground_api_key
+            or self.playground_api_key in self.api_keys
+            or (self.playground_api_key.startswith("vgk-") and bool(self.admin_api_key)),
+            "playground_api_key",
+            "must be one of api_keys, or a managed key (vgk-...) with admin_api_key set",
         )
         need(
             self.lm_dtype in ("auto", "float32", "bfloat16", "float16", "int8"),

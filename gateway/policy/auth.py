@@ -20,6 +20,14 @@ reads in the same request. Lookups go through an in-process cache of `cache_ttl_
 most one store read per key per second per replica, and a revocation reaches every replica
 within that second. While the store is unreachable a record read in the last `STALE_S` is
 still used; past that the caller gets `busy` (503), never a pass.
+
+Ephemeral keys (`ek_...`, `gateway.policy.client_secrets`) open the Realtime WebSocket only:
+`owner()`, which every HTTP API calls, refuses one with `permission_denied` (403) before any
+store read, and `prefetch()` skips them. The Realtime route calls `grant()` instead, which reads
+the ephemeral record (`unauthorized` when unknown, `api_key_expired` past its expiry) and checks
+its parent key again (`check_parent`: a revoked or expired managed parent refuses it, a static
+parent must still be configured); `grant()` answers the owner id (the parent's) and the record,
+whose session settings the connection applies.
 """
 
 from __future__ import annotations
@@ -30,10 +38,12 @@ import hmac
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
 
+from gateway.policy.client_secrets import is_ephemeral
 from gateway.protocol.errors import GatewayError
 from gateway.protocol.subprotocols import (
     KEY_SUBPROTOCOL_PREFIX,
@@ -42,6 +52,7 @@ from gateway.protocol.subprotocols import (
 )
 
 if TYPE_CHECKING:
+    from gateway.policy.client_secrets import ClientSecret, ClientSecretStore, ParentKind
     from gateway.policy.key_store import KeyRecord, KeyStore
 
 __all__ = (
@@ -50,6 +61,7 @@ __all__ = (
     "REALTIME_SUBPROTOCOL",
     "STALE_S",
     "Authenticator",
+    "Grant",
     "key_of",
     "public_subprotocol",
 )
@@ -99,8 +111,21 @@ def _digest(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+EPHEMERAL_ONLY_REALTIME = "an ephemeral key (ek_...) opens a Realtime WebSocket only"
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What a Realtime handshake's key grants: the owner id, and for an ephemeral key its
+    record (the parent to check while open, the session settings to apply)."""
+
+    owner: str
+    ephemeral: ClientSecret | None = None
+
+
 class Authenticator:
     __slots__ = (
+        "_by_id",
         "_cache",
         "_clock",
         "_owners",
@@ -108,6 +133,7 @@ class Authenticator:
         "_scrubbed",
         "_served_model",
         "cache_ttl_s",
+        "client_secrets",
         "store",
     )
 
@@ -119,6 +145,7 @@ class Authenticator:
         cache_ttl_s: float = 1.0,
         served_model: Callable[[], str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        client_secrets: ClientSecretStore | None = None,
     ) -> None:
         # the owner id is a hash of the key: stable across restarts, never the key itself
         self._owners = {key: "key_" + _digest(key)[:16] for key in api_keys}
@@ -130,6 +157,9 @@ class Authenticator:
         self._cache: OrderedDict[str, tuple[float, KeyRecord | None]] = OrderedDict()
         self._records: OrderedDict[str, KeyRecord] = OrderedDict()  # key id -> last record read
         self._scrubbed: set[str] = set()
+        # key id -> (read at, record or None): a managed parent of ephemeral keys
+        self._by_id: OrderedDict[str, tuple[float, KeyRecord | None]] = OrderedDict()
+        self.client_secrets = client_secrets
 
     @property
     def enabled(self) -> bool:
@@ -190,6 +220,7 @@ class Authenticator:
         for digest, (_, record) in list(self._cache.items()):
             if record is not None and record.id == key_id:
                 del self._cache[digest]
+        self._by_id.pop(key_id, None)
 
     def admit(self, record: KeyRecord | None) -> str:
         """The owner id of a managed record, or the GatewayError that refuses it."""
@@ -209,7 +240,7 @@ class Authenticator:
         """Look a managed key up ahead of `owner()` (the middleware calls it once a request).
         Raises GatewayError(busy) when the store cannot be read."""
         key = key_of(headers, subprotocols)
-        if self.store is None or not key or self.static_owner(key) is not None:
+        if self.store is None or not key or is_ephemeral(key) or self.static_owner(key) is not None:
             return
         record = await self.lookup(key)
         _prefetched.set((_digest(key), record))
@@ -220,6 +251,8 @@ class Authenticator:
         static = self.static_owner(key) if key else None
         if static is not None or not self.enabled:
             return static or "anonymous"
+        if is_ephemeral(key):
+            raise GatewayError("permission_denied", EPHEMERAL_ONLY_REALTIME)
         return self.admit(await self.lookup(key))
 
     def limits_of(self, owner: str) -> KeyRecord | None:
@@ -238,6 +271,8 @@ class Authenticator:
         found = self.static_owner(key)
         if found is not None:
             return found
+        if is_ephemeral(key):  # whether or not it is a valid one: nothing is read for it
+            raise GatewayError("permission_denied", EPHEMERAL_ONLY_REALTIME)
         if self.store is None or not key:
             raise GatewayError("unauthorized", "missing or unknown API key")
         digest = _digest(key)
@@ -248,3 +283,72 @@ class Authenticator:
         if cached is not None and self._clock() - cached[0] < self.cache_ttl_s:
             return self.admit(cached[1])
         raise GatewayError("unauthorized", "missing or unknown API key")
+
+    # ------------------------------------------------------------ ephemeral keys
+
+    def parent_of(self, headers: Mapping[str, str]) -> tuple[str, ParentKind, str]:
+        """(owner id, parent kind, managed key id or "") of the key minting an ephemeral one:
+        `owner()`'s checks (an ephemeral key may not mint another: permission_denied)."""
+        owner = self.owner(headers)
+        if not self.enabled:
+            return owner, "anonymous", ""
+        if self.static_owner(key_of(headers)) is not None:
+            return owner, "static", ""
+        return owner, "managed", owner
+
+    async def lookup_id(self, key_id: str) -> KeyRecord | None:
+        """A managed record by its id, cached as `lookup` caches by secret."""
+        if self.store is None:
+            return None
+        now = self._clock()
+        cached = self._by_id.get(key_id)
+        if cached is not None and now - cached[0] < self.cache_ttl_s:
+            return cached[1]
+        try:
+            record = await self.store.by_id(key_id)
+        except Exception as exc:
+            if cached is not None and now - cached[0] < STALE_S:
+                return cached[1]
+            log.warning("key_store_unavailable", error=type(exc).__name__)
+            raise GatewayError("busy", "API keys cannot be checked right now; retry") from None
+        self._by_id[key_id] = (now, record)
+        self._by_id.move_to_end(key_id)
+        while len(self._by_id) > CACHE_ENTRIES:
+            self._by_id.popitem(last=False)
+        if record is not None:
+            self._records[record.id] = record  # its limits, for the rate limiter
+        return record
+
+    async def check_parent(self, secret: ClientSecret) -> str:
+        """The owner id of an ephemeral key's parent if that key still stands, else the
+        GatewayError that refuses it (the parent's own: revoked, expired, not allowed)."""
+        if secret.parent_kind == "managed":
+            return self.admit(await self.lookup_id(secret.parent_id))
+        if secret.parent_kind == "static":
+            if secret.owner in self._owners.values():
+                return secret.owner
+            raise GatewayError("unauthorized", "the key this ephemeral key was made with is gone")
+        if self.enabled:  # minted while the gateway took no keys; it takes them now
+            raise GatewayError("unauthorized", "missing or unknown API key")
+        return "anonymous"
+
+    async def grant(self, headers: Mapping[str, str], subprotocols: Iterable[str] = ()) -> Grant:
+        """What a Realtime handshake may do: `owner()` for a real key; for an ephemeral one its
+        record, refused when unknown (unauthorized), past its expiry (api_key_expired) or when
+        its parent no longer stands."""
+        key = key_of(headers, subprotocols)
+        if not key or not is_ephemeral(key) or self.static_owner(key) is not None:
+            return Grant(self.owner(headers, subprotocols))
+        if self.client_secrets is None:
+            raise GatewayError("unauthorized", "missing or unknown API key")
+        try:
+            secret = await self.client_secrets.get(_digest(key))
+        except Exception as exc:
+            log.warning("client_secret_store_unavailable", error=type(exc).__name__)
+            raise GatewayError("busy", "API keys cannot be checked right now; retry") from None
+        if secret is None:
+            raise GatewayError("unauthorized", "missing or unknown API key")
+        if secret.expired():
+            raise GatewayError("api_key_expired", "this ephemeral key has expired; mint another")
+        owner = await self.check_parent(secret)
+        return Grant(owner, secret)

@@ -85,8 +85,11 @@ async def watch_key(
     headers: Mapping[str, str],
     subprotocols: Iterable[str],
     on_refused: Callable[[GatewayError], Awaitable[None]],
+    *,
+    check: Callable[[], Awaitable[object]] | None = None,
 ) -> AsyncIterator[None]:
-    """While the body runs, refuse the connection once its managed key stops being valid."""
+    """While the body runs, refuse the connection once its managed key stops being valid.
+    `check` replaces the question asked (an ephemeral key's connection asks about its parent)."""
     if auth.store is None:
         yield
         return
@@ -96,11 +99,11 @@ async def watch_key(
     host = asyncio.current_task()
     running = True
 
-    async def check() -> None:
+    async def watch() -> None:
         while True:
             await asyncio.sleep(auth.cache_ttl_s)
             try:
-                await auth.resolve(headers, offered)
+                await (check() if check is not None else auth.resolve(headers, offered))
             except GatewayError as exc:
                 if exc.code == "busy":  # the store is down: keep what is open
                     continue
@@ -112,7 +115,7 @@ async def watch_key(
                         host.cancel()
                 return
 
-    watcher = asyncio.create_task(check(), name="watch key")
+    watcher = asyncio.create_task(watch(), name="watch key")
     try:
         yield
     finally:

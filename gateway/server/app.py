@@ -35,6 +35,7 @@ from gateway.chat.service import ChatService
 from gateway.chat.vision_resolver import VisionResolver
 from gateway.engine.interface import Engine, image_input_of
 from gateway.policy.auth import Authenticator
+from gateway.policy.client_secrets import make_client_secret_store
 from gateway.policy.key_guard import KeyResolver
 from gateway.policy.key_store import make_key_store
 from gateway.policy.key_usage import CountingLimiter, TokenMeter
@@ -294,7 +295,12 @@ def create_app(
 def _authenticator(settings: Settings, engine: Engine) -> Authenticator:
     """Static keys, and with an admin key the managed ones on the session store's backend."""
     store = make_key_store(settings.redis_url) if settings.admin_api_key else None
-    return Authenticator(settings.api_keys, store, served_model=lambda: engine.model_id)
+    return Authenticator(
+        settings.api_keys,
+        store,
+        served_model=lambda: engine.model_id,
+        client_secrets=make_client_secret_store(settings.redis_url),  # ephemeral Realtime keys
+    )
 
 
 async def _load_models(state: GatewayState, encoder: Encoder | None) -> None:
@@ -389,6 +395,7 @@ async def _close(state: GatewayState) -> None:
         state.images,
         state.rate_limiter,
         *([state.auth.store] if state.auth.store is not None else []),
+        *([state.auth.client_secrets] if state.auth.client_secrets is not None else []),
     ):
         await store.aclose()
     state.telemetry.shutdown()

@@ -6,8 +6,9 @@ an OTel span is current.
 
 Every line is scrubbed last (`scrub_secrets`): API keys are redacted wherever they show up
 (``Bearer <key>``, ``openai-insecure-api-key.<key>``, ``?api_key=<key>``, a field named like
-a secret; uvicorn logs the WebSocket handshake's path and query, and at debug level its
-headers), and every string is clipped so a client string of any size stays a short one.
+a secret, a managed ``vgk-...`` or ephemeral ``ek_...`` secret anywhere; uvicorn logs the
+WebSocket handshake's path and query, and at debug level its headers), and every string is
+clipped so a client string of any size stays a short one.
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ _SECRET_PATTERNS = (
     (re.compile(r"(?i)(openai-insecure-api-key\.)[^\s\"',;]+"), rf"\1{REDACTED}"),
     # a key in a query string (refused, but still written in the handshake's log line)
     (re.compile(rf"(?i)([?&;](?:{_QUERY_SECRETS})=)[^&\s\"'#]*"), rf"\1{REDACTED}"),
+    # the gateway's own secrets by their form, wherever they are (a session id, a model name, a
+    # path, a message): managed keys `vgk-...` and ephemeral Realtime keys `ek_...`, both of
+    # URL-safe base64 characters (43 of them): glued to other text, by their full length; on
+    # their own, from 6 characters on (a prefix cut short by the clip is still caught)
+    (re.compile(r"(vgk-|ek_)[A-Za-z0-9_-]{40,}"), rf"\1{REDACTED}"),
+    (re.compile(r"(?<![A-Za-z0-9])(vgk-|ek_)[A-Za-z0-9_-]{6,}"), rf"\1{REDACTED}"),
 )
 
 

@@ -2,7 +2,8 @@
 
 Every answer that is not a success is the OpenAI-shaped error object with a stable code, what
 routing or body limits refuse included (a create body over `protocol.MAX_BODY` is
-`request_too_large`, 413). Registered only when `admin_api_key` is set.
+`request_too_large`, 413). Registered only when `admin_api_key` is set. Wrong admin keys are
+counted per client (`lockout.AdminLockout`): past a few in a row, `auth_locked_out` (429).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from litestar import Request, Response, Router, delete, get, post
 from litestar.exceptions import HTTPException
 
 from gateway.api.admin import protocol as p
+from gateway.api.admin.lockout import AdminLockout
 from gateway.api.admin.serving import AdminServing
+from gateway.policy.auth import key_of
 from gateway.protocol.errors import GatewayError, error_response
 
 if TYPE_CHECKING:
@@ -36,31 +39,43 @@ def admin_route_handlers(state: GatewayState) -> list[Any]:
 
     register_secrets([settings.admin_api_key])
     admin = AdminServing(settings.admin_api_key, state.auth, store)
+    lockout = AdminLockout()
+
+    async def check_admin(request: Request) -> None:
+        client = request.client.host if request.client is not None else ""
+        lockout.check(client)
+        try:
+            await admin.check_admin(request.headers)
+        except GatewayError as exc:
+            if exc.code == "unauthorized" and key_of(request.headers):
+                lockout.failed(client)
+            raise
+        lockout.succeeded(client)
 
     @post("/keys", status_code=201, request_max_body_size=p.MAX_BODY)
     async def create_key(request: Request) -> Response[p.CreatedKey]:
-        await admin.check_admin(request.headers)
+        await check_admin(request)
         created = await admin.create(await request.body())
         return Response(created, status_code=201, headers=NO_STORE)
 
     @get("/keys")
     async def list_keys(request: Request) -> p.KeyList:
-        await admin.check_admin(request.headers)
+        await check_admin(request)
         return await admin.list(request.query_params)
 
     @get("/keys/{key_id:str}")
     async def get_key(request: Request, key_id: str) -> p.KeyView:
-        await admin.check_admin(request.headers)
+        await check_admin(request)
         return await admin.get(key_id)
 
     @delete("/keys/{key_id:str}", status_code=200)
     async def revoke_key(request: Request, key_id: str) -> p.KeyView:
-        await admin.check_admin(request.headers)
+        await check_admin(request)
         return await admin.revoke(key_id)
 
     @get("/usage")
     async def list_usage(request: Request) -> p.UsageList:
-        await admin.check_admin(request.headers)
+        await check_admin(request)
         return await admin.usage(request.query_params)
 
     def on_error(request: Request, exc: Exception) -> Response[Any]:
@@ -75,7 +90,9 @@ def admin_route_handlers(state: GatewayState) -> list[Any]:
                 exc = GatewayError("internal_error", f"internal error: {type(exc).__name__}")
         state.metrics.record_error(code=exc.code, api="http")
         log.info("client_error", api="admin", code=exc.code, message=exc.message)
-        return Response(error_response(exc), status_code=exc.http_status)
+        body = error_response(exc)
+        retry = {"Retry-After": str(body.retry_after)} if body.retry_after is not None else None
+        return Response(body, status_code=exc.http_status, headers=retry)
 
     return [
         Router(

@@ -54,7 +54,7 @@ class AdminServing:
         try:
             await self.auth.resolve({"authorization": f"Bearer {key}"})
         except GatewayError as exc:
-            if exc.code == "busy":
+            if exc.code in ("busy", "permission_denied"):  # down; or valid but not for this
                 raise
             raise GatewayError("unauthorized", "the admin API needs the admin key") from None
         raise GatewayError("permission_denied", "this key may not use the admin API")
@@ -103,7 +103,7 @@ class AdminServing:
     @staticmethod
     def page_args(query: Mapping[str, str]) -> tuple[str | None, int]:
         raw = query.get("limit", str(p.DEFAULT_PAGE))
-        if not raw.isdigit() or not 1 <= int(raw[:6]) <= p.MAX_PAGE or len(raw) > 6:
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > 6 or not 1 <= int(raw) <= p.MAX_PAGE:
             raise GatewayError("invalid_request", f"limit must be 1..{p.MAX_PAGE}", param="limit")
         after = query.get("after")
         if after is not None and not KEY_ID.fullmatch(after):

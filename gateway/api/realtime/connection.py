@@ -10,7 +10,11 @@ their item arrives, at most `max_pending_encodes_per_connection` at a time per c
 `max_pending_encodes_per_key` per API key): an item past either is refused with `rate_limited`
 and nothing of it is kept. A model named in the URL (`?model=`, as the OpenAI SDKs send it) or in
 `session.update` must be the served one (the one `/v1/models` lists): another is refused with
-`model_not_found`, the connection closed (URL) or the session left unchanged (update).
+`model_not_found`, the connection closed (URL) or the session left unchanged (update). The
+session settings an ephemeral key was minted with (`session_settings`, JSON of a `session`
+object) are applied once the session is open, as a `session.update` from the client would be
+(its `session.updated` follows `session.created`); one that no longer passes is an `error`
+event and the session keeps its settings.
 
 This module is the connection's lifecycle and its dispatch of client frames; the handshake
 before it is `router`, and each kind of event has its own module over the shared state of
@@ -23,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+
+import msgspec
 
 from gateway.api.realtime import protocol as rt
 from gateway.api.realtime.channel import CLOSE_POLICY, CLOSE_TRY_AGAIN, ConnState, log
@@ -45,7 +51,9 @@ class RealtimeConnection(SessionEvents, ItemEvents, ResponseEvents):
 
     # ------------------------------------------------------------ lifecycle
 
-    async def run(self, session_id: str | None, *, model: str | None = None) -> None:
+    async def run(
+        self, session_id: str | None, *, model: str | None = None, session_settings: bytes = b""
+    ) -> None:
         # answer with a subprotocol that carries no key: never echo `openai-insecure-api-key.*`
         chosen = public_subprotocol(self.socket.scope.get("subprotocols") or [])
         self.codec = rt.WireCodec(binary=chosen == MSGPACK_SUBPROTOCOL)
@@ -68,6 +76,8 @@ class RealtimeConnection(SessionEvents, ItemEvents, ResponseEvents):
         try:
             if not await self._open_session(session_id):
                 return
+            if session_settings:
+                await self._apply_settings(session_settings)
             await self._receive_loop()
         finally:
             self._transition(ConnState.CLOSED)
@@ -86,6 +96,16 @@ class RealtimeConnection(SessionEvents, ItemEvents, ResponseEvents):
         # removes the item from the session; their events go nowhere now
         if self.watchers:
             await asyncio.gather(*list(self.watchers), return_exceptions=True)
+
+    async def _apply_settings(self, raw: bytes) -> None:
+        try:
+            config = msgspec.json.decode(raw, type=rt.SessionConfig)
+            await self._session_update(rt.SessionUpdate(session=config))
+        except (GatewayError, msgspec.ValidationError) as exc:
+            error = (
+                exc if isinstance(exc, GatewayError) else GatewayError("invalid_request", str(exc))
+            )
+            await self._send_error(error, None)
 
     async def _receive_loop(self) -> None:
         while True:

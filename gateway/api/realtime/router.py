@@ -6,30 +6,57 @@ A key travels in `Authorization: Bearer <key>` or, from a browser, as the offere
 1008), since a refusal before the handshake reaches a browser as a bare 403. A missing or wrong
 key closes with 1008 and the auth error's message. Everything after the handshake (the accepted
 subprotocol, which never echoes the key; the session; the events) is `RealtimeConnection`'s.
+
+An ephemeral key (`ek_...`, minted by `POST /v1/realtime/client_secrets`, `ephemeral`) is
+granted by `Authenticator.grant`: the connection's owner is its parent key's, its session
+settings are applied once the session is open, and while it is open the parent key is watched
+(a revoked parent ends it). One refused at the handshake (unknown, expired, its parent gone) is
+accepted only to say why: an `error` event with the code, then close 1008 with the code as
+reason. `realtime_route` answers the WebSocket route and the minting routes together.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from litestar import WebSocket, websocket
+from litestar import Router, WebSocket, websocket
 
+from gateway.api.realtime import protocol as rt
 from gateway.api.realtime.channel import CLOSE_POLICY
 from gateway.api.realtime.connection import RealtimeConnection
-from gateway.policy.auth import QUERY_KEY_REFUSED, public_subprotocol
+from gateway.api.realtime.ephemeral import ephemeral_routes
+from gateway.policy.auth import QUERY_KEY_REFUSED, key_of, public_subprotocol
+from gateway.policy.client_secrets import is_ephemeral
 from gateway.policy.key_guard import watch_key
 from gateway.protocol.errors import GatewayError
+from gateway.protocol.subprotocols import MSGPACK_SUBPROTOCOL
 
 if TYPE_CHECKING:
-    from litestar.handlers import WebsocketRouteHandler
-
     from gateway.server.state import GatewayState
 
 __all__ = ("realtime_route",)
 
 
-def realtime_route(state: GatewayState) -> WebsocketRouteHandler:
-    """`/v1/realtime`: authenticate the upgrade, then hand the socket to a `RealtimeConnection`."""
+async def _refuse_ephemeral(socket: WebSocket, offered: list[str], exc: GatewayError) -> None:
+    """Accept only to say why an ephemeral key is refused: the error event, then close 1008."""
+    chosen = public_subprotocol(offered)
+    await socket.accept(subprotocols=chosen)
+    codec = rt.WireCodec(binary=chosen == MSGPACK_SUBPROTOCOL)
+    frame = codec.encode(
+        rt.ErrorEvent(
+            "evt_refused", rt.ErrorBody(type=exc.type, code=exc.code, message=exc.message)
+        )
+    )
+    if codec.binary:
+        await socket.send_bytes(frame)
+    else:
+        await socket.send_text(frame.decode())
+    await socket.close(code=CLOSE_POLICY, reason=exc.code)
+
+
+def realtime_route(state: GatewayState) -> Router:
+    """`/v1/realtime`: authenticate the upgrade, then hand the socket to a `RealtimeConnection`;
+    beside it, the routes that mint ephemeral keys for it."""
 
     @websocket("/v1/realtime")
     async def realtime(socket: WebSocket) -> None:
@@ -42,17 +69,30 @@ def realtime_route(state: GatewayState) -> WebsocketRouteHandler:
             await socket.close(code=CLOSE_POLICY, reason=QUERY_KEY_REFUSED)
             return
         try:
-            owner = state.auth.owner(socket.headers, offered)
+            grant = await state.auth.grant(socket.headers, offered)
         except GatewayError as exc:
-            await socket.close(code=CLOSE_POLICY, reason=exc.message)
+            if is_ephemeral(key_of(socket.headers, offered)):
+                await _refuse_ephemeral(socket, offered, exc)
+            else:
+                await socket.close(code=CLOSE_POLICY, reason=exc.message)
             return
-        connection = RealtimeConnection(socket, state, owner)
+        connection = RealtimeConnection(socket, state, grant.owner)
+        ephemeral = grant.ephemeral
 
         async def key_refused(exc: GatewayError) -> None:  # revoked or expired while open
             await connection._send_error(exc, None)
             await socket.close(code=CLOSE_POLICY, reason=exc.code)
 
-        async with watch_key(state.auth, socket.headers, offered, key_refused):
-            await connection.run(query.get("session_id"), model=query.get("model"))
+        async def parent_stands() -> object:  # an ephemeral key's connection: its parent key
+            assert ephemeral is not None
+            return await state.auth.check_parent(ephemeral)
 
-    return realtime
+        check = parent_stands if ephemeral is not None else None
+        async with watch_key(state.auth, socket.headers, offered, key_refused, check=check):
+            await connection.run(
+                query.get("session_id"),
+                model=query.get("model"),
+                session_settings=ephemeral.session if ephemeral is not None else b"",
+            )
+
+    return Router(path="/", route_handlers=[realtime, ephemeral_routes(state)])

@@ -162,6 +162,35 @@ def test_log_lines_are_scrubbed() -> None:
     assert event["nested"]["ok"][0].endswith("(5000 chars)") and event["count"] == 3
 
 
+def test_managed_and_ephemeral_secrets_are_scrubbed_by_their_form() -> None:
+    from gateway.policy.client_secrets import new_client_secret
+    from gateway.policy.key_store import new_secret
+
+    managed, ephemeral = new_secret(), new_client_secret()  # never registered with the scrubber
+    cut = ephemeral[:12]  # a secret the clip cut short
+    event = scrub_secrets(
+        None,
+        "info",
+        {
+            "event": f'"WebSocket /v1/realtime?session_id={ephemeral}" 403',
+            "header": f"< Sec-WebSocket-Protocol: realtime, {key_protocol(ephemeral)}",
+            "model": managed,
+            "message": f"unknown model 'x{managed}' or session _{ephemeral}",
+            "nested": {"items": [f"({managed})", {"path": f"/v1/sessions/{ephemeral}"}]},
+            "edge": "y" * 490 + ephemeral,
+            "short": f"prefix {cut}",
+            # what is not a secret stays: names that merely hold the letters
+            "plain": "check_model vgk- ek_ week_ai grok_4 ek_ab",
+        },
+    )
+    text = json.dumps(event)
+    for secret in (managed, ephemeral, managed[4:], ephemeral[3:], cut[3:]):
+        assert secret not in text, secret
+    assert event["model"] == "vgk-[redacted]"
+    assert event["nested"]["items"][1]["path"] == "/v1/sessions/ek_[redacted]"
+    assert event["plain"] == "check_model vgk- ek_ week_ai grok_4 ek_ab"
+
+
 def test_json_tracebacks_carry_no_key_and_no_locals() -> None:
     import logging
 
