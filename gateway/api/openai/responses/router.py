@@ -9,6 +9,7 @@ from litestar import Request, Response, delete, get, post
 from gateway.api.http.disconnect import unless_client_leaves
 from gateway.api.openai.replies import ERRORS, owner_of, reply, session_body_limit
 from gateway.api.openai.responses import protocol as r
+from gateway.api.openai.responses.inputs import decode_request
 from gateway.api.openai.responses.serving import ResponsesServing
 from gateway.protocol.errors import GatewayError
 
@@ -37,7 +38,7 @@ def responses_route_handlers(state: GatewayState) -> list[Any]:
     async def create_response(request: Request) -> Response[Any]:
         caller = owner_of(state, request)
         # decoded here, so that a refusal names the field (an unknown one too)
-        data = r.decode_request(await request.body())
+        data = decode_request(await request.body())
         work = responses.create(data, owner=caller)
         return reply(await unless_client_leaves(request.receive, work, route="responses"), state)
 

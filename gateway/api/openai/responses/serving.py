@@ -33,6 +33,7 @@ import structlog
 from gateway.api.http.event_streams import close_shielded, replay
 from gateway.api.openai.chat import protocol as p
 from gateway.api.openai.responses import protocol as r
+from gateway.api.openai.responses.inputs import ParsedInput, convert_items, image_parts, parse_input
 from gateway.api.openai.responses.output_builder import ResponseOutput, frame
 from gateway.api.openai.serving import EventStream, Opened, admit_turn, open_answer
 from gateway.chat.events import Finished, TextChunk
@@ -82,7 +83,7 @@ class Prepared:
     stored: bool  # the session lives in the store (store is true)
     created: bool  # this response made the session (a new chain or a fork)
     forked: bool
-    parsed: r.ParsedInput
+    parsed: ParsedInput
     permit: EncodePermit
     created_at: int
     model: str
@@ -128,9 +129,9 @@ class ResponsesServing:
             previous = await state.responses.get(request.previous_response_id, owner)
             if previous is None or previous.session_id is None:
                 raise _unknown_response(request.previous_response_id, "previous_response_id")
-        items = r.convert_items(request.input, limits)
-        fetched = await fetch_remote(r.image_parts(items), limits, param="input")
-        parsed = r.parse_input(items, limits, fetched)
+        items = convert_items(request.input, limits)
+        fetched = await fetch_remote(image_parts(items), limits, param="input")
+        parsed = parse_input(items, limits, fetched)
         permit, (session, created, forked) = await admit_turn(
             state,
             owner=owner,
@@ -238,7 +239,7 @@ class ResponsesServing:
         self,
         request: r.ResponsesRequest,
         owner: str,
-        parsed: r.ParsedInput,
+        parsed: ParsedInput,
         previous: ResponseRecord | None,
     ) -> tuple[Session, bool, bool]:
         """(the session to answer from, whether this response made it, whether it forked)."""

@@ -19,6 +19,7 @@ from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from gateway.api.openai.responses import protocol as r
+from gateway.api.openai.responses.inputs import ParsedInput
 from gateway.api.openai.responses.output_builder import ResponseOutput
 from gateway.api.openai.responses.serving import Prepared
 from gateway.chat.events import Finished, ResponseOptions, TextChunk
@@ -150,7 +151,7 @@ def _weather_call_prepared(options: ResponseOptions) -> Prepared:
         stored=False,
         created=False,
         forked=False,
-        parsed=r.ParsedInput(),
+        parsed=ParsedInput(),
         permit=None,  # type: ignore[arg-type]
         created_at=1,
         model=MODEL,
