@@ -23,9 +23,11 @@ from tests.gateway.api.admin.test_admin_keys import ADMIN, admin_headers, create
 RESET = re.compile(r"^(\d+h)?(\d+m)?(\d+(\.\d+)?s|\d+ms)$")  # "1s", "6m0s", "20ms"
 
 
-@pytest.fixture
-def replicas(make_gateway, redis_url):
-    settings = dict(admin_api_key=ADMIN, redis_url=redis_url)
+@pytest.fixture(params=["redis"])
+def replicas(request, make_gateway):
+    """Two gateways on one Redis (the concurrency test also runs them on a Redis Cluster)."""
+    url = request.getfixturevalue("redis_url" if request.param == "redis" else "redis_cluster_url")
+    settings = dict(admin_api_key=ADMIN, redis_url=url)
     return make_gateway(settings=settings), make_gateway(settings=settings)
 
 
@@ -46,6 +48,7 @@ def chat_body(text: str, **extra) -> dict:
     return {"model": "fake-echo", "messages": [{"role": "user", "content": text}], **extra}
 
 
+@pytest.mark.parametrize("replicas", ["redis", "cluster"], indirect=True)
 async def test_two_replicas_hold_the_input_limit_under_concurrent_clients(replicas) -> None:
     a, b = replicas
     limit = 300
@@ -140,6 +143,7 @@ def test_429_and_headers_through_the_official_client(replicas) -> None:
 
 async def test_realtime_rate_limits_updated_after_each_response(replicas) -> None:
     a, _ = replicas
+    fresh_minute(20.0)
     made = create(a.http_url, rpm=100, output_tpm=1000)
     async with Peer.connected(a.ws_url, api_key=made["secret"], key_in="header") as peer:
         for n in (1, 2):
@@ -155,6 +159,22 @@ async def test_realtime_rate_limits_updated_after_each_response(replicas) -> Non
             assert 0 < limits["requests"]["reset_seconds"] <= 60
             assert limits["tokens"]["limit"] == 1000
             assert limits["tokens"]["remaining"] == 1000 - n * output
+    # past its limit, response.create is refused with the error event, and nothing runs
+    tight = create(a.http_url, output_tpm=3)
+    async with Peer.connected(a.ws_url, api_key=tight["secret"], key_in="header") as peer:
+        await peer.add([{"type": "input_text", "text": "one two three four five"}])
+        await peer.until("conversation.item.done")
+        done, _ = await peer.respond()
+        assert done["response"]["usage"]["output_tokens"] > 3
+        assert (await peer.recv(timeout=10))["type"] == "rate_limits.updated"
+        await peer.send({"type": "response.create", "event_id": "evt_again"})
+        error = await peer.recv(timeout=10)
+        assert error["type"] == "error" and error["error"]["code"] == "rate_limited"
+        assert error["error"]["event_id"] == "evt_again"
+        assert "3 output tokens per minute" in error["error"]["message"]
+        # the connection stays open and the conversation is as it was
+        await peer.send({"type": "conversation.item.retrieve", "item_id": "nope"})
+        assert (await peer.recv(timeout=10))["error"]["code"] == "item_not_found"
     # a key with no limits gets no such event
     plain = create(a.http_url)
     async with Peer.connected(a.ws_url, api_key=plain["secret"], key_in="header") as peer:
