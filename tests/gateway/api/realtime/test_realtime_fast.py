@@ -419,3 +419,37 @@ async def test_image_encode_failure_drops_the_item(make_gateway: GatewayFactory)
         assert (await session_view(gateway, peer.session_id))["items"] == []
     finally:
         await peer.close()
+
+
+async def test_a_fault_while_ending_a_response_still_reaches_the_client(
+    fake_gateway: FakeGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in building response.done must not leave the client waiting for an end that never
+    comes: the fallback answer fails too, and the client still gets an internal_error event;
+    the connection then serves the next response."""
+    from gateway.api.realtime.output import ResponseOutput
+
+    real_done = ResponseOutput.done
+    calls = 0
+
+    async def broken_done(self: ResponseOutput, ev: Any) -> None:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("building response.done failed")
+
+    monkeypatch.setattr(ResponseOutput, "done", broken_done)
+    peer = await Peer.open(fake_gateway.ws_url)
+    try:
+        await peer.add([{"type": "input_text", "text": "hello"}])
+        await peer.send({"type": "response.create", "event_id": "r1"})
+        error, _ = await peer.until("error", timeout=TIMEOUT)
+        assert error["error"]["code"] == "internal_error"
+        assert error["error"]["event_id"] == "r1"
+        assert calls == 2  # the real end, then the failed one built in its place
+
+        monkeypatch.setattr(ResponseOutput, "done", real_done)
+        await peer.send({"type": "response.create", "event_id": "r2"})
+        done, _ = await peer.until("response.done", timeout=TIMEOUT)
+        assert done["response"]["status"] == "completed"
+    finally:
+        await peer.close()
