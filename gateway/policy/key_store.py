@@ -20,12 +20,15 @@ one Redis Cluster slot (a key store is small: thousands of records, not millions
   `vg:{vg-keys}:ids`         a sorted set of every id (score 0: ordered by id, paged by lex)
 Usage counters are hashes of their own slot per key, `vg:key-usage:{<id>}` (the fields of
 `KeyUsage`: `requests`, `input_tokens`, `cached_tokens`, `output_tokens`, `image_tokens`,
-`encode_ms`), so counting spreads over a cluster's shards. They count from the key's creation
-on; the windows of its token limits are `gateway.policy.token_limits`'.
+`encode_ms`), so counting spreads over a cluster's shards, and the same counts per UTC day in
+`vg:key-usage:{<id>}:<YYYYMMDD>` (same slot, kept `USAGE_DAYS_KEPT` days) for the usage of a
+period. The totals count from the key's creation on; the windows of its token limits are
+`gateway.policy.token_limits`'.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import re
 import secrets
@@ -38,6 +41,7 @@ import msgspec
 __all__ = (
     "KEY_ID",
     "SECRET_PREFIX",
+    "USAGE_DAYS_KEPT",
     "USAGE_FIELDS",
     "KeyRecord",
     "KeyStore",
@@ -48,6 +52,7 @@ __all__ = (
     "new_key_id",
     "new_secret",
     "secret_digest",
+    "usage_day",
 )
 
 SECRET_PREFIX = "vgk-"
@@ -104,6 +109,14 @@ USAGE_FIELDS = (
 )
 
 
+USAGE_DAYS_KEPT = 400  # per-day usage counts kept this long (a year and a month's margin)
+
+
+def usage_day(now: float | None = None) -> str:
+    """The UTC day a count at unix time `now` goes to, as `YYYYMMDD`."""
+    return dt.datetime.fromtimestamp(time.time() if now is None else now, dt.UTC).strftime("%Y%m%d")
+
+
 class KeyUsage(msgspec.Struct):
     """A key's counts since it was made: responses started, and the tokens of those that
     ended (input includes cached and image tokens), and the ms they waited for encodes."""
@@ -137,9 +150,10 @@ class KeyStore(Protocol):
         """Mark revoked (idempotent: a second revoke keeps the first time); None: no such id."""
 
     async def count_usage(self, key_id: str, **counts: int) -> None:
-        """Add to the key's counters (names: `USAGE_FIELDS`)."""
+        """Add to the key's counters (names: `USAGE_FIELDS`): its totals and today's."""
 
-    async def usage(self, key_ids: list[str]) -> list[KeyUsage]: ...
+    async def usage(self, key_ids: list[str], days: list[str] | None = None) -> list[KeyUsage]:
+        """Each key's totals, or with `days` (`YYYYMMDD`) the sum of those days' counts."""
 
     async def aclose(self) -> None: ...
 
@@ -189,12 +203,19 @@ class MemoryKeyStore:
         return record
 
     async def count_usage(self, key_id: str, **counts: int) -> None:
-        held = self._usage.setdefault(key_id, [0] * len(USAGE_FIELDS))
-        for i, field in enumerate(USAGE_FIELDS):
-            held[i] += int(counts.get(field, 0))
+        for bucket in (key_id, f"{key_id}:{usage_day()}"):
+            held = self._usage.setdefault(bucket, [0] * len(USAGE_FIELDS))
+            for i, field in enumerate(USAGE_FIELDS):
+                held[i] += int(counts.get(field, 0))
 
-    async def usage(self, key_ids: list[str]) -> list[KeyUsage]:
-        return [KeyUsage(k, *self._usage.get(k, ())) for k in key_ids]
+    async def usage(self, key_ids: list[str], days: list[str] | None = None) -> list[KeyUsage]:
+        if days is None:
+            return [KeyUsage(k, *self._usage.get(k, ())) for k in key_ids]
+        out = []
+        for k in key_ids:
+            rows = [self._usage.get(f"{k}:{day}", [0] * len(USAGE_FIELDS)) for day in days]
+            out.append(KeyUsage(k, *(sum(col) for col in zip(*rows, strict=True))))
+        return out
 
     async def aclose(self) -> None:
         return None
@@ -270,21 +291,32 @@ class RedisKeyStore:
         return record
 
     async def count_usage(self, key_id: str, **counts: int) -> None:
-        key = self._usage_key(key_id)
+        total = self._usage_key(key_id)
+        today = f"{total}:{usage_day()}"
         pipe = self._redis.pipeline(transaction=False)
         for field in USAGE_FIELDS:
             n = int(counts.get(field, 0))
             if n:
-                pipe.hincrby(key, field, n)
+                pipe.hincrby(total, field, n)
+                pipe.hincrby(today, field, n)
         if len(pipe):
+            pipe.expire(today, USAGE_DAYS_KEPT * 86400)
             await pipe.execute()
 
-    async def usage(self, key_ids: list[str]) -> list[KeyUsage]:
+    async def usage(self, key_ids: list[str], days: list[str] | None = None) -> list[KeyUsage]:
         out = []
         for key_id in key_ids:
-            got = await self._redis.hgetall(self._usage_key(key_id))
-            values = {k.decode(): int(v) for k, v in got.items()}
-            out.append(KeyUsage(key_id, *(values.get(f, 0) for f in USAGE_FIELDS)))
+            base = self._usage_key(key_id)
+            buckets = [base] if days is None else [f"{base}:{day}" for day in days]
+            pipe = self._redis.pipeline(transaction=False)
+            for bucket in buckets:
+                pipe.hgetall(bucket)
+            sums = dict.fromkeys(USAGE_FIELDS, 0)
+            for got in await pipe.execute():
+                for k, v in got.items():
+                    if k.decode() in sums:
+                        sums[k.decode()] += int(v)
+            out.append(KeyUsage(key_id, *(sums[f] for f in USAGE_FIELDS)))
         return out
 
     async def aclose(self) -> None:

@@ -13,6 +13,7 @@ from gateway.policy.key_store import SECRET_PREFIX, KeyRecord, KeyUsage
 __all__ = (
     "MAX_BODY",
     "MAX_PAGE",
+    "MAX_USAGE_DAYS",
     "CreateKeyRequest",
     "CreatedKey",
     "KeyList",
@@ -25,6 +26,7 @@ __all__ = (
 
 MAX_BODY = 64 * 1024  # a create body; the largest legal one is about 14 KiB
 MAX_PAGE = 200  # records per list page
+MAX_USAGE_DAYS = 92  # the longest period one usage page sums (a quarter)
 DEFAULT_PAGE = 50
 TEN_YEARS_S = 10 * 366 * 86400.0
 
@@ -93,6 +95,9 @@ class UsageList(msgspec.Struct, kw_only=True):
     data: list[UsageView]
     has_more: bool
     last_id: str | None
+    # the UTC days counted, inclusive (`YYYY-MM-DD`); None: every count since each key was made
+    start: str | None = None
+    end: str | None = None
 
 
 def key_view(record: KeyRecord) -> KeyView:

@@ -9,6 +9,7 @@ secret is in the one answer to its create; nothing here logs a secret.
 
 from __future__ import annotations
 
+import datetime as dt
 import hmac
 import time
 from collections.abc import Mapping
@@ -135,12 +136,51 @@ class AdminServing:
         return p.key_view(record)
 
     async def usage(self, query: Mapping[str, str]) -> p.UsageList:
+        """A page of keys' usage: totals, or with `start` (and `end`, default today) the UTC
+        days from one to the other, inclusive, at most `MAX_USAGE_DAYS` of them."""
         after, limit = self.page_args(query)
+        period = usage_period(query)
         records = await self.store.page(after, limit + 1)
         shown = records[:limit]
-        counts = await self.store.usage([r.id for r in shown])
+        days = None if period is None else [d.strftime("%Y%m%d") for d in period]
+        counts = await self.store.usage([r.id for r in shown], days)
         return p.UsageList(
             data=[p.usage_view(u) for u in counts],
             has_more=len(records) > limit,
             last_id=shown[-1].id if shown else None,
+            start=None if period is None else period[0].isoformat(),
+            end=None if period is None else period[-1].isoformat(),
         )
+
+
+def _date(query: Mapping[str, str], name: str) -> dt.date | None:
+    raw = query.get(name)
+    if raw is None:
+        return None
+    try:
+        if len(raw) != 10:
+            raise ValueError
+        return dt.date.fromisoformat(raw)
+    except ValueError:
+        raise GatewayError(
+            "invalid_request", f"{name} is a UTC date, YYYY-MM-DD", param=name
+        ) from None
+
+
+def usage_period(query: Mapping[str, str]) -> list[dt.date] | None:
+    """The days `start`..`end` name (None: neither given, the totals)."""
+    start, end = _date(query, "start"), _date(query, "end")
+    if start is None:
+        if end is not None:
+            raise GatewayError("invalid_request", "end needs a start", param="start")
+        return None
+    if end is None:
+        end = dt.datetime.now(dt.UTC).date()
+    if end < start:
+        raise GatewayError("invalid_request", "end is before start", param="end")
+    span = (end - start).days + 1
+    if span > p.MAX_USAGE_DAYS:
+        raise GatewayError(
+            "invalid_request", f"a period holds at most {p.MAX_USAGE_DAYS} days", param="end"
+        )
+    return [start + dt.timedelta(days=i) for i in range(span)]

@@ -10,11 +10,13 @@ import pytest
 from gateway.policy.auth import Authenticator
 from gateway.policy.key_store import (
     KeyRecord,
+    KeyUsage,
     MemoryKeyStore,
     RedisKeyStore,
     new_key_id,
     new_secret,
     secret_digest,
+    usage_day,
 )
 from gateway.protocol.errors import GatewayError
 
@@ -63,6 +65,30 @@ async def test_contract(store) -> None:
     await store.count_usage(r.id, requests=1)
     (u,) = await store.usage([r.id])
     assert (u.requests, u.input_tokens, u.output_tokens) == (3, 10, 3)
+
+
+async def test_usage_counts_totals_and_days(store) -> None:
+    r, other = record(), record()
+    await store.count_usage(
+        r.id,
+        requests=1,
+        input_tokens=40,
+        cached_tokens=8,
+        output_tokens=5,
+        image_tokens=30,
+        encode_ms=12,
+    )
+    await store.count_usage(r.id, input_tokens=2, output_tokens=1)
+    (total,) = await store.usage([r.id])
+    assert total == KeyUsage(r.id, 1, 42, 8, 6, 30, 12)
+    today = usage_day()
+    # today's counts are the totals (every count was made today); other days hold none
+    assert await store.usage([r.id], [today]) == [total]
+    assert await store.usage([r.id, other.id], ["20200101", today]) == [
+        total,
+        KeyUsage(other.id),
+    ]
+    assert await store.usage([r.id], ["20200101"]) == [KeyUsage(r.id)]
 
 
 async def test_nothing_secret_at_rest(redis_url, raw_redis) -> None:

@@ -220,6 +220,28 @@ async def test_usage_after_known_requests(replicas) -> None:
     )
     got = usage_of(a.http_url, key_id)
     assert got["input_tokens"] == want_in
+    # the same for today's period; nothing in another
+    today = time.strftime("%Y-%m-%d", time.gmtime())
+    page = httpx.get(
+        f"{a.http_url}/v1/admin/usage", params={"start": today}, headers=admin_headers()
+    ).json()
+    assert page["start"] == page["end"] == today
+    assert next(u for u in page["data"] if u["id"] == key_id) == got
+    page = httpx.get(
+        f"{a.http_url}/v1/admin/usage",
+        params={"start": "2020-01-01", "end": "2020-01-31"},
+        headers=admin_headers(),
+    ).json()
+    assert next(u for u in page["data"] if u["id"] == key_id)["input_tokens"] == 0
+    for bad in (
+        {"start": "2020-1-1"},
+        {"start": "yesterday"},
+        {"end": "2020-01-01"},
+        {"start": "2020-02-01", "end": "2020-01-01"},
+        {"start": "2020-01-01", "end": "2020-12-31"},  # over 92 days
+    ):
+        r = httpx.get(f"{a.http_url}/v1/admin/usage", params=bad, headers=admin_headers())
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", bad
     assert got["image_tokens"] > 0  # the photo's visual tokens
     assert got["image_tokens"] < got["input_tokens"]
     assert got["cached_tokens"] >= 0 and got["encode_ms"] >= 0
