@@ -11,10 +11,12 @@ layer's checks that `session.update` runs, so a bad one is refused when minted, 
 browser connects; the connection applies them once its session is open. A mint counts as one
 request of the parent key's rate limit.
 
-`POST /playground/session` exists only when `playground_api_key` is set: it mints, with that
-key, an ephemeral key of the default lifetime and no session settings, for whoever loads the
-playground (the operator's choice: the page is then as open as the gateway's address, bounded
-by that key's limits and models). A request from another origin (an `Origin` header naming
+`POST /playground/session` is how the playground page gets its key. With `playground_api_key`
+set it mints, with that key, an ephemeral key of the default lifetime and no session settings,
+for whoever loads the page (the operator's choice: the page is then as open as the gateway's
+address, bounded by that key's limits and models). Without it, it answers 204 (no content): the
+gateway mints nothing for the page, which then takes a pasted ephemeral key or, on a gateway
+without keys, connects with none. A request from another origin (an `Origin` header naming
 another host) is refused with `permission_denied`, so other sites cannot spend the key from
 their visitors' browsers.
 """
@@ -175,23 +177,29 @@ def ephemeral_routes(state: GatewayState) -> Router:
         created = await _mint(state, _decode(await request.body()), dict(request.headers))
         return Response(created, status_code=200, headers=NO_STORE)
 
-    handlers: list[Any] = [create_client_secret]
     playground_key = settings.playground_api_key
+    key_headers = {"authorization": f"Bearer {playground_key}"}
     if playground_key:
         from gateway.telemetry import register_secrets
 
         register_secrets([playground_key])
-        key_headers = {"authorization": f"Bearer {playground_key}"}
 
-        @post("/playground/session", status_code=200, request_max_body_size=KiB)
-        async def playground_session(request: Request) -> Response[ClientSecretCreated]:
-            if not _same_origin(request):
-                raise GatewayError("permission_denied", "the playground mints for its own page")
-            await state.auth.prefetch(key_headers)  # a managed key's record, for owner()
-            created = await _mint(state, ClientSecretRequest(), key_headers)
-            return Response(created, status_code=200, headers=NO_STORE)
+    @post(
+        "/playground/session",
+        status_code=200,
+        request_max_body_size=KiB,
+        include_in_schema=False,
+    )
+    async def playground_session(request: Request) -> Response[ClientSecretCreated | None]:
+        if not _same_origin(request):
+            raise GatewayError("permission_denied", "the playground mints for its own page")
+        if not playground_key:  # nothing minted for the page here
+            return Response(None, status_code=204, headers=NO_STORE)
+        await state.auth.prefetch(key_headers)  # a managed key's record, for owner()
+        created = await _mint(state, ClientSecretRequest(), key_headers)
+        return Response(created, status_code=200, headers=NO_STORE)
 
-        handlers.append(playground_session)
+    handlers: list[Any] = [create_client_secret, playground_session]
 
     def on_error(request: Request, exc: Exception) -> Response[Any]:
         if not isinstance(exc, GatewayError):

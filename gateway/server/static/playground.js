@@ -2,10 +2,19 @@
 // The image is sent as soon as it is picked (so it encodes while the question is typed); each
 // answer streams in delta by delta and ends with a line of timings and cache results taken from
 // response.done.response.visiongate.
+//
+// The page never holds a real API key. It connects with an ephemeral Realtime key (ek_...),
+// minted for it by the gateway on every connect (POST /playground/session, when the operator set
+// PLAYGROUND_API_KEY), or pasted into the settings (one minted with
+// POST /v1/realtime/client_secrets); anything else typed there is refused and never sent. On a
+// gateway without keys it connects with none.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const SESSION_KEY = "visiongate.session_id";
+const EPHEMERAL = /^ek_[A-Za-z0-9_-]{16,}$/;
+// close reasons of a refused ephemeral key: a pasted one will not get better by retrying
+const KEY_REFUSED = ["unauthorized", "api_key_expired", "api_key_revoked", "permission_denied"];
 
 const ui = {
   status: $("status"), sessionId: $("session-id"), log: $("log"), drop: $("drop"),
@@ -21,6 +30,9 @@ let answering = null; // {bubble, text, timings} of the response in progress
 let eventSeq = 0;
 let retryDelay = 500;
 let retryTimer = null;
+let connectGen = 0; // a connect superseded while it waited for its key gives up
+let keyed = false; // whether the open connection used a key (the HTTP API then wants a real one)
+let mintsForUs = null; // null: not asked yet; true/false: whether the gateway mints keys for the page
 
 function setStatus(text, kind) {
   ui.status.textContent = text;
@@ -30,8 +42,8 @@ function setStatus(text, kind) {
 // what encodes the images (GET /v1/models `vision`): says so when answers are not grounded
 async function showVisionLabel() {
   try {
-    const headers = ui.apiKey.value ? { Authorization: "Bearer " + ui.apiKey.value } : {};
-    const reply = await fetch("/v1/models", { headers });
+    // without a key: asked on keyless gateways only (an ephemeral key is refused over HTTP)
+    const reply = await fetch("/v1/models");
     if (!reply.ok) return;
     const card = ((await reply.json()).data || [])[0] || {};
     if (card.vision) ui.visionLabel.textContent = "vision: " + card.vision;
@@ -57,36 +69,63 @@ function send(event) {
 
 // ---------------------------------------------------------------- connection
 
+// The key to connect with: the pasted ephemeral key, else one the gateway mints for the page
+// (a fresh one each time: they live a minute), else none.
+async function ephemeralKey() {
+  const pasted = ui.apiKey.value.trim();
+  if (pasted) return pasted;
+  if (mintsForUs === false) return null;
+  try {
+    const reply = await fetch("/playground/session", { method: "POST" });
+    if (reply.status === 200) {
+      mintsForUs = true;
+      return (await reply.json()).value;
+    }
+    if (reply.status === 204) mintsForUs = false; // this gateway mints nothing for the page
+    else addError(`the gateway did not mint a key for the page (HTTP ${reply.status})`);
+  } catch (err) {
+    // unreachable: the WebSocket's close says so
+  }
+  return null;
+}
+
 // Browsers cannot set headers on a WebSocket: the key travels as the Realtime API's
 // subprotocol `openai-insecure-api-key.<key>` (never in the URL, which ends up in logs), and the
 // server answers with the plain `realtime` one.
-function subprotocols() {
-  const key = ui.apiKey.value.trim();
-  return key ? ["realtime", "openai-insecure-api-key." + key] : ["realtime"];
-}
-
-function connect() {
+async function connect() {
+  const gen = ++connectGen;
+  setStatus("connecting…", "busy");
+  const key = await ephemeralKey();
+  if (gen !== connectGen) return;
+  const pasted = Boolean(ui.apiKey.value.trim());
   const proto = location.protocol === "https:" ? "wss:" : "ws:";
   const query = sessionId ? "?" + new URLSearchParams({ session_id: sessionId }) : "";
-  try {
-    ws = new WebSocket(`${proto}//${location.host}/v1/realtime${query}`, subprotocols());
-  } catch (err) {
-    // a subprotocol takes letters, digits and a few symbols only
-    ws = null;
-    setStatus("API key not usable", "down");
-    addError("the API key holds characters a WebSocket subprotocol cannot carry");
-    return;
-  }
-  setStatus("connecting…", "busy");
+  const protocols = key ? ["realtime", "openai-insecure-api-key." + key] : ["realtime"];
+  let opened = false;
+  keyed = Boolean(key);
+  ws = new WebSocket(`${proto}//${location.host}/v1/realtime${query}`, protocols);
+  ws.onopen = () => { opened = true; };
   ws.onmessage = (msg) => handle(JSON.parse(msg.data));
   ws.onclose = (ev) => {
     setBusy(false);
-    if (ev.code === 1008 && sessionId) {
+    if (KEY_REFUSED.includes(ev.reason) && pasted) {
+      // the pasted key is unknown, expired or revoked: wait for another rather than retry
+      setStatus("key refused", "down");
+      addError(`the ephemeral key was refused (${ev.reason}): paste a new one`);
+      ws = null;
+      return;
+    }
+    if (ev.code === 1008 && sessionId && !KEY_REFUSED.includes(ev.reason)) {
       // the session is gone (expired or another key's): start a new one
       sessionId = null;
       localStorage.removeItem(SESSION_KEY);
     }
-    setStatus(ev.code === 1013 ? "model loading…" : "disconnected", ev.code === 1013 ? "busy" : "down");
+    if (!opened && !key) {
+      // refused before the handshake ended, without a key: this gateway wants one
+      setStatus("needs an ephemeral key", "down");
+    } else {
+      setStatus(ev.code === 1013 ? "model loading…" : "disconnected", ev.code === 1013 ? "busy" : "down");
+    }
     retryTimer = setTimeout(connect, retryDelay);
     retryDelay = Math.min(retryDelay * 2, 8000);
   };
@@ -116,7 +155,7 @@ function handle(event) {
       localStorage.setItem(SESSION_KEY, sessionId);
       ui.sessionId.textContent = sessionId;
       setStatus("ready · " + event.session.model, "ready");
-      showVisionLabel();
+      if (!keyed) showVisionLabel(); // an ephemeral key is for the WebSocket only
       const ext = event.session.visiongate || {};
       if (ext.resumed) renderHistory(ext.items || []);
       break;
@@ -306,6 +345,17 @@ ui.question.addEventListener("keydown", (ev) => {
 });
 ui.stop.addEventListener("click", () => send({ type: "response.cancel" }));
 ui.newSession.addEventListener("click", () => restart(null));
-ui.apiKey.addEventListener("change", () => restart(sessionId));
+ui.apiKey.addEventListener("change", () => {
+  const value = ui.apiKey.value.trim();
+  if (value && !EPHEMERAL.test(value)) {
+    // never sent anywhere: only an ephemeral key belongs in a page
+    ui.apiKey.value = "";
+    setStatus("key refused", "down");
+    addError("only an ephemeral key (ek_...) goes here, never a real API key: " +
+      "mint one with POST /v1/realtime/client_secrets");
+    return;
+  }
+  restart(sessionId);
+});
 
 connect();

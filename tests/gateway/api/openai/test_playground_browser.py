@@ -124,41 +124,178 @@ def test_playground_streams_an_answer_about_a_photo(
     page.close()
 
 
-@pytest.fixture(scope="module")
-def keyed_fake_server():
-    """A gateway that wants an API key, over the fake engine and encoder (the test is about the
-    playground's connection, not the model)."""
+REAL_KEY = "pg-real-key-4d1c9e77"  # an app's key: the page must never see it
+PLAYGROUND_KEY = "pg-playground-key-0b5a"  # the key the gateway mints the page's keys with
+
+
+def fake_server(**settings_overrides):
+    """A gateway over the fake engine and encoder (these tests are about the playground's
+    connection and keys, not the model)."""
     from gateway.server.app import create_app
     from gateway.settings import Settings
     from gateway.testing.fakes import FakeEncoder, FakeEngine
 
-    settings = Settings.load(dict(api_keys=["pg-key-4d1c9e"], max_output_tokens=16), environ={})
-    with ServerThread(
+    settings = Settings.load(dict(max_output_tokens=16, **settings_overrides), environ={})
+    server = ServerThread(
         create_app(settings, engine=FakeEngine(), encoder=FakeEncoder()), settings
+    )
+    return server
+
+
+@pytest.fixture(scope="module")
+def pasting_server():
+    """Keys required, no playground key: the page takes a pasted ephemeral key."""
+    with fake_server(api_keys=[REAL_KEY]) as server:
+        server.wait_ready(timeout=60)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def minting_server():
+    """Playground mode: the gateway mints the page's ephemeral keys with PLAYGROUND_KEY."""
+    with fake_server(
+        api_keys=[REAL_KEY, PLAYGROUND_KEY], playground_api_key=PLAYGROUND_KEY
     ) as server:
         server.wait_ready(timeout=60)
         yield server
 
 
-def test_playground_sends_the_key_as_a_subprotocol(browser, keyed_fake_server) -> None:
-    page = browser.new_page()
-    sockets: list[str] = []
-    page.on("websocket", lambda ws: sockets.append(ws.url))
-    page.goto(keyed_fake_server.http_url + "/")
-    # without a key the gateway refuses the handshake: the page keeps trying
-    page.wait_for_function("() => document.getElementById('status').textContent !== ''")
-    assert "ready" not in (page.get_attribute("#status", "class") or "")
+class Wire:
+    """Everything the page sends and receives on the network, read over the DevTools protocol
+    (the WebSocket handshake's headers included, which Playwright's own events do not show)."""
 
-    page.click("details summary")
-    page.fill("#api-key", "pg-key-4d1c9e")
-    page.dispatch_event("#api-key", "change")
-    page.wait_for_selector("#status.ready", timeout=30_000)
-    # the accepted subprotocol is the public one, and no URL carried the key
-    assert page.evaluate("() => ws.protocol") == "realtime"
-    assert sockets and not [url for url in sockets if "pg-key" in url or "api_key" in url]
+    EVENTS = (
+        "Network.requestWillBeSent",
+        "Network.requestWillBeSentExtraInfo",
+        "Network.webSocketCreated",
+        "Network.webSocketWillSendHandshakeRequest",
+        "Network.webSocketFrameSent",
+    )
 
-    page.fill("#question", "hello from the playground")
+    def __init__(self, page) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.bodies: list[str] = []
+        cdp = page.context.new_cdp_session(page)
+        cdp.send("Network.enable")
+        for name in self.EVENTS:
+            cdp.on(name, lambda params, name=name: self.events.append((name, repr(params))))
+        page.on("response", self._response)
+
+    def _response(self, response) -> None:
+        try:
+            self.bodies.append(response.text())
+        except Exception:  # a WebSocket upgrade or a body already gone
+            pass
+
+    def handshakes(self) -> list[str]:
+        return [e for n, e in self.events if n == "Network.webSocketWillSendHandshakeRequest"]
+
+    def holds(self, secret: str) -> bool:
+        return any(secret in e for _, e in self.events) or any(secret in b for b in self.bodies)
+
+
+def page_holds(page, secret: str) -> bool:
+    """Whether the page's DOM, storage or script state holds `secret`."""
+    return secret in page.evaluate(
+        """() => document.documentElement.outerHTML + JSON.stringify(localStorage)
+            + JSON.stringify(sessionStorage) + document.getElementById('api-key').value"""
+    )
+
+
+def ask(page, question: str) -> str:
+    page.fill("#question", question)
     page.click("#send")
     page.wait_for_selector(".msg.assistant .timings[data-status]", timeout=30_000)
-    assert "hello" in page.text_content(".msg.assistant .text")
+    return page.text_content(".msg.assistant .text") or ""
+
+
+def test_playground_mode_connects_with_a_key_the_gateway_mints(browser, minting_server) -> None:
+    page = browser.new_page()
+    wire = Wire(page)
+    console_errors: list[str] = []
+    page.on("console", lambda msg: console_errors.append(msg.text) if msg.type == "error" else None)
+    page.goto(minting_server.http_url + "/")
+    page.wait_for_selector("#status.ready", timeout=30_000)
+    assert page.evaluate("() => ws.protocol") == "realtime"  # the public one, never the key
+    assert "hello" in ask(page, "hello from the playground")
+    # the page asked for a key and connected with an ephemeral one
+    handshakes = wire.handshakes()
+    assert handshakes and all("openai-insecure-api-key.ek_" in h for h in handshakes), handshakes
+    # no real key crossed the wire or stayed in the page
+    for secret in (REAL_KEY, PLAYGROUND_KEY):
+        assert not wire.holds(secret) and not page_holds(page, secret)
+    # a reconnect mints a new key (each lives a minute)
+    page.evaluate("() => ws.close()")
+    page.wait_for_function("() => ws && ws.readyState === 1", timeout=30_000)
+    page.wait_for_selector("#status.ready", timeout=30_000)
+    keys = {h.split("openai-insecure-api-key.")[1][:46] for h in wire.handshakes()}
+    assert len(keys) == 2
+    assert not console_errors, console_errors
+    # another site cannot have its visitors' browsers mint with the playground's key
+    import httpx
+
+    r = httpx.post(
+        minting_server.http_url + "/playground/session", headers={"Origin": "https://evil.example"}
+    )
+    assert r.status_code == 403 and r.json()["error"]["code"] == "permission_denied"
+    page.close()
+
+
+def test_playground_on_a_gateway_without_keys(browser) -> None:
+    with fake_server() as server:
+        server.wait_ready(timeout=60)
+        page = browser.new_page()
+        wire = Wire(page)
+        console_errors: list[str] = []
+        page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
+        page.goto(server.http_url + "/")
+        page.wait_for_selector("#status.ready", timeout=30_000)  # no key minted, none needed
+        assert "hello" in ask(page, "hello from the playground")
+        assert wire.handshakes() and not any(
+            "openai-insecure-api-key" in h for h in wire.handshakes()
+        )
+        assert not console_errors, console_errors
+        page.close()
+
+
+def test_playground_takes_only_a_pasted_ephemeral_key(browser, pasting_server) -> None:
+    import httpx
+
+    page = browser.new_page()
+    wire = Wire(page)
+    sockets: list[str] = []
+    page.on("websocket", lambda ws: sockets.append(ws.url))
+    page.goto(pasting_server.http_url + "/")
+    # keys required and none minted for the page: it says it needs one
+    page.wait_for_selector("#status:text('needs an ephemeral key')", timeout=30_000)
+
+    page.click("details summary")
+    # a real key typed in by mistake is refused and never sent
+    page.fill("#api-key", REAL_KEY)
+    page.dispatch_event("#api-key", "change")
+    page.wait_for_selector(".msg.error:text('only an ephemeral key')", timeout=10_000)
+    assert page.input_value("#api-key") == ""
+
+    # an ephemeral key minted server-side, as the guide says, and pasted
+    minted = httpx.post(
+        pasting_server.http_url + "/v1/realtime/client_secrets",
+        json={"expires_after": {"anchor": "created_at", "seconds": 600}},
+        headers={"Authorization": f"Bearer {REAL_KEY}"},
+    ).json()["value"]
+    page.fill("#api-key", minted)
+    page.dispatch_event("#api-key", "change")
+    page.wait_for_selector("#status.ready", timeout=30_000)
+    assert "hello" in ask(page, "hello from the playground")
+    assert any(minted in h for h in wire.handshakes())
+    assert not [url for url in sockets if "ek_" in url or "api_key" in url]  # never in a URL
+    assert not wire.holds(REAL_KEY) and not page_holds(page, REAL_KEY)
+
+    # a key the gateway refuses (unknown here): the page says so and stops retrying
+    page.fill("#api-key", "ek_" + "Z" * 43)
+    page.dispatch_event("#api-key", "change")
+    page.wait_for_selector("#status:text('key refused')", timeout=30_000)
+    page.wait_for_selector(".msg.error:text('paste a new one')", timeout=10_000)
+    tries = len(wire.handshakes())
+    page.wait_for_timeout(1500)
+    assert len(wire.handshakes()) == tries
     page.close()

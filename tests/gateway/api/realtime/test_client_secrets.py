@@ -250,3 +250,29 @@ async def test_ephemeral_keys_never_reach_logs(make_gateway) -> None:
     text = logs.getvalue()
     assert "client_secret_created" in text and "permission_denied" in text
     assert secret not in text and secret[3:] not in text and secret_digest(secret) not in text
+
+
+async def test_playground_session_with_a_managed_key(make_gateway, redis_url) -> None:
+    """The operator's playground key is a managed one: the page's keys end when it is revoked."""
+    admin = make_gateway(settings=dict(admin_api_key=ADMIN, redis_url=redis_url))
+    made = create_key(admin.http_url, name="playground", rpm=100)
+    pg = make_gateway(
+        settings=dict(admin_api_key=ADMIN, redis_url=redis_url, playground_api_key=made["secret"])
+    )
+    r = httpx.post(f"{pg.http_url}/playground/session")
+    assert r.status_code == 200 and r.headers["cache-control"] == "no-store"
+    secret = r.json()["value"]
+    assert made["secret"] not in r.text
+    async with Peer.connected(pg.ws_url, api_key=secret) as peer:
+        text, _ = await peer.ask([{"type": "input_text", "text": "hi"}])
+        assert text
+    # a gateway without a playground key mints nothing for the page
+    assert httpx.post(f"{admin.http_url}/playground/session").status_code == 204
+    httpx.delete(f"{admin.http_url}/v1/admin/keys/{made['id']}", headers=bearer(ADMIN))
+    t0 = time.monotonic()
+    while (r := httpx.post(f"{pg.http_url}/playground/session")).status_code == 200:
+        assert time.monotonic() - t0 < 5
+        await asyncio.sleep(0.1)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "api_key_revoked"
+    event, code, _ = await refused(pg.ws_url, secret)
+    assert event["error"]["code"] == "api_key_revoked" and code == 1008
