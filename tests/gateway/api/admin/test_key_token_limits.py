@@ -135,6 +135,25 @@ def test_429_and_headers_through_the_official_client(replicas) -> None:
         assert 1 <= int(response.headers["retry-after"]) <= 60
         assert response.headers["x-ratelimit-remaining-tokens"] == "0"
         assert response.headers["x-ratelimit-limit-requests"] == "50"
+    # a stream carries them on its start; a 429 of the request limit carries both kinds
+    fresh_minute(10.0)
+    two = create(a.http_url, rpm=2, output_tpm=1000)
+    streamer = b.openai_client(api_key=two["secret"])
+    with streamer.chat.completions.with_streaming_response.create(
+        model="fake-echo", messages=[{"role": "user", "content": "hi"}], stream=True
+    ) as stream:
+        assert stream.headers["x-ratelimit-remaining-requests"] == "1"
+        assert stream.headers["x-ratelimit-limit-tokens"] == "1000"
+        assert "data: [DONE]" in "".join(stream.iter_lines())
+    streamer.chat.completions.create(model="fake-echo", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.RateLimitError) as refused:
+        streamer.chat.completions.create(
+            model="fake-echo", messages=[{"role": "user", "content": "x"}]
+        )
+    h = refused.value.response.headers
+    assert h["x-ratelimit-remaining-requests"] == "0" and int(h["retry-after"]) >= 1
+    assert h["x-ratelimit-limit-tokens"] == "1000"
+    assert int(h["x-ratelimit-remaining-tokens"]) < 1000  # two answers counted
     # a key without limits, and a request no admission saw, carry no such headers
     plain = create(a.http_url)
     raw = a.openai_client(api_key=plain["secret"]).models.with_raw_response.list()
