@@ -1,4 +1,4 @@
-"""`visiongate keys create|list|revoke`: managed API keys through a gateway's admin API.
+"""`visiongate keys create|list|revoke|usage`: managed API keys through a gateway's admin API.
 
 Talks HTTP to `--url` (default http://127.0.0.1:8000) with the admin key from the environment
 variable `VISIONGATE_ADMIN_API_KEY` (never a flag: flags end up in shell history and `ps`).
@@ -37,6 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--after", help="the last id of the previous page")
     r = verbs.add_parser("revoke", help="revoke a key by id")
     r.add_argument("id")
+    u = verbs.add_parser("usage", help="one page of keys' usage: totals, or UTC days")
+    u.add_argument("--limit", type=int, default=50)
+    u.add_argument("--after", help="the last id of the previous page")
+    u.add_argument("--start", help="first UTC day counted, YYYY-MM-DD (default: totals)")
+    u.add_argument("--end", help="last UTC day counted, YYYY-MM-DD (default: today)")
     p.set_defaults(func=cmd_keys)
 
 
@@ -48,6 +53,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
         print(f"set {ENV} to the gateway's admin key", file=sys.stderr)
         return 2
     base = args.url.rstrip("/") + "/v1/admin/keys"
+    usage = args.url.rstrip("/") + "/v1/admin/usage"
     headers = {"Authorization": f"Bearer {admin}"}
     try:
         if args.verb == "create":
@@ -58,9 +64,12 @@ def cmd_keys(args: argparse.Namespace) -> int:
             body: dict[str, Any] = {f: getattr(args, f) for f in fields}
             body = {k: v for k, v in body.items() if v is not None}
             r = httpx.post(base, json=body, headers=headers, timeout=30)
-        elif args.verb == "list":
+        elif args.verb in ("list", "usage"):
             params = {"limit": str(args.limit), **({"after": args.after} if args.after else {})}
-            r = httpx.get(base, params=params, headers=headers, timeout=30)
+            if args.verb == "usage":
+                params |= {k: v for k in ("start", "end") if (v := getattr(args, k))}
+            url = base if args.verb == "list" else usage
+            r = httpx.get(url, params=params, headers=headers, timeout=30)
         else:
             r = httpx.delete(f"{base}/{args.id}", headers=headers, timeout=30)
     except httpx.HTTPError as exc:

@@ -35,6 +35,22 @@ def test_keys_cli(make_gateway, monkeypatch, capsys) -> None:
     assert httpx.get(f"{gw.http_url}/v1/models", headers=headers).status_code == 200
     code, listed = run_cli(capsys, "keys", "--url", gw.http_url, "list")
     assert code == 0 and [k["id"] for k in listed["data"]] == [made["id"]]
+    code, limited = run_cli(
+        capsys,
+        *("keys", "--url", gw.http_url, "create", "--name", "tokens", "--input-tpm", "1000"),
+        *("--output-tpm", "200", "--budget-tokens", "50000", "--budget-period", "day"),
+    )
+    assert code == 0
+    assert (limited["input_tpm"], limited["output_tpm"]) == (1000, 200)
+    assert (limited["budget_tokens"], limited["budget_period"]) == (50000, "day")
+    code, usage = run_cli(
+        capsys,
+        *("keys", "--url", gw.http_url, "usage", "--start", "2020-01-01", "--end", "2020-01-31"),
+    )
+    assert code == 0 and (usage["start"], usage["end"]) == ("2020-01-01", "2020-01-31")
+    assert [u["id"] for u in usage["data"]] == [made["id"], limited["id"]]
+    code, err = run_cli(capsys, "keys", "--url", gw.http_url, "usage", "--end", "2020-01-01")
+    assert code == 1 and err["error"]["code"] == "invalid_request"
     code, revoked = run_cli(capsys, "keys", "--url", gw.http_url, "revoke", made["id"])
     assert code == 0 and revoked["revoked"] is True
     assert httpx.get(f"{gw.http_url}/v1/models", headers=headers).status_code == 401
