@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from litestar import Router, WebSocket, websocket
 
 from gateway.api.realtime import protocol as rt
-from gateway.api.realtime.channel import CLOSE_POLICY
+from gateway.api.realtime.channel import CLOSE_POLICY, CLOSE_TRY_AGAIN
 from gateway.api.realtime.connection import RealtimeConnection
 from gateway.api.realtime.ephemeral import ephemeral_routes
 from gateway.policy.auth import QUERY_KEY_REFUSED, key_of, public_subprotocol
@@ -51,7 +51,10 @@ async def _refuse_ephemeral(socket: WebSocket, offered: list[str], exc: GatewayE
         await socket.send_bytes(frame)
     else:
         await socket.send_text(frame.decode())
-    await socket.close(code=CLOSE_POLICY, reason=exc.code)
+    # a store that cannot be read is "try again later", as for managed keys
+    await socket.close(
+        code=CLOSE_TRY_AGAIN if exc.code == "busy" else CLOSE_POLICY, reason=exc.code
+    )
 
 
 def realtime_route(state: GatewayState) -> Router:
