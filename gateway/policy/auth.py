@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import hmac
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -111,6 +112,8 @@ def _digest(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+# what `key_store.new_secret` makes: the prefix and 43 URL-safe base64 characters
+MANAGED_FORM = re.compile(r"vgk-[A-Za-z0-9_-]{43}")
 EPHEMERAL_ONLY_REALTIME = "an ephemeral key (ek_...) opens a Realtime WebSocket only"
 
 
@@ -177,8 +180,11 @@ class Authenticator:
 
     async def lookup(self, key: str) -> KeyRecord | None:
         """The managed record of `key` (None: unknown), from the cache when read in the last
-        `cache_ttl_s`. GatewayError(busy) when the store fails and nothing recent is cached."""
-        if self.store is None or not key:
+        `cache_ttl_s`. GatewayError(busy) when the store fails and nothing recent is cached.
+        A key not of a managed secret's form is unknown without a store read or a cache entry,
+        so a flood of made-up keys neither reaches the store nor pushes real keys out of the
+        cache."""
+        if self.store is None or not MANAGED_FORM.fullmatch(key):
             return None
         digest = _digest(key)
         now = self._clock()

@@ -22,9 +22,11 @@ Invariants:
   sessions do). The record is kept `EXPIRED_KEPT_S` past its expiry so a late client hears
   `api_key_expired` rather than `unauthorized`; then the store forgets it (TTL);
 - the store is on the session store's backend: in-process (`MemoryClientSecretStore`, at most
-  `MAX_MEMORY_SECRETS` live records) or Redis (`RedisClientSecretStore`), one key per secret,
-  `vg:client-secret:<digest>`, set with its TTL in one command: single-key operations only, so
-  a Redis Cluster serves it unchanged.
+  `MAX_MEMORY_SECRETS` live records of `MAX_MEMORY_BYTES` in all) or Redis
+  (`RedisClientSecretStore`), one key per secret, `vg:client-secret:<digest>`, set with its TTL
+  in one command: single-key operations only, so a Redis Cluster serves it unchanged. A Redis
+  store's size is bounded by the mint rate (each mint is a request of its parent's rate limit)
+  times the lifetime.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ MIN_TTL_S = 10
 MAX_TTL_S = 7200  # two hours, as OpenAI's
 EXPIRED_KEPT_S = 300
 MAX_MEMORY_SECRETS = 100_000  # live records of one process; past that minting answers busy
+MAX_MEMORY_BYTES = 256 * 1024 * 1024  # and their encoded bytes (session settings may be large)
 
 ParentKind = Literal["static", "managed", "anonymous"]
 
@@ -105,33 +108,46 @@ class ClientSecretStore(Protocol):
 class MemoryClientSecretStore:
     """One process's ephemeral keys: a dict with deadlines, bounded in size."""
 
-    __slots__ = ("_clock", "_records", "max_records")
+    __slots__ = ("_bytes", "_clock", "_records", "max_bytes", "max_records")
 
     def __init__(
-        self, *, max_records: int = MAX_MEMORY_SECRETS, clock: Callable[[], float] = time.time
+        self,
+        *,
+        max_records: int = MAX_MEMORY_SECRETS,
+        max_bytes: int = MAX_MEMORY_BYTES,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._records: dict[str, tuple[float, bytes]] = {}  # digest -> (forget at, record)
+        self._bytes = 0
         self.max_records = max_records
+        self.max_bytes = max_bytes
         self._clock = clock
 
-    def _purge(self, now: float) -> None:
-        for digest in [d for d, (until, _) in self._records.items() if until <= now]:
-            del self._records[digest]
+    def _full(self, size: int) -> bool:
+        return len(self._records) >= self.max_records or self._bytes + size > self.max_bytes
+
+    def _drop(self, digest: str) -> None:
+        self._bytes -= len(self._records.pop(digest)[1])
 
     async def put(self, digest: str, secret: ClientSecret) -> None:
-        now = self._clock()
-        if len(self._records) >= self.max_records:
-            self._purge(now)
-            if len(self._records) >= self.max_records:
+        raw = _encode(secret)
+        if self._full(len(raw)):
+            now = self._clock()
+            for old in [d for d, (until, _) in self._records.items() if until <= now]:
+                self._drop(old)
+            if self._full(len(raw)):
                 raise GatewayError("busy", "too many ephemeral keys are live; retry later")
-        self._records[digest] = (secret.expires_at + EXPIRED_KEPT_S, _encode(secret))
+        if digest in self._records:
+            self._drop(digest)
+        self._records[digest] = (secret.expires_at + EXPIRED_KEPT_S, raw)
+        self._bytes += len(raw)
 
     async def get(self, digest: str) -> ClientSecret | None:
         entry = self._records.get(digest)
         if entry is None:
             return None
         if entry[0] <= self._clock():
-            del self._records[digest]
+            self._drop(digest)
             return None
         return _decode(entry[1])
 
@@ -140,6 +156,7 @@ class MemoryClientSecretStore:
 
     async def aclose(self) -> None:
         self._records.clear()
+        self._bytes = 0
 
 
 class RedisClientSecretStore:

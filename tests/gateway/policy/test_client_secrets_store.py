@@ -65,6 +65,16 @@ async def test_memory_store_contract_expiry_and_bound() -> None:
     assert len(store) == 1
 
 
+async def test_memory_store_bounds_its_bytes() -> None:
+    store = MemoryClientSecretStore(max_bytes=4096)
+    big = record(session=b"x" * 3000)
+    await store.put(secret_digest(new_client_secret()), big)
+    with pytest.raises(GatewayError) as full:
+        await store.put(secret_digest(new_client_secret()), big)
+    assert full.value.code == "busy"
+    await store.put(secret_digest(new_client_secret()), record())  # a small one still fits
+
+
 async def test_redis_store_contract_nothing_secret_at_rest(redis_url, raw_redis) -> None:
     store = RedisClientSecretStore(redis_url)
     try:
