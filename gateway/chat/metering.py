@@ -2,16 +2,18 @@
 
 `ChatService` opens a meter for each response of a managed key, admits it with
 `input_estimate` / `raw_input_estimate` before the answer takes its place in the conversation
-(a refused response leaves nothing stored), hands every event to `observe` and closes the
-meter when the response is over. The estimates are cheap (no tokenizer: characters / 3 and a
-per message and per image allowance, rounded up) and err high for the text of a byte-level
-tokenizer; the real counts replace them when the response ends.
+(`admitted`: a refused response leaves nothing stored), and reads its events through `counted`,
+which hands each to `observe` and closes the meter when the response is over. The estimates
+are cheap (no tokenizer: characters / 3 and a per message and per image allowance, rounded
+up) and err high for the text of a byte-level tokenizer; the real counts replace them when the
+response ends.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, TypeVar
 
 from gateway.chat.context_fit import IMAGE_OVERHEAD_TOKENS, MESSAGE_OVERHEAD_TOKENS
 from gateway.chat.events import Finished, TextChunk
@@ -29,11 +31,13 @@ if TYPE_CHECKING:
 __all__ = (
     "IMAGE_TOKENS_ESTIMATE",
     "admitted",
+    "counted",
     "input_estimate",
     "observe",
     "raw_input_estimate",
 )
 
+E = TypeVar("E")
 CHARS_PER_TOKEN = 3
 # visual tokens counted for an image before it is resolved, unless the engine names its own
 IMAGE_TOKENS_ESTIMATE = 256
@@ -78,6 +82,20 @@ async def admitted(
         options.response_id, options.item_id, "failed", "", error=refusal, timings=timings
     )
     return None, ending.finish(refused)
+
+
+async def counted(events: AsyncIterator[E], meter: Metered | None) -> AsyncIterator[E]:
+    """`events` as they come, each one `observe`d; once they are over (or their consumer is
+    gone), the stream is closed and the meter with it."""
+    try:
+        async for event in events:
+            if meter is not None:
+                observe(meter, event)
+            yield event
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+        if meter is not None:
+            meter.close()
 
 
 def observe(meter: Metered, event: object) -> None:

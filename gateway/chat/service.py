@@ -49,7 +49,7 @@ from gateway.chat.generation_stream import (
     raw_events,
     status_of,
 )
-from gateway.chat.metering import admitted, input_estimate, observe, raw_input_estimate
+from gateway.chat.metering import admitted, counted, input_estimate, raw_input_estimate
 from gateway.chat.response_trace import ResponseTrace
 from gateway.chat.session_warmup import warm_up
 from gateway.chat.turn_prompt import (
@@ -142,16 +142,12 @@ class ChatService:
             yield refused
             return
         inner = self._respond(session, options, pending or {}, t0, ending)
-        events = guarded(inner, ending, options, t0, failed, keep)
+        events = counted(guarded(inner, ending, options, t0, failed, keep), metered)
         try:
             async for event in events:
-                if metered is not None:
-                    observe(metered, event)
                 yield event
         finally:  # a consumer gone: the guard's ending runs now, not when it is collected
             await events.aclose()
-            if metered is not None:
-                metered.close()
 
     async def respond_raw(
         self,
@@ -184,16 +180,12 @@ class ChatService:
         inner = raw_events(
             self.engine, self.max_output_tokens_limit, prompts, options, owner, t0, ending
         )
-        events = guarded(inner, ending, options, t0, failed, None)
+        events = counted(guarded(inner, ending, options, t0, failed, None), metered)
         try:
             async for event in events:
-                if metered is not None:
-                    observe(metered, event)
                 yield event
         finally:
             await events.aclose()
-            if metered is not None:
-                metered.close()
 
     async def _respond(
         self,

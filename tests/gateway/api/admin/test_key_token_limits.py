@@ -269,3 +269,37 @@ async def test_usage_after_known_requests(replicas) -> None:
     line = f'visiongate_key_tokens_total{{key="{key_id}",type="input"}} {float(want_in)}'
     assert line in metrics, [m for m in metrics.splitlines() if "key_tokens" in m]
     assert f'visiongate_key_tokens_total{{key="{key_id}",type="output"}}' in metrics
+
+
+async def test_an_abandoned_stream_counts_what_it_streamed(make_gateway, redis_url) -> None:
+    from gateway.testing.fakes import FakeEngine
+
+    gw = make_gateway(
+        engine=FakeEngine(delay_s=0.05), settings=dict(admin_api_key=ADMIN, redis_url=redis_url)
+    )
+    made = create(gw.http_url, output_tpm=100_000)
+    words = " ".join(f"w{i}" for i in range(25))
+    headers = {"Authorization": f"Bearer {made['secret']}"}
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream(
+            "POST",
+            f"{gw.http_url}/v1/chat/completions",
+            json=chat_body(words, stream=True, max_tokens=30),
+            headers=headers,
+        ) as stream,
+    ):
+        seen = 0
+        async for line in stream.aiter_lines():
+            seen += bool(re.search(r'"content":"[^"]', line))  # a text delta
+            if seen >= 4:
+                break  # the client goes away mid-answer
+    await eventually(
+        lambda: usage_of(gw.http_url, made["id"])["output_tokens"] >= 4,
+        timeout=5,
+        what="the streamed tokens counted",
+    )
+    got = usage_of(gw.http_url, made["id"])
+    # what streamed before the close was seen, not the 26 tokens of the whole answer
+    assert got["requests"] == 1 and got["output_tokens"] < 26
+    assert got["input_tokens"] > 0  # its estimate stands: no end brought the real count
