@@ -24,9 +24,11 @@ Invariants:
 - the store is on the session store's backend: in-process (`MemoryClientSecretStore`, at most
   `MAX_MEMORY_SECRETS` live records of `MAX_MEMORY_BYTES` in all) or Redis
   (`RedisClientSecretStore`), one key per secret, `vg:client-secret:<digest>`, set with its TTL
-  in one command: single-key operations only, so a Redis Cluster serves it unchanged. A Redis
-  store's size is bounded by the mint rate (each mint is a request of its parent's rate limit)
-  times the lifetime.
+  in one command: single-key operations only, so a Redis Cluster serves it unchanged;
+- one owner mints at most `MAX_MINTS_PER_MINUTE` a minute (past that `rate_limited`), whatever
+  its rate limit (a mint is also one request of it), so what a store holds is bounded by
+  owners x that rate x the longest lifetime. Redis counts in one key per owner and minute,
+  `vg:client-secret-mints:<owner>:<minute>`, expiring after two minutes.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ __all__ = (
     "DEFAULT_TTL_S",
     "EPHEMERAL_PREFIX",
     "EXPIRED_KEPT_S",
+    "MAX_MEMORY_BYTES",
     "MAX_MEMORY_SECRETS",
+    "MAX_MINTS_PER_MINUTE",
     "MAX_TTL_S",
     "MIN_TTL_S",
     "ClientSecret",
@@ -65,6 +69,16 @@ MAX_TTL_S = 7200  # two hours, as OpenAI's
 EXPIRED_KEPT_S = 300
 MAX_MEMORY_SECRETS = 100_000  # live records of one process; past that minting answers busy
 MAX_MEMORY_BYTES = 256 * 1024 * 1024  # and their encoded bytes (session settings may be large)
+MAX_MINTS_PER_MINUTE = 600  # per owner
+
+
+def _too_many(now: float) -> GatewayError:
+    return GatewayError(
+        "rate_limited",
+        f"at most {MAX_MINTS_PER_MINUTE} ephemeral keys a minute per key",
+        retry_after_s=60.0 - now % 60.0,
+    )
+
 
 ParentKind = Literal["static", "managed", "anonymous"]
 
@@ -108,7 +122,7 @@ class ClientSecretStore(Protocol):
 class MemoryClientSecretStore:
     """One process's ephemeral keys: a dict with deadlines, bounded in size."""
 
-    __slots__ = ("_bytes", "_clock", "_records", "max_bytes", "max_records")
+    __slots__ = ("_bytes", "_clock", "_mints", "_records", "max_bytes", "max_records")
 
     def __init__(
         self,
@@ -119,6 +133,7 @@ class MemoryClientSecretStore:
     ) -> None:
         self._records: dict[str, tuple[float, bytes]] = {}  # digest -> (forget at, record)
         self._bytes = 0
+        self._mints: dict[str, tuple[int, int]] = {}  # owner -> (minute, mints in it)
         self.max_records = max_records
         self.max_bytes = max_bytes
         self._clock = clock
@@ -130,9 +145,17 @@ class MemoryClientSecretStore:
         self._bytes -= len(self._records.pop(digest)[1])
 
     async def put(self, digest: str, secret: ClientSecret) -> None:
+        now = self._clock()
+        minute = int(now // 60)
+        if len(self._mints) > self.max_records:  # owners of past minutes
+            self._mints = {o: m for o, m in self._mints.items() if m[0] == minute}
+        last, count = self._mints.get(secret.owner, (minute, 0))
+        count = count + 1 if last == minute else 1
+        if count > MAX_MINTS_PER_MINUTE:
+            raise _too_many(now)
+        self._mints[secret.owner] = (minute, count)
         raw = _encode(secret)
         if self._full(len(raw)):
-            now = self._clock()
             for old in [d for d, (until, _) in self._records.items() if until <= now]:
                 self._drop(old)
             if self._full(len(raw)):
@@ -174,9 +197,18 @@ class RedisClientSecretStore:
         return f"{self.namespace}:client-secret:{digest}"
 
     async def put(self, digest: str, secret: ClientSecret) -> None:
-        ttl = max(1, int(secret.expires_at - time.time() + EXPIRED_KEPT_S))
+        now = time.time()
+        ttl = max(1, int(secret.expires_at - now + EXPIRED_KEPT_S))
+        mints = f"{self.namespace}:client-secret-mints:{secret.owner}:{int(now // 60)}"
         try:
+            count = int(await self._redis.incr(mints))
+            if count == 1:
+                await self._redis.expire(mints, 120)
+            if count > MAX_MINTS_PER_MINUTE:
+                raise _too_many(now)
             await self._redis.set(self._key(digest), _encode(secret), ex=ttl, nx=True)
+        except GatewayError:
+            raise
         except Exception as exc:
             raise GatewayError(
                 "busy", f"ephemeral keys cannot be stored right now ({type(exc).__name__})"

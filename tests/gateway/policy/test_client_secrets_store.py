@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from gateway.policy.auth import Authenticator
 from gateway.policy.client_secrets import (
     EXPIRED_KEPT_S,
+    MAX_MINTS_PER_MINUTE,
     ClientSecret,
     MemoryClientSecretStore,
     RedisClientSecretStore,
@@ -73,6 +75,42 @@ async def test_memory_store_bounds_its_bytes() -> None:
         await store.put(secret_digest(new_client_secret()), big)
     assert full.value.code == "busy"
     await store.put(secret_digest(new_client_secret()), record())  # a small one still fits
+
+
+async def mints_are_bounded_per_owner(store, next_minute) -> None:
+    for _ in range(MAX_MINTS_PER_MINUTE):
+        await store.put(secret_digest(new_client_secret()), record(owner="key_busy"))
+    with pytest.raises(GatewayError) as limited:
+        await store.put(secret_digest(new_client_secret()), record(owner="key_busy"))
+    assert limited.value.code == "rate_limited" and 0 < limited.value.retry_after_s <= 60
+    await store.put(secret_digest(new_client_secret()), record(owner="key_other"))
+    next_minute()
+    await store.put(secret_digest(new_client_secret()), record(owner="key_busy"))
+
+
+async def test_memory_store_bounds_mints_per_owner() -> None:
+    now = [time.time()]
+
+    def next_minute() -> None:
+        now[0] += 60
+
+    await mints_are_bounded_per_owner(MemoryClientSecretStore(clock=lambda: now[0]), next_minute)
+
+
+async def test_redis_store_bounds_mints_per_owner(redis_url, raw_redis) -> None:
+    store = RedisClientSecretStore(redis_url)
+
+    def next_minute() -> None:  # the minute's counter gone, as at the next minute
+        for key in raw_redis.keys("vg:client-secret-mints:key_busy:*"):
+            assert 0 < raw_redis.ttl(key) <= 120
+            raw_redis.delete(key)
+
+    if 60 - time.time() % 60 < 5:  # all the mints in one minute
+        await asyncio.sleep(6)
+    try:
+        await mints_are_bounded_per_owner(store, next_minute)
+    finally:
+        await store.aclose()
 
 
 async def test_redis_store_contract_nothing_secret_at_rest(redis_url, raw_redis) -> None:
