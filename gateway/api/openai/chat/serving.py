@@ -19,7 +19,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -92,6 +92,7 @@ class _Prepared:
     model: str
     # the request's encode slots, held until its images are resolved (set once admitted)
     permit: EncodePermit | None = None
+    added: list[str] = field(default_factory=list)  # items appended to the stored session
 
 
 class ChatCompletionServing:
@@ -119,6 +120,7 @@ class ChatCompletionServing:
         )
         opened = await open_answer(events, prepared.options.cancel, prepared.permit)
         if isinstance(opened, GatewayError):
+            await self._roll_back(prepared)
             return p.error_response(opened)
         if request.stream:
             return EventStream(
@@ -160,6 +162,7 @@ class ChatCompletionServing:
     ) -> _Prepared:
         state, settings, limits = self.state, self.state.settings, self.limits
         stored = session_id is not None
+        added: list[str] = []  # ids of the items this turn appends to a stored session
         if session_id is None:
             session = Session.new(
                 owner,
@@ -176,6 +179,7 @@ class ChatCompletionServing:
             def bring_in_line(stored: Session) -> int:
                 kept = reconcile(stored, conv, settings.default_instructions)
                 check_image_count(stored.image_digests, limits, "messages")
+                added[:] = [item.id for item in stored.items[kept:]]
                 return kept
 
             # compare-and-set: a concurrent request on the same session is never overwritten
@@ -198,7 +202,26 @@ class ChatCompletionServing:
             completion_id=options.client_id,
             created=int(time.time()),
             model=model,
+            added=added,
         )
+
+    async def _roll_back(self, prepared: _Prepared) -> None:
+        """A turn that failed before any output (refused by the key's token limits, an image
+        that did not encode, the engine's refusal) leaves its stored session without the
+        messages it appended, as a failed Responses turn leaves its chain."""
+        if not prepared.stored or not prepared.added:
+            return
+        added = set(prepared.added)
+
+        def drop(stored: Session) -> None:
+            while stored.items and stored.items[-1].id in added:
+                stored.items.pop()
+
+        session = prepared.session
+        try:
+            await self.state.sessions.update(session.id, session.owner, drop)
+        except GatewayError as exc:
+            log.warning("http_roll_back_failed", session_id=session.id, code=exc.code)
 
     async def _session(self, session_id: str, owner: str) -> Session:
         try:

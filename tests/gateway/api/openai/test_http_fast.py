@@ -161,6 +161,41 @@ def test_sessions_api(client: openai.OpenAI, http: httpx.Client, fake_gateway: F
     assert http.delete(f"/v1/sessions/{session_id}").status_code == 404
 
 
+def test_a_turn_refused_before_any_output_leaves_its_session_as_it_was(
+    make_gateway: GatewayFactory,
+) -> None:
+    """A stored session's turn that fails before any text (here the engine's own refusal; a
+    key out of token room is the same path) is rolled back: the next try of the same history
+    appends to the session as the first would have, and no unanswered message stays."""
+    engine = FakeEngine()
+    gateway = make_gateway(engine=engine)
+    session_id = "sess-refused-turn"
+    history = [{"role": "user", "content": "first question"}]
+    with httpx.Client(base_url=gateway.http_url, timeout=TIMEOUT) as http:
+        body = {"model": MODEL, "messages": history, "session_id": session_id}
+        first = http.post("/v1/chat/completions", json=body).json()
+        before = http.get(f"/v1/sessions/{session_id}").json()["items"]
+        assert [i["role"] for i in before] == ["user", "assistant"]
+
+        history += [
+            {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "second question"},
+        ]
+        engine.refuse = EngineError("the prompt is too long", code="context_length_exceeded")
+        refused = http.post("/v1/chat/completions", json={**body, "messages": history})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+        after = http.get(f"/v1/sessions/{session_id}").json()["items"]
+        assert [i["id"] for i in after] == [i["id"] for i in before]
+
+        engine.refuse = None  # the same history again: appended once, answered
+        again = http.post("/v1/chat/completions", json={**body, "messages": history})
+        assert again.status_code == 200
+        items = http.get(f"/v1/sessions/{session_id}").json()["items"]
+        assert [i["role"] for i in items] == ["user", "assistant", "user", "assistant"]
+        assert [i["id"] for i in items[:2]] == [i["id"] for i in before]
+
+
 def test_sessions_belong_to_their_api_key(make_gateway: GatewayFactory) -> None:
     gateway = make_gateway(settings={"api_keys": ["key-a", "key-b"]})
     body = {"model": MODEL, "messages": [{"role": "user", "content": "mine"}]}
