@@ -25,10 +25,11 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from gateway.chat.answer_place import drop_place, fill_place, take_place
 from gateway.chat.context_fit import fit_messages
 from gateway.chat.events import (
     Finished,
@@ -53,7 +54,6 @@ from gateway.chat.metering import admitted, counted, input_estimate, raw_input_e
 from gateway.chat.response_trace import ResponseTrace
 from gateway.chat.session_warmup import warm_up
 from gateway.chat.turn_prompt import (
-    answer_parts,
     cache_salt_for,
     kv_key_for,
     sampling_for,
@@ -68,7 +68,7 @@ from gateway.engine.interface import (
     image_input_of,
 )
 from gateway.protocol.errors import GatewayError
-from gateway.sessions.session import Session, SessionStore, StoredItem, StoredPart
+from gateway.sessions.session import Session, SessionStore
 from gateway.telemetry import NoopTelemetry, Telemetry
 
 if TYPE_CHECKING:
@@ -132,9 +132,9 @@ class ChatService:
         async def keep(partial: str) -> None:
             # what was streamed stays in the conversation, as an incomplete answer
             if partial:
-                await self._finish_placeholder(session, options, partial, "incomplete")
+                await fill_place(self.sessions, session, options, partial, "incomplete")
             else:
-                await self._drop_placeholder(session, options)
+                await drop_place(self.sessions, session, options)
 
         estimate = input_estimate(session, options, self.engine)
         metered, refused = await admitted(self.meter, session.owner, estimate, options, t0, ending)
@@ -197,7 +197,7 @@ class ChatService:
     ) -> AsyncIterator[ServiceEvent]:
         # The answer's place in the conversation is taken now, as the Realtime API does at
         # response.output_item.added: items the client adds while it streams come after it.
-        await self._take_place(session, options)
+        await take_place(self.sessions, session, options)
         yield Started(options.response_id, options.item_id)
 
         # 1. visual tokens for every image the conversation references (or, for an engine that
@@ -297,8 +297,12 @@ class ChatService:
         choices = [choice_end(i, results[i]) for i in range(sampling.n)] if sampling.n > 1 else []
 
         # 4. the answer fills its place in the conversation (a cancelled one too, as incomplete)
-        store_error = await self._finish_placeholder(
-            session, options, result.text, "completed" if status == "completed" else "incomplete"
+        store_error = await fill_place(
+            self.sessions,
+            session,
+            options,
+            result.text,
+            "completed" if status == "completed" else "incomplete",
         )
         done = Finished(
             options.response_id,
@@ -326,23 +330,6 @@ class ChatService:
 
     # -- the answer's place in the conversation ------------------------------------------------
 
-    async def _take_place(self, session: Session, options: ResponseOptions) -> None:
-        if not options.store:
-            return
-
-        def place(stored: Session) -> None:
-            stored.items.append(
-                StoredItem(
-                    id=options.item_id,
-                    role="assistant",
-                    parts=[StoredPart("text", text="")],
-                    status="in_progress",
-                    response_id=options.response_id,
-                )
-            )
-
-        await self.sessions.update(session.id, session.owner, place)
-
     async def _unanswered(
         self,
         session: Session,
@@ -354,51 +341,9 @@ class ChatService:
         **fields: Any,
     ) -> Finished:
         """The end of a response that leaves no answer in the conversation: its place goes."""
-        await self._drop_placeholder(session, options)
+        await drop_place(self.sessions, session, options)
         fields.setdefault("timings", {"total_ms": ms_since(t0)})
         return Finished(options.response_id, options.item_id, status, text, **fields)
-
-    async def _finish_placeholder(
-        self,
-        session: Session,
-        options: ResponseOptions,
-        text: str,
-        status: Literal["completed", "incomplete"],
-    ) -> GatewayError | None:
-        """Write the answer into its place; the error if the record could not be written."""
-        if not options.store:
-            return None
-
-        parts = answer_parts(text, options)
-
-        def fill(stored: Session) -> None:
-            for item in stored.items:
-                if item.id == options.item_id:
-                    item.parts = parts
-                    item.status = status
-
-        try:
-            await self.sessions.update(session.id, session.owner, fill)
-        except GatewayError as exc:  # the answer went out; only its record is lost
-            log.error("answer_not_stored", response_id=options.response_id, code=exc.code)
-            return GatewayError(
-                "answer_not_stored",
-                f"the answer was sent but could not be "
-                f"stored in the session ({exc.code}); resend it to keep it",
-            )
-        return None
-
-    async def _drop_placeholder(self, session: Session, options: ResponseOptions) -> None:
-        if not options.store:
-            return
-
-        def drop(stored: Session) -> None:
-            stored.items[:] = [i for i in stored.items if i.id != options.item_id]
-
-        try:
-            await self.sessions.update(session.id, session.owner, drop)
-        except GatewayError as exc:
-            log.error("placeholder_not_removed", response_id=options.response_id, code=exc.code)
 
     # -- the session's images ------------------------------------------------------------------
 
