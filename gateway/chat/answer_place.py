@@ -16,7 +16,7 @@ import structlog
 
 from gateway.chat.turn_prompt import answer_parts
 from gateway.protocol.errors import GatewayError
-from gateway.sessions.session import StoredItem, StoredPart
+from gateway.sessions.session import SessionUsage, StoredItem, StoredPart
 
 if TYPE_CHECKING:
     from gateway.chat.events import ResponseOptions
@@ -52,9 +52,10 @@ async def fill_place(
     options: ResponseOptions,
     text: str,
     status: Literal["completed", "incomplete"],
+    usage: SessionUsage | None = None,
 ) -> GatewayError | None:
-    """Write the answer into its place; the error if the record could not be written (the
-    answer went out all the same)."""
+    """Write the answer into its place, and add what it cost (`usage`) to the session's; the
+    error if the record could not be written (the answer went out all the same)."""
     if not options.store:
         return None
 
@@ -65,6 +66,8 @@ async def fill_place(
             if item.id == options.item_id:
                 item.parts = parts
                 item.status = status
+        if usage is not None:
+            stored.usage.add(usage)
 
     try:
         await sessions.update(session.id, session.owner, fill)

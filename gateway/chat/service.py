@@ -68,7 +68,7 @@ from gateway.engine.interface import (
     image_input_of,
 )
 from gateway.protocol.errors import GatewayError
-from gateway.sessions.session import Session, SessionStore
+from gateway.sessions.session import Session, SessionStore, SessionUsage
 from gateway.telemetry import NoopTelemetry, Telemetry
 
 if TYPE_CHECKING:
@@ -303,6 +303,13 @@ class ChatService:
             options,
             result.text,
             "completed" if status == "completed" else "incomplete",
+            SessionUsage(
+                responses=1,
+                input_tokens=result.input_tokens,
+                cached_tokens=result.cached_tokens,
+                image_tokens=result.image_tokens,
+                output_tokens=sum(r.output_tokens for r in results.values()),
+            ),
         )
         done = Finished(
             options.response_id,

@@ -44,6 +44,24 @@ class StoredItem(msgspec.Struct, omit_defaults=True):
     response_id: str | None = None
 
 
+class SessionUsage(msgspec.Struct, omit_defaults=True):
+    """What a stored conversation's answers have cost, summed over its responses (each counted
+    when its answer is written into the session: completed or cut short, not failed)."""
+
+    responses: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0  # of input_tokens, read from a cache instead of computed
+    image_tokens: int = 0  # of input_tokens, the images' visual tokens
+    output_tokens: int = 0
+
+    def add(self, other: SessionUsage) -> None:
+        self.responses += other.responses
+        self.input_tokens += other.input_tokens
+        self.cached_tokens += other.cached_tokens
+        self.image_tokens += other.image_tokens
+        self.output_tokens += other.output_tokens
+
+
 class Session(msgspec.Struct, omit_defaults=True):
     id: str
     owner: str
@@ -58,6 +76,7 @@ class Session(msgspec.Struct, omit_defaults=True):
     # when the conversation outgrows the model's context: "auto" leaves out the oldest turns
     # (the stored items stay), "disabled" refuses with context_length_exceeded
     truncation: Literal["auto", "disabled"] = "auto"
+    usage: SessionUsage = msgspec.field(default_factory=SessionUsage)
 
     @property
     def image_digests(self) -> list[str]:

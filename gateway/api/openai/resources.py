@@ -263,6 +263,7 @@ def session_view(
         images=session.image_digests,
         item_count=len(items),
         has_more=start + len(page) < len(items),
+        usage=session.usage,
     )
 
 

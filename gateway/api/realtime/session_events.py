@@ -77,6 +77,7 @@ def session_state(
         "truncation": session.truncation,
         "resumed": resumed,
         "item_count": len(session.items),
+        "usage": session.usage,  # what the stored conversation's answers have cost so far
     }
     if with_items:
         ext["items"] = [_summary_item(i) for i in session.items[-EVENT_ITEMS:]]

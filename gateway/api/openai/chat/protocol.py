@@ -20,6 +20,7 @@ from msgspec import Struct
 
 from gateway.protocol.errors import ErrorBody, ErrorResponse, error_response
 from gateway.protocol.report import CacheReport, Timings
+from gateway.sessions.session import SessionUsage
 
 if TYPE_CHECKING:
     from gateway.engine.interface import TokenLogprob as EngineTokenLogprob
@@ -361,6 +362,7 @@ class SessionView(Struct):
     object: Literal["visiongate.session"] = "visiongate.session"
     item_count: int = 0  # items in the whole conversation
     has_more: bool = False  # items follow this page: ask again with after=<last item's id>
+    usage: SessionUsage | None = None  # what the conversation's answers have cost so far
 
 
 class SessionDeleted(Struct):

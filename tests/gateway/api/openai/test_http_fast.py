@@ -149,6 +149,13 @@ def test_sessions_api(client: openai.OpenAI, http: httpx.Client, fake_gateway: F
     assert [i["id"] for i in view["items"][:2]] == first_ids
     assert len(view["items"]) == 4
     assert view["items"][3]["content"][0]["text"] == second.choices[0].message.content
+    # the session's usage sums its answers' (zero counts are left out)
+    usage = {
+        "responses": 2,
+        "input_tokens": first.usage.prompt_tokens + second.usage.prompt_tokens,
+        "output_tokens": first.usage.completion_tokens + second.usage.completion_tokens,
+    }
+    assert view["usage"] == usage
     request = fake_gateway.engine.requests[-1]
     assert request.kv_key == kv_key_for("anonymous", session_id)
     assert [m.role for m in request.messages] == ["user", "assistant", "user"]

@@ -257,6 +257,13 @@ async def test_resume_with_session_id_continues_the_conversation(
         items = session["visiongate"]["items"]
         assert [i["id"] for i in items] == [user["item"]["id"], answer["id"]]
         assert items[1]["content"][0]["text"] == answer["content"][0]["text"]
+        # what the stored conversation has cost so far: the first response's usage
+        usage = done["response"]["usage"]
+        assert session["visiongate"]["usage"] == {
+            "responses": 1,
+            "input_tokens": usage["input_tokens"],
+            "output_tokens": usage["output_tokens"],
+        }
         await second.add([{"type": "input_text", "text": "which door"}])
         added, _ = await second.until("conversation.item.added", timeout=TIMEOUT)
         assert added["previous_item_id"] == answer["id"]
