@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from litestar import Request, Response, Router, delete, get, post
-from litestar.exceptions import HTTPException
 
 from gateway.api.admin import protocol as p
 from gateway.api.admin.lockout import AdminLockout
 from gateway.api.admin.serving import AdminServing
+from gateway.api.http.error_replies import error_handler
 from gateway.policy.auth import key_of
-from gateway.protocol.errors import GatewayError, error_response
+from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:
     from gateway.server.state import GatewayState
@@ -78,27 +78,11 @@ def admin_route_handlers(state: GatewayState) -> list[Any]:
         await check_admin(request)
         return await admin.usage(request.query_params)
 
-    def on_error(request: Request, exc: Exception) -> Response[Any]:
-        if not isinstance(exc, GatewayError):
-            status = getattr(exc, "status_code", 500) if isinstance(exc, HTTPException) else 500
-            if status == 413:
-                exc = GatewayError("request_too_large", "the request body is too large")
-            elif status < 500:
-                exc = GatewayError("invalid_request", str(getattr(exc, "detail", "bad request")))
-            else:
-                log.error("admin_handler_failed", error=type(exc).__name__, exc_info=exc)
-                exc = GatewayError("internal_error", f"internal error: {type(exc).__name__}")
-        state.metrics.record_error(code=exc.code, api="http")
-        log.info("client_error", api="admin", code=exc.code, message=exc.message)
-        body = error_response(exc)
-        retry = {"Retry-After": str(body.retry_after)} if body.retry_after is not None else None
-        return Response(body, status_code=exc.http_status, headers=retry)
-
     return [
         Router(
             path="/v1/admin",
             tags=["Admin"],
             route_handlers=[create_key, list_keys, get_key, revoke_key, list_usage],
-            exception_handlers={Exception: on_error},
+            exception_handlers={Exception: error_handler(state, api="admin")},
         )
     ]

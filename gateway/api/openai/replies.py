@@ -4,9 +4,9 @@ A serving object returns a value (`gateway.api.openai.serving`); `reply` maps it
 `ErrorResponse` gets the status of its code (and `Retry-After` when it has one), an
 `EventStream` becomes `text/event-stream` (with `X-Session-Id` when it joined a stored
 session), anything else is a 200. Whatever is raised under `/v1` (a `GatewayError`, a body
-Litestar could not decode or validate, a fault) is turned into the same OpenAI error object by
-`as_gateway_error`, so clients see one error shape everywhere. Every error answer is counted
-in the error metric and logged once, by `error_reply`.
+Litestar could not decode or validate, a fault) is turned into the same OpenAI error object
+(`gateway.api.http.error_replies`), so clients see one error shape everywhere; every error answer is
+counted in the error metric and logged once.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.response import Stream
 
+from gateway.api.http.error_replies import error_reply
 from gateway.api.openai.chat import protocol as p
 from gateway.api.openai.serving import EventStream
-from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:
     from gateway.server.state import GatewayState
@@ -29,8 +28,6 @@ if TYPE_CHECKING:
 __all__ = (
     "ERRORS",
     "MiB",
-    "as_gateway_error",
-    "error_reply",
     "owner_of",
     "reply",
     "session_body_limit",
@@ -84,49 +81,3 @@ def reply(value: Any, state: GatewayState, *, session_id: str | None = None) -> 
         return Stream(value.frames, media_type="text/event-stream", headers=headers)
     headers = {"X-Session-Id": session_id} if session_id else None
     return Response(value, status_code=200, headers=headers)
-
-
-def error_reply(
-    error: p.ErrorResponse, state: GatewayState, *, status: int | None = None
-) -> Response[p.ErrorResponse]:
-    if error.error.code:
-        state.metrics.record_error(code=error.error.code, api="http")
-    log.info(
-        "client_error",
-        api="http",
-        code=error.error.code,
-        message=error.error.message,
-        param=error.error.param,
-    )
-    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
-    return Response(error, status_code=status or error.status_code, headers=headers)
-
-
-def as_gateway_error(exc: Exception) -> GatewayError:
-    """Anything raised under /v1 -> a GatewayError with a stable code."""
-    if isinstance(exc, GatewayError):
-        return exc
-    if isinstance(exc, RecursionError) or isinstance(exc.__cause__, RecursionError):
-        return GatewayError("invalid_json", "the body is nested too deeply")
-    if isinstance(exc, ValidationException):
-        problems = exc.extra if isinstance(exc.extra, list) else []
-        if problems and isinstance(problems[0], dict):
-            first = problems[0]
-            key = first.get("key") or None
-            message = str(first.get("message", "invalid value"))
-            return GatewayError(
-                "invalid_request", f"{message}" + (f" at {key}" if key else ""), param=key
-            )
-        detail = str(exc.detail)
-        code = "invalid_json" if "JSON" in detail else "invalid_request"
-        return GatewayError(code, detail)
-    if isinstance(exc, HTTPException):
-        if exc.status_code == 413:
-            return GatewayError("request_too_large", "the request body is too large")
-        if exc.status_code == 400 and "JSON" in str(exc.detail):
-            return GatewayError("invalid_json", str(exc.detail))
-        if exc.status_code < 500:
-            return GatewayError("invalid_request", str(exc.detail))
-        return GatewayError("internal_error", str(exc.detail))
-    log.error("http_handler_failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
-    return GatewayError("internal_error", f"internal error: {type(exc).__name__}")

@@ -5,7 +5,7 @@ thin handlers over its serving object; this module adds the resources (models, i
 sessions, over `resources.py`), mounts them all under `/v1` with one exception handler, and
 serves the playground page at `/`. Everything that goes wrong before a handler runs (malformed
 JSON, a body that fails validation, a body too large) is turned into the same OpenAI error
-object (`replies.as_gateway_error`), so clients see one error shape everywhere under `/v1`.
+object (`gateway.api.http.error_replies`), so clients see one error shape everywhere under `/v1`.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from litestar import Request, Response, Router, delete, get, post
 from litestar.datastructures import UploadFile
-from litestar.exceptions import HTTPException
 from litestar.static_files import create_static_files_router
 
+from gateway.api.http.error_replies import error_handler
 from gateway.api.openai.chat import protocol as p
 from gateway.api.openai.chat.router import chat_route_handlers
 from gateway.api.openai.completions.router import completions_route_handlers
-from gateway.api.openai.replies import ERRORS, MiB, as_gateway_error, error_reply, owner_of, reply
+from gateway.api.openai.replies import ERRORS, MiB, owner_of, reply
 from gateway.api.openai.resources import ImageServing, ModelServing, SessionServing
 from gateway.api.openai.responses.router import responses_route_handlers
 from gateway.protocol.errors import GatewayError
@@ -105,13 +105,6 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
     async def delete_session(request: Request, session_id: str) -> Response[p.SessionDeleted]:
         return reply(await sessions.delete(session_id, owner(request)), state)
 
-    def on_error(request: Request, exc: Exception) -> Response[p.ErrorResponse]:
-        # Litestar's own refusals (405, 413, ...) keep their status
-        status = (
-            exc.status_code if isinstance(exc, HTTPException) and exc.status_code < 500 else None
-        )
-        return error_reply(p.error_response(as_gateway_error(exc)), state, status=status)
-
     api = Router(
         path="/v1",
         tags=["OpenAI-compatible"],
@@ -126,7 +119,7 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
             get_session,
             delete_session,
         ],
-        exception_handlers={Exception: on_error},
+        exception_handlers={Exception: error_handler(state)},
     )
 
     @get("/", include_in_schema=False, sync_to_thread=False)
@@ -142,9 +135,4 @@ def http_route_handlers(state: GatewayState) -> list[Any]:
 def routing_error_handler(state: GatewayState) -> Any:
     """The app's handler for what routing refuses before any router runs (a path that does not
     exist, a method a path does not take): the same OpenAI error object, the same status."""
-
-    def on_routing_error(request: Request, exc: HTTPException) -> Response[p.ErrorResponse]:
-        status = exc.status_code if exc.status_code < 500 else None
-        return error_reply(p.error_response(as_gateway_error(exc)), state, status=status)
-
-    return on_routing_error
+    return error_handler(state)

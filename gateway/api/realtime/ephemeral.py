@@ -30,8 +30,8 @@ from urllib.parse import urlsplit
 import msgspec
 import structlog
 from litestar import Request, Response, Router, post
-from litestar.exceptions import HTTPException
 
+from gateway.api.http.error_replies import error_handler
 from gateway.api.realtime import protocol as rt
 from gateway.api.realtime.items import plan_realtime_tools
 from gateway.chat.requests import (
@@ -49,7 +49,7 @@ from gateway.policy.client_secrets import (
     new_client_secret,
     secret_digest,
 )
-from gateway.protocol.errors import GatewayError, error_response
+from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:
     from gateway.server.state import GatewayState
@@ -201,25 +201,9 @@ def ephemeral_routes(state: GatewayState) -> Router:
 
     handlers: list[Any] = [create_client_secret, playground_session]
 
-    def on_error(request: Request, exc: Exception) -> Response[Any]:
-        if not isinstance(exc, GatewayError):
-            status = exc.status_code if isinstance(exc, HTTPException) else 500
-            if status == 413:
-                exc = GatewayError("request_too_large", "the request body is too large")
-            elif status < 500:
-                exc = GatewayError("invalid_request", str(getattr(exc, "detail", "bad request")))
-            else:
-                log.error("client_secret_handler_failed", error=type(exc).__name__, exc_info=exc)
-                exc = GatewayError("internal_error", f"internal error: {type(exc).__name__}")
-        state.metrics.record_error(code=exc.code, api="http")
-        log.info("client_error", api="client_secrets", code=exc.code, message=exc.message)
-        body = error_response(exc)
-        retry = {"Retry-After": str(body.retry_after)} if body.retry_after is not None else None
-        return Response(body, status_code=exc.http_status, headers=retry)
-
     return Router(
         path="/",
         tags=["Realtime"],
         route_handlers=handlers,
-        exception_handlers={Exception: on_error},
+        exception_handlers={Exception: error_handler(state, api="client_secrets")},
     )
