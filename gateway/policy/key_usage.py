@@ -13,7 +13,10 @@ out, written every `CHARGE_EVERY` tokens; `finish(usage)` corrects the estimate 
 input count, counts what is left of the output, and records the usage: in the key store
 (requests, input, cached, output and image tokens, encode ms) and as metrics labelled by key
 (`gateway.telemetry`: at most `KEY_LABELS` key ids a process, the rest "other"). A response
-that ends without a `finish` (its consumer gone) still has its streamed tokens counted.
+that ends without a `finish` (its consumer gone) still has its streamed tokens counted, and one
+that failed after text went out (an end with no counts) keeps its estimate and what streamed:
+only a response refused before any output gives its estimate back. The estimate's correction
+goes to the windows of the admission (`TokenLimiter.charge`'s `since`).
 
 Counts are written in the background: a store that is slow or down never delays a response;
 a count lost that way is logged. At most `MAX_PENDING` writes are in flight; past that they are
@@ -161,9 +164,17 @@ class TokenMeter:
             return None
         return Metered(self, owner, self.limits(owner))
 
-    def charge(self, owner: str, limits: TokenLimits | None, *, input: int, output: int) -> None:
+    def charge(
+        self,
+        owner: str,
+        limits: TokenLimits | None,
+        *,
+        input: int,
+        output: int,
+        since: float | None = None,
+    ) -> None:
         if limits is not None and (input or output):
-            work = self.limiter.charge(owner, limits, input=input, output=output)
+            work = self.limiter.charge(owner, limits, input=input, output=output, since=since)
             self._background.run("tokens", owner, work)
 
     def record(self, owner: str, usage: TokenUsage) -> None:
@@ -200,13 +211,23 @@ class TokenMeter:
 class Metered:
     """One response of a managed key: its admission, its streamed tokens, its usage."""
 
-    __slots__ = ("_done", "_out_charged", "_out_seen", "_reserved", "limits", "meter", "owner")
+    __slots__ = (
+        "_done",
+        "_out_charged",
+        "_out_seen",
+        "_reserved",
+        "_since",
+        "limits",
+        "meter",
+        "owner",
+    )
 
     def __init__(self, meter: TokenMeter, owner: str, limits: TokenLimits | None) -> None:
         self.meter, self.owner, self.limits = meter, owner, limits
         self._reserved = 0  # input tokens counted at admission (the estimate)
         self._out_seen = 0
         self._out_charged = 0
+        self._since: float | None = None  # when the estimate was counted (its windows)
         self._done = False
 
     async def admit(self, estimate: int) -> GatewayError | None:
@@ -221,7 +242,7 @@ class Metered:
             self.meter._refused(self.owner)
             self._done = True  # refused: nothing was counted, nothing is recorded
             return refusal(self.limits, used)
-        self._reserved = estimate
+        self._reserved, self._since = estimate, used.at
         note_tokens(used.tightest(self.limits))
         return None
 
@@ -232,13 +253,17 @@ class Metered:
 
     def _charge(self, input: int, output: int) -> None:
         self._out_charged += output
-        self.meter.charge(self.owner, self.limits, input=input, output=output)
+        self.meter.charge(self.owner, self.limits, input=input, output=output, since=self._since)
 
     def finish(self, usage: TokenUsage) -> None:
         """The response ended with this usage: counters corrected, usage recorded (once)."""
         if self._done:
             return
         self._done = True
+        if self._out_seen and not usage.input_tokens:  # failed after text went out: it cost
+            usage = msgspec.structs.replace(usage, input_tokens=self._reserved)
+        if usage.output_tokens < self._out_seen:
+            usage = msgspec.structs.replace(usage, output_tokens=self._out_seen)
         self._charge(usage.input_tokens - self._reserved, usage.output_tokens - self._out_charged)
         self.meter.record(self.owner, usage)
 

@@ -11,7 +11,10 @@ runs) is counted at once, in the same atomic step. So concurrent responses of on
 number of replicas, never pass together on the same room: what is admitted stays within the
 limit plus the one response that took the last room. Output tokens are counted as they stream
 (`charge`), and a response's estimate is corrected to its real input count when it ends, so
-the counters hold what was really used; neither ever cuts an answer that is under way.
+the counters hold what was really used; neither ever cuts an answer that is under way. The
+correction counts in the windows the estimate went to (`since`, the admission's `Used.at`): in
+a window that has ended since, it is dropped, never put on the next window (a high estimate
+given back there would wipe what the key used in the new minute). No counter goes below 0.
 Refused: GatewayError("rate_limited") with `retry_after_s`, the seconds until the window
 that refused starts again (HTTP 429 and Retry-After).
 
@@ -88,6 +91,7 @@ class Used(msgspec.Struct, frozen=True):
     minute_reset_s: float
     period_reset_s: float
     admitted: bool = True  # False: a limit had no room, and nothing was counted
+    at: float = 0.0  # the clock's reading when it was read (unix s): the admission's windows
 
     def allowances(self, limits: TokenLimits) -> dict[Kind, Allowance]:
         out: dict[Kind, Allowance] = {}
@@ -155,8 +159,18 @@ class TokenLimiter(Protocol):
         only asks. The counters after it; None when they cannot be read (Redis down: let
         through)."""
 
-    async def charge(self, owner: str, limits: TokenLimits, *, input: int = 0, output: int = 0):
-        """Count tokens used (a negative `input` corrects an estimate that was too high)."""
+    async def charge(
+        self,
+        owner: str,
+        limits: TokenLimits,
+        *,
+        input: int = 0,
+        output: int = 0,
+        since: float | None = None,
+    ):
+        """Count tokens used now (a negative `input` corrects an estimate that was too high).
+        With `since` (the admission's `Used.at`), `input` counts only in the windows of that
+        time that are still the current ones."""
 
     async def aclose(self) -> None: ...
 
@@ -172,14 +186,20 @@ class MemoryTokenLimiter:
         self._keys: dict[str, dict[str, str | int]] = {}
 
     def _used(self, owner: str, limits: TokenLimits) -> tuple[dict, Used, str, str]:
-        minute, period, m_reset, p_reset = windows(limits, self._clock())
+        now = self._clock()
+        minute, period, m_reset, p_reset = windows(limits, now)
         fields = self._keys.setdefault(owner, {})
 
         def current(name: str, window: str) -> int:
             return int(fields.get(name, 0)) if fields.get(f"{name}:w") == window else 0
 
         used = Used(
-            current("in", minute), current("out", minute), current("b", period), m_reset, p_reset
+            current("in", minute),
+            current("out", minute),
+            current("b", period),
+            m_reset,
+            p_reset,
+            at=now,
         )
         return fields, used, minute, period
 
@@ -206,14 +226,21 @@ class MemoryTokenLimiter:
         return used
 
     async def charge(
-        self, owner: str, limits: TokenLimits, *, input: int = 0, output: int = 0
+        self,
+        owner: str,
+        limits: TokenLimits,
+        *,
+        input: int = 0,
+        output: int = 0,
+        since: float | None = None,
     ) -> None:
         fields, used, minute, period = self._used(owner, limits)
+        in_minute, in_period = _still_current(limits, since, minute, period, input)
         used = msgspec.structs.replace(
             used,
-            input=max(used.input + input, 0),
+            input=max(used.input + in_minute, 0),
             output=max(used.output + output, 0),
-            budget=max(used.budget + input + output, 0),
+            budget=max(used.budget + in_period + output, 0),
         )
         self._store(fields, used, minute, period)
 
@@ -245,20 +272,33 @@ end
 return {1, i, o, b}
 """
 
-# KEYS[1]: the key's hash. ARGV: minute window, budget period, input and output tokens to add
-# (input may be negative: an estimate corrected), expiry (s). No counter goes below 0.
+
+def _still_current(
+    limits: TokenLimits, since: float | None, minute: str, period: str, input: int
+) -> tuple[int, int]:
+    """(input for the minute counter, for the budget counter): `input` where the window of
+    `since` is the current one, else 0."""
+    if since is None or not input:
+        return input, input
+    then_minute, then_period, _, _ = windows(limits, since)
+    return (input if then_minute == minute else 0), (input if then_period == period else 0)
+
+
+# KEYS[1]: the key's hash. ARGV: minute window, budget period, input tokens for the minute and
+# for the budget (negative: an estimate corrected; 0 where its window has ended), output tokens,
+# expiry (s). No counter goes below 0.
 _CHARGE = """
 local function used(name, window)
   if redis.call('HGET', KEYS[1], name .. ':w') ~= window then return 0 end
   return tonumber(redis.call('HGET', KEYS[1], name) or '0')
 end
 local m, p = ARGV[1], ARGV[2]
-local di, do_ = tonumber(ARGV[3]), tonumber(ARGV[4])
-local i = math.max(used('in', m) + di, 0)
+local dim, dib, do_ = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local i = math.max(used('in', m) + dim, 0)
 local o = math.max(used('out', m) + do_, 0)
-local b = math.max(used('b', p) + di + do_, 0)
+local b = math.max(used('b', p) + dib + do_, 0)
 redis.call('HSET', KEYS[1], 'in:w', m, 'in', i, 'out:w', m, 'out', o, 'b:w', p, 'b', b)
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[5]))
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[6]))
 return 1
 """
 
@@ -290,7 +330,8 @@ class RedisTokenLimiter:
         return int(period_reset_s if limits.budget_period else 60.0) + 60
 
     async def admit(self, owner: str, limits: TokenLimits, add: int) -> Used | None:
-        minute, period, m_reset, p_reset = windows(limits, self._clock())
+        now = self._clock()
+        minute, period, m_reset, p_reset = windows(limits, now)
         args = [
             minute,
             period,
@@ -306,15 +347,22 @@ class RedisTokenLimiter:
         except Exception as exc:  # Redis down: serve rather than refuse everyone
             log.warning("token_limit_unavailable", error=type(exc).__name__)
             return None
-        return Used(int(i), int(o), int(b), m_reset, p_reset, admitted=bool(int(ok)))
+        return Used(int(i), int(o), int(b), m_reset, p_reset, admitted=bool(int(ok)), at=now)
 
     async def charge(
-        self, owner: str, limits: TokenLimits, *, input: int = 0, output: int = 0
+        self,
+        owner: str,
+        limits: TokenLimits,
+        *,
+        input: int = 0,
+        output: int = 0,
+        since: float | None = None,
     ) -> None:
-        if not input and not output:
-            return
         minute, period, _, p_reset = windows(limits, self._clock())
-        args = [minute, period, input, output, self._ttl(limits, p_reset)]
+        in_minute, in_period = _still_current(limits, since, minute, period, input)
+        if not in_minute and not in_period and not output:
+            return
+        args = [minute, period, in_minute, in_period, output, self._ttl(limits, p_reset)]
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
                 await self._charge(keys=[self.key(owner)], args=args)

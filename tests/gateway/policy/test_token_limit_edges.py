@@ -1,0 +1,120 @@
+"""Edges of the token limits an attacker leans on, on memory and a real redis-server: a window
+that rolls over between a response's admission and its end (the estimate's correction belongs
+to the admission's window, never to the next one's), counters that never go below zero, a
+limit of one token, and the meter's count of a response that fails after it streamed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from gateway.policy.auth import Authenticator
+from gateway.policy.key_store import (
+    KeyRecord,
+    MemoryKeyStore,
+    new_key_id,
+    new_secret,
+    secret_digest,
+)
+from gateway.policy.key_usage import TokenMeter, TokenUsage
+from gateway.policy.token_limits import MemoryTokenLimiter, RedisTokenLimiter, TokenLimits
+
+# 2026-12-03 13:00:50 UTC: 10 s left in the minute, the same UTC day for hours
+LATE = 1796302850.0
+
+
+class Clock:
+    def __init__(self, now: float = LATE) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def limiter_of(request):
+    made = []
+
+    def make(clock: Clock):
+        if request.param == "memory":
+            limiter = MemoryTokenLimiter(clock=clock)
+        else:
+            url = request.getfixturevalue("redis_url")
+            limiter = RedisTokenLimiter(url, namespace=request.node.name[-40:], clock=clock)
+        made.append(limiter)
+        return limiter
+
+    yield make
+    for limiter in made:
+        await limiter.aclose()
+
+
+async def test_a_correction_after_the_minute_rolled_over_stays_in_its_own_window(
+    limiter_of,
+) -> None:
+    """An over-estimated response admitted at a minute's end and ending in the next minute:
+    giving its estimate back there would wipe what the key used in the new minute (a way to
+    reset one's own counter at will); only the budget, whose period it still is, is corrected."""
+    clock = Clock()
+    limiter = limiter_of(clock)
+    limits = TokenLimits(input_tpm=1000, budget_tokens=10_000, budget_period="day")
+    admitted = await limiter.admit("key_a", limits, 990)  # estimated high: really 10
+    assert admitted.admitted
+    clock.now += 15.0  # the next minute
+    assert (await limiter.admit("key_a", limits, 900)).admitted  # the new minute's use
+    await limiter.charge("key_a", limits, input=10 - 990, since=admitted.at)
+    used = await limiter.admit("key_a", limits, 0)
+    assert used.input == 900  # the new minute keeps what it used
+    assert used.budget == 10 + 900  # the day's budget holds the real count
+    # a correction within the admission's own minute still lands
+    second = await limiter.admit("key_a", limits, 50)
+    await limiter.charge("key_a", limits, input=-40, since=second.at)
+    assert (await limiter.admit("key_a", limits, 0)).input == 910
+
+
+async def test_counters_never_go_below_zero_and_a_limit_of_one(limiter_of) -> None:
+    clock = Clock()
+    limiter = limiter_of(clock)
+    limits = TokenLimits(input_tpm=1, output_tpm=1)
+    first = await limiter.admit("key_b", limits, 1)
+    assert first.admitted
+    assert not (await limiter.admit("key_b", limits, 1)).admitted  # the one token is used
+    await limiter.charge("key_b", limits, input=-50, output=-50, since=first.at)
+    used = await limiter.admit("key_b", limits, 0)
+    assert (used.input, used.output, used.budget) == (0, 0, 0)
+    assert used.admitted
+
+
+async def managed(auth: Authenticator, store: MemoryKeyStore, **limits) -> str:
+    secret = new_secret()
+    record = KeyRecord(id=new_key_id(), name="n", created=time.time(), **limits)
+    await store.create(record, secret_digest(secret))
+    assert await auth.lookup(secret) == record
+    return record.id
+
+
+async def test_a_response_that_fails_after_streaming_keeps_its_cost() -> None:
+    """The engine failed after 5 tokens went out: the failed end reports no usage, but the
+    prompt was read and the tokens were sent, so neither is given back."""
+    store, limiter = MemoryKeyStore(), MemoryTokenLimiter()
+    auth = Authenticator([], store)
+    meter = TokenMeter(limiter, auth)
+    key = await managed(auth, store, input_tpm=1000, output_tpm=1000)
+    limits = TokenLimits(input_tpm=1000, output_tpm=1000)
+    metered = meter.open(key)
+    assert await metered.admit(40) is None
+    metered.streamed(5)
+    metered.finish(TokenUsage())  # a failed end: no counts from the engine
+    await meter._background.settled(key)
+    used = await limiter.admit(key, limits, 0)
+    assert (used.input, used.output) == (40, 5)
+    (usage,) = await store.usage([key])
+    assert (usage.input_tokens, usage.output_tokens) == (40, 5)
+    # one refused before anything ran gives its estimate back
+    refused = meter.open(key)
+    assert await refused.admit(30) is None
+    refused.finish(TokenUsage())
+    await meter._background.settled(key)
+    assert (await limiter.admit(key, limits, 0)).input == 40
+    await meter.aclose()
