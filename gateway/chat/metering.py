@@ -4,8 +4,11 @@
 `input_estimate` / `raw_input_estimate` before the answer takes its place in the conversation
 (`admitted`: a refused response leaves nothing stored), and reads its events through `counted`,
 which hands each to `observe` and closes the meter when the response is over. The estimates
-are cheap (no tokenizer: characters / 3 and a per message and per image allowance, rounded
-up) and err high for the text of a byte-level tokenizer; the real counts replace them when the
+are cheap (no tokenizer, `text_tokens_estimate`: characters / 3, but never fewer than the
+text's words plus its digits, and a token for every byte past the first of a character beyond
+ASCII; then a per message and per image allowance) and err high for the text of a byte-level
+tokenizer, dense text too (one-letter words, digits, symbols: an estimate below the real count
+would let concurrent responses past the limit); the real counts replace them when the
 response ends.
 """
 
@@ -18,7 +21,6 @@ from typing import TYPE_CHECKING, TypeVar
 from gateway.chat.context_fit import IMAGE_OVERHEAD_TOKENS, MESSAGE_OVERHEAD_TOKENS
 from gateway.chat.events import Finished, TextChunk
 from gateway.chat.generation_stream import ms_since
-from gateway.chat.requests import conversation_chars
 from gateway.policy.key_usage import TokenUsage
 
 if TYPE_CHECKING:
@@ -35,6 +37,7 @@ __all__ = (
     "input_estimate",
     "observe",
     "raw_input_estimate",
+    "text_tokens_estimate",
 )
 
 E = TypeVar("E")
@@ -43,14 +46,34 @@ CHARS_PER_TOKEN = 3
 IMAGE_TOKENS_ESTIMATE = 256
 
 
+_DIGITS = "0123456789"
+
+
+def text_tokens_estimate(text: str) -> int:
+    """The tokens of `text`, estimated without a tokenizer, erring high: characters / 3, or
+    its whitespace-separated words plus its digits where that is more (every word is a token at
+    least, and many tokenizers split digits), plus the UTF-8 bytes past the first of each
+    non-ASCII character (a byte-level tokenizer may need one token a byte)."""
+    if not text:
+        return 0
+    dense = len(text.split()) + sum(map(text.count, _DIGITS))
+    wide = len(text.encode("utf-8", "surrogatepass")) - len(text)
+    return max(math.ceil(len(text) / CHARS_PER_TOKEN), dense) + wide
+
+
 def input_estimate(session: Session, options: ResponseOptions, engine: Engine) -> int:
     """The prompt tokens of a turn over `session`, estimated before anything is resolved."""
     instructions = options.instructions or session.instructions
-    chars = conversation_chars(instructions, session.items) + len(options.tools_prompt or "")
+    texts = [instructions or "", options.tools_prompt or ""] + [
+        part.text or ""
+        for item in session.items
+        for part in item.parts
+        if part.kind in ("text", "tool_call")
+    ]
     per_image = int(getattr(engine, "image_tokens_estimate", 0) or 0) or IMAGE_TOKENS_ESTIMATE
     images = len(session.image_digests)
     return (
-        math.ceil(chars / CHARS_PER_TOKEN)
+        sum(map(text_tokens_estimate, texts))
         + MESSAGE_OVERHEAD_TOKENS * (len(session.items) + 1)
         + (per_image + IMAGE_OVERHEAD_TOKENS) * images
     )
@@ -58,9 +81,7 @@ def input_estimate(session: Session, options: ResponseOptions, engine: Engine) -
 
 def raw_input_estimate(prompts: list[str | tuple[int, ...]]) -> int:
     """The prompt tokens of raw prompts: token ids as they are, texts by their characters."""
-    return sum(
-        len(p) if isinstance(p, tuple) else math.ceil(len(p) / CHARS_PER_TOKEN) + 1 for p in prompts
-    )
+    return sum(len(p) if isinstance(p, tuple) else text_tokens_estimate(p) + 1 for p in prompts)
 
 
 async def admitted(
