@@ -130,9 +130,13 @@ class ChatService:
             return await self._unanswered(session, options, t0, "failed", error=error)
 
         async def keep(partial: str) -> None:
-            # what was streamed stays in the conversation, as an incomplete answer
+            # what was streamed stays in the conversation, as an incomplete answer, and counts
+            # in its usage as in the key's (the input estimate, a token a delta streamed)
             if partial:
-                await fill_place(self.sessions, session, options, partial, "incomplete")
+                cost = SessionUsage(
+                    responses=1, input_tokens=estimate, output_tokens=len(ending.partial)
+                )
+                await fill_place(self.sessions, session, options, partial, "incomplete", cost)
             else:
                 await drop_place(self.sessions, session, options)
 

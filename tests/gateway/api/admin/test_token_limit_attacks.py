@@ -142,3 +142,90 @@ def test_a_key_without_token_limits_gets_no_token_headers(gateway) -> None:
     for r in (ok, bad):
         assert not any(k.startswith("x-ratelimit-") and k.endswith("-tokens") for k in r.headers)
     assert ok.headers["x-ratelimit-limit-requests"] == "7"
+
+
+async def test_an_abandoned_stream_counts_in_its_session_usage(make_gateway) -> None:
+    """The client leaves mid-answer: the answer stays in the session (incomplete), and the
+    session's usage counts it as the key's counters do (what streamed, the input estimate)."""
+    gw = make_gateway(engine=FakeEngine(delay_s=0.05))
+    session_id = "sess-abandoned-usage-1"
+    words = " ".join(f"w{i}" for i in range(25))
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream(
+            "POST",
+            f"{gw.http_url}/v1/chat/completions",
+            json=chat_body(words, stream=True),
+            headers={"X-Session-Id": session_id},
+        ) as stream,
+    ):
+        seen = 0
+        async for line in stream.aiter_lines():
+            seen += '"content":"' in line and '"content":""' not in line
+            if seen >= 4:
+                break
+
+    def view() -> dict:
+        return httpx.get(f"{gw.http_url}/v1/sessions/{session_id}").json()
+
+    await eventually(
+        lambda: view()["items"][-1].get("status") == "incomplete", timeout=5, what="kept"
+    )
+    usage = view().get("usage", {})
+    assert usage.get("responses") == 1, view()
+    assert 4 <= usage["output_tokens"] < 26
+    assert usage["input_tokens"] >= 25
+
+
+def test_many_prompts_and_choices_are_all_counted(gateway) -> None:
+    """A legacy completion of 64 prompts, 3 answers each: the input of all 64 is estimated
+    before admission, and every answer's output is counted."""
+    fresh_minute(5.0)
+    made = create(gateway.http_url, input_tpm=BIG, output_tpm=BIG)
+    prompts = [f"p{i} one two three" for i in range(64)]
+    r = httpx.post(
+        f"{gateway.http_url}/v1/completions",
+        json={"model": "fake-echo", "prompt": prompts, "n": 3, "max_tokens": 8},
+        headers={"Authorization": f"Bearer {made['secret']}"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 64 * 3
+    # (the fake engine reports no input tokens for raw prompts: the estimate is checked alone)
+    assert estimate_of(r) >= 64 * 5 and estimate_of(r) >= body["usage"]["prompt_tokens"]
+    wanted = body["usage"]["completion_tokens"]
+    assert wanted >= 64 * 3 * 4
+
+    def counted() -> bool:
+        got = usage_of(gateway.http_url, made["id"])
+        # an answer whose end names no input (the fake's raw prompts) keeps the estimate
+        return got["output_tokens"] == wanted and got["input_tokens"] in (
+            body["usage"]["prompt_tokens"] or estimate_of(r),
+        )
+
+    asyncio.run(eventually(counted, timeout=5, what="every answer counted"))
+
+
+@pytest.mark.parametrize("engine", ["busy", "context"])
+def test_a_response_refused_after_admission_gives_its_estimate_back(
+    make_gateway, redis_url, engine
+) -> None:
+    fake = FakeEngine(busy=True) if engine == "busy" else FakeEngine(context_tokens=20)
+    gw = make_gateway(engine=fake, settings=dict(admin_api_key=ADMIN, redis_url=redis_url))
+    fresh_minute(5.0)
+    made = create(gw.http_url, input_tpm=BIG)
+    headers = {"Authorization": f"Bearer {made['secret']}"}
+    huge = chat_body(" ".join(f"w{i}" for i in range(3000)))
+    r = httpx.post(f"{gw.http_url}/v1/chat/completions", json=huge, headers=headers)
+    assert r.status_code in (400, 429, 503), r.text
+    assert r.json()["error"]["code"] in ("busy", "context_length_exceeded")
+
+    def given_back() -> bool:
+        return usage_of(gw.http_url, made["id"])["requests"] == 1
+
+    asyncio.run(eventually(given_back, timeout=5, what="the request counted"))
+    # nothing of the refused one's estimate is left: a tiny request sees almost all the room
+    ok = httpx.post(f"{gw.http_url}/v1/chat/completions", json=chat_body("hi"), headers=headers)
+    left = int(ok.headers["x-ratelimit-remaining-tokens"])
+    assert left > BIG - 100, left
