@@ -20,8 +20,16 @@ that refused starts again (HTTP 429 and Retry-After).
 
 Two counters with one contract: `MemoryTokenLimiter` (one replica's view) and
 `RedisTokenLimiter`, whose counters for one key are the fields of one hash,
-`vg:tokens:{<key id>}` (fields `in`, `out`, `b` and the window each belongs to, `in:w`, `out:w`,
-`b:w`), changed by single-key scripts: one Redis or any Redis Cluster node. While Redis is
+`vg:tokens:{<key id>}` (fields `in`, `out`, `b`, and for each the window it belongs to, `:w`,
+that window's index, `:n`, and the debt it opened with, `:c`), changed by single-key scripts:
+one Redis or any Redis Cluster node.
+
+Debt. A window only refuses once full, so one response can take it far past its limit (a
+200,000-token prompt against 1,000 a minute): what a window counted past its limit plus one
+more limit is owed by the windows after it, one limit a window, so a key's tokens over time
+stay within its limits plus one response, however large that one was. An estimate corrected
+after its window ended lowers that debt (never the new window's own use). A debt lives at
+most a day on Redis (the hash's expiry). While Redis is
 unreachable the limiter lets responses through (and logs it) like the request limiter.
 """
 
@@ -94,14 +102,19 @@ class Used(msgspec.Struct, frozen=True):
     at: float = 0.0  # the clock's reading when it was read (unix s): the admission's windows
 
     def allowances(self, limits: TokenLimits) -> dict[Kind, Allowance]:
+        """Each limit's room; its reset is when a response is let in again: the window's end,
+        or, with a debt of whole limits carried, as many windows later (a month as 31 days)."""
         out: dict[Kind, Allowance] = {}
-        for kind, limit, used, reset in (
-            ("input_tpm", limits.input_tpm, self.input, self.minute_reset_s),
-            ("output_tpm", limits.output_tpm, self.output, self.minute_reset_s),
-            ("budget", limits.budget_tokens, self.budget, self.period_reset_s),
+        period_s = 86400.0 if limits.budget_period == "day" else 31 * 86400.0
+        for kind, limit, used, reset, length in (
+            ("input_tpm", limits.input_tpm, self.input, self.minute_reset_s, 60.0),
+            ("output_tpm", limits.output_tpm, self.output, self.minute_reset_s, 60.0),
+            ("budget", limits.budget_tokens, self.budget, self.period_reset_s, period_s),
         ):
             if limit is not None:
-                out[kind] = Allowance(limit, max(limit - used, 0), reset)  # type: ignore[index]
+                owed = max(used // limit - 1, 0) if limit > 0 else 0
+                allowance = Allowance(limit, max(limit - used, 0), reset + length * owed)
+                out[kind] = allowance  # type: ignore[index]
         return out
 
     def tightest(self, limits: TokenLimits) -> Allowance | None:
@@ -175,6 +188,80 @@ class TokenLimiter(Protocol):
     async def aclose(self) -> None: ...
 
 
+def _indices(limits: TokenLimits, now: float) -> tuple[int, int]:
+    """(minute index, budget period index) at `now`: windows since the epoch, so that the
+    windows between two of them are their difference (0 for the period without a budget)."""
+    if limits.budget_period is None:
+        return int(now // 60), 0
+    if limits.budget_period == "day":
+        return int(now // 60), int(now // 86400)
+    day = dt.datetime.fromtimestamp(now, dt.UTC)
+    return int(now // 60), day.year * 12 + day.month - 1
+
+
+class _Window(msgspec.Struct, frozen=True):
+    """Where one counter is asked about or changed: its window id and index, its limit (0:
+    off), and the window id of the admission whose estimate a change corrects."""
+
+    id: str
+    index: int
+    limit: int
+    since: str
+
+
+def _read(fields: dict, name: str, w: _Window) -> tuple[int, int]:
+    """(the counter in window `w`, the debt it opened with): a window opened after one that
+    went past its limit by more than a limit owes the rest, one limit less each window since.
+    The same steps as the scripts' `read`."""
+    value, stored = int(fields.get(name, 0)), fields.get(f"{name}:w")
+    if stored == w.id:
+        return value, int(fields.get(f"{name}:c", 0))
+    index = fields.get(f"{name}:n")
+    if index is None or w.limit <= 0:
+        return 0, 0
+    debt = max(value - w.limit * (w.index - int(index) + 1), 0)
+    return debt, debt
+
+
+def _changed(fields: dict, name: str, w: _Window, delta: int) -> tuple[int, int]:
+    """The counter after `delta` (the scripts' `change`): in the admission's window, as it
+    is; once that window has passed, on its count if nothing was written since (the debt
+    follows), else only off the debt the new window opened with, never its own use."""
+    value, debt = _read(fields, name, w)
+    if not delta or w.since == w.id:
+        return max(value + delta, 0), debt
+    index = fields.get(f"{name}:n")
+    if fields.get(f"{name}:w") == w.since and index is not None and w.limit > 0:
+        old = max(int(fields.get(name, 0)) + delta, 0)
+        debt = max(old - w.limit * (w.index - int(index) + 1), 0)
+        return debt, debt
+    if delta < 0:
+        taken = min(-delta, debt)
+        return value - taken, debt - taken
+    return value, debt
+
+
+def _store(fields: dict, name: str, w: _Window, value: int, debt: int) -> None:
+    fields.update({name: value, f"{name}:w": w.id, f"{name}:n": w.index, f"{name}:c": debt})
+
+
+def _counter_windows(
+    limits: TokenLimits, now: float, since: float | None
+) -> tuple[_Window, _Window, _Window, float, float]:
+    """The three counters' windows at `now` (input and budget corrections belong to the
+    windows of `since`), and the seconds to the minute's and the period's end."""
+    minute, period, m_reset, p_reset = windows(limits, now)
+    m_index, p_index = _indices(limits, now)
+    then_minute, then_period = (minute, period) if since is None else windows(limits, since)[:2]
+    return (
+        _Window(minute, m_index, limits.input_tpm or 0, then_minute),
+        _Window(minute, m_index, limits.output_tpm or 0, minute),
+        _Window(period, p_index, limits.budget_tokens or 0, then_period),
+        m_reset,
+        p_reset,
+    )
+
+
 class MemoryTokenLimiter:
     """One replica's counters (the embedded default)."""
 
@@ -185,44 +272,23 @@ class MemoryTokenLimiter:
         # owner -> field -> value, as the Redis hash holds them
         self._keys: dict[str, dict[str, str | int]] = {}
 
-    def _used(self, owner: str, limits: TokenLimits) -> tuple[dict, Used, str, str]:
-        now = self._clock()
-        minute, period, m_reset, p_reset = windows(limits, now)
-        fields = self._keys.setdefault(owner, {})
-
-        def current(name: str, window: str) -> int:
-            return int(fields.get(name, 0)) if fields.get(f"{name}:w") == window else 0
-
-        used = Used(
-            current("in", minute),
-            current("out", minute),
-            current("b", period),
-            m_reset,
-            p_reset,
-            at=now,
-        )
-        return fields, used, minute, period
-
-    @staticmethod
-    def _store(fields: dict, used: Used, minute: str, period: str) -> None:
-        fields.update(
-            {
-                "in:w": minute,
-                "in": used.input,
-                "out:w": minute,
-                "out": used.output,
-                "b:w": period,
-                "b": used.budget,
-            }
-        )
-
     async def admit(self, owner: str, limits: TokenLimits, add: int) -> Used | None:
-        fields, used, minute, period = self._used(owner, limits)
+        now = self._clock()
+        wi, wo, wb, m_reset, p_reset = _counter_windows(limits, now, None)
+        fields = self._keys.setdefault(owner, {})
+        (i, ic), (o, oc), (b, bc) = (
+            _read(fields, "in", wi),
+            _read(fields, "out", wo),
+            _read(fields, "b", wb),
+        )
+        used = Used(i, o, b, m_reset, p_reset, at=now)
         if used.refused_by(limits):
             return msgspec.structs.replace(used, admitted=False)
         if add:
-            used = msgspec.structs.replace(used, input=used.input + add, budget=used.budget + add)
-            self._store(fields, used, minute, period)
+            used = msgspec.structs.replace(used, input=i + add, budget=b + add)
+            _store(fields, "in", wi, i + add, ic)
+            _store(fields, "out", wo, o, oc)
+            _store(fields, "b", wb, b + add, bc)
         return used
 
     async def charge(
@@ -234,73 +300,98 @@ class MemoryTokenLimiter:
         output: int = 0,
         since: float | None = None,
     ) -> None:
-        fields, used, minute, period = self._used(owner, limits)
-        in_minute, in_period = _still_current(limits, since, minute, period, input)
-        used = msgspec.structs.replace(
-            used,
-            input=max(used.input + in_minute, 0),
-            output=max(used.output + output, 0),
-            budget=max(used.budget + in_period + output, 0),
-        )
-        self._store(fields, used, minute, period)
+        wi, wo, wb, _, _ = _counter_windows(limits, self._clock(), since)
+        fields = self._keys.setdefault(owner, {})
+        i, ic = _changed(fields, "in", wi, input)
+        o, oc = _changed(fields, "out", wo, output)
+        b, bc = _changed(fields, "b", wb, input)
+        if output:  # the budget takes the output as it goes, in its current period
+            b = max(b + output, 0)
+        _store(fields, "in", wi, i, ic)
+        _store(fields, "out", wo, o, oc)
+        _store(fields, "b", wb, b, bc)
 
     async def aclose(self) -> None:
         self._keys.clear()
 
 
-# KEYS[1]: the key's hash. ARGV: minute window, budget period ("" without), input, output and
-# budget limits (0: off), input tokens to add once admitted (0: only ask), expiry (s).
-# Returns {admitted 1|0, input, output, budget} after it.
-_ADMIT = """
-local function used(name, window)
-  if redis.call('HGET', KEYS[1], name .. ':w') ~= window then return 0 end
-  return tonumber(redis.call('HGET', KEYS[1], name) or '0')
+# The scripts' steps, those of `_read`, `_changed` and `_store` above. ARGV for each counter
+# (in, out, b) from ARGV[base]: window id, window index, limit (0: off), the admission's window.
+_STEPS = """
+local function read(name, base)
+  local h = redis.call('HMGET', KEYS[1], name, name .. ':w', name .. ':n', name .. ':c')
+  local value, index = tonumber(h[1] or '0'), tonumber(h[3] or '')
+  if h[2] == ARGV[base] then return value, tonumber(h[4] or '0') end
+  local limit = tonumber(ARGV[base + 2])
+  if (not index) or limit <= 0 then return 0, 0 end
+  local debt = math.max(value - limit * (tonumber(ARGV[base + 1]) - index + 1), 0)
+  return debt, debt
 end
-local m, p = ARGV[1], ARGV[2]
-local i, o, b = used('in', m), used('out', m), used('b', p)
-local li, lo, lb = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local add = tonumber(ARGV[6])
+local function change(name, base, delta)
+  local value, debt = read(name, base)
+  if delta == 0 or ARGV[base + 3] == ARGV[base] then return math.max(value + delta, 0), debt end
+  local h = redis.call('HMGET', KEYS[1], name, name .. ':w', name .. ':n')
+  local limit, index = tonumber(ARGV[base + 2]), tonumber(h[3] or '')
+  if h[2] == ARGV[base + 3] and index and limit > 0 then
+    local old = math.max(tonumber(h[1] or '0') + delta, 0)
+    debt = math.max(old - limit * (tonumber(ARGV[base + 1]) - index + 1), 0)
+    return debt, debt
+  end
+  if delta < 0 then
+    local taken = math.min(-delta, debt)
+    return value - taken, debt - taken
+  end
+  return value, debt
+end
+local function store(name, base, value, debt)
+  redis.call('HSET', KEYS[1], name, value, name .. ':w', ARGV[base], name .. ':n',
+    ARGV[base + 1], name .. ':c', debt)
+end
+"""
+
+# KEYS[1]: the key's hash. ARGV[1..12]: the counters' windows (`_STEPS`), ARGV[13]: input
+# tokens to add once admitted (0: only ask), ARGV[14]: expiry (s).
+# Returns {admitted 1|0, input, output, budget} after it.
+_ADMIT = (
+    _STEPS
+    + """
+local i, ic = read('in', 1)
+local o, oc = read('out', 5)
+local b, bc = read('b', 9)
+local li, lo, lb = tonumber(ARGV[3]), tonumber(ARGV[7]), tonumber(ARGV[11])
+local add = tonumber(ARGV[13])
 if (li > 0 and i >= li) or (lo > 0 and o >= lo) or (lb > 0 and b >= lb) then
   return {0, i, o, b}
 end
 if add ~= 0 then
   i = i + add
   b = b + add
-  redis.call('HSET', KEYS[1], 'in:w', m, 'in', i, 'out:w', m, 'out', o, 'b:w', p, 'b', b)
-  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[7]))
+  store('in', 1, i, ic)
+  store('out', 5, o, oc)
+  store('b', 9, b, bc)
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[14]))
 end
 return {1, i, o, b}
 """
+)
 
-
-def _still_current(
-    limits: TokenLimits, since: float | None, minute: str, period: str, input: int
-) -> tuple[int, int]:
-    """(input for the minute counter, for the budget counter): `input` where the window of
-    `since` is the current one, else 0."""
-    if since is None or not input:
-        return input, input
-    then_minute, then_period, _, _ = windows(limits, since)
-    return (input if then_minute == minute else 0), (input if then_period == period else 0)
-
-
-# KEYS[1]: the key's hash. ARGV: minute window, budget period, input tokens for the minute and
-# for the budget (negative: an estimate corrected; 0 where its window has ended), output tokens,
-# expiry (s). No counter goes below 0.
-_CHARGE = """
-local function used(name, window)
-  if redis.call('HGET', KEYS[1], name .. ':w') ~= window then return 0 end
-  return tonumber(redis.call('HGET', KEYS[1], name) or '0')
-end
-local m, p = ARGV[1], ARGV[2]
-local dim, dib, do_ = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local i = math.max(used('in', m) + dim, 0)
-local o = math.max(used('out', m) + do_, 0)
-local b = math.max(used('b', p) + dib + do_, 0)
-redis.call('HSET', KEYS[1], 'in:w', m, 'in', i, 'out:w', m, 'out', o, 'b:w', p, 'b', b)
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[6]))
+# KEYS[1]: the key's hash. ARGV[1..12]: the counters' windows, ARGV[13]: input tokens (negative:
+# an estimate corrected), ARGV[14]: output tokens, ARGV[15]: expiry (s). No counter below 0.
+_CHARGE = (
+    _STEPS
+    + """
+local di, do_ = tonumber(ARGV[13]), tonumber(ARGV[14])
+local i, ic = change('in', 1, di)
+local o, oc = change('out', 5, do_)
+local b, bc = change('b', 9, di)
+if do_ ~= 0 then b = math.max(b + do_, 0) end
+store('in', 1, i, ic)
+store('out', 5, o, oc)
+store('b', 9, b, bc)
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[15]))
 return 1
 """
+)
 
 REDIS_TIMEOUT_S = 2.5  # a hung master must not hold every request
 
@@ -326,21 +417,18 @@ class RedisTokenLimiter:
 
     @staticmethod
     def _ttl(limits: TokenLimits, period_reset_s: float) -> int:
-        # a counter outlives its longest window by a minute at most
-        return int(period_reset_s if limits.budget_period else 60.0) + 60
+        # a counter outlives its windows, and a day of debt, by a minute
+        return int(max(period_reset_s if limits.budget_period else 0.0, 86400.0)) + 60
+
+    def _args(self, limits: TokenLimits, since: float | None) -> tuple[float, list, float, float]:
+        now = self._clock()
+        wi, wo, wb, m_reset, p_reset = _counter_windows(limits, now, since)
+        args = [x for w in (wi, wo, wb) for x in (w.id, w.index, w.limit, w.since)]
+        return now, args, m_reset, p_reset
 
     async def admit(self, owner: str, limits: TokenLimits, add: int) -> Used | None:
-        now = self._clock()
-        minute, period, m_reset, p_reset = windows(limits, now)
-        args = [
-            minute,
-            period,
-            limits.input_tpm or 0,
-            limits.output_tpm or 0,
-            limits.budget_tokens or 0,
-            add,
-            self._ttl(limits, p_reset),
-        ]
+        now, args, m_reset, p_reset = self._args(limits, None)
+        args += [add, self._ttl(limits, p_reset)]
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
                 ok, i, o, b = await self._admit(keys=[self.key(owner)], args=args)
@@ -358,11 +446,10 @@ class RedisTokenLimiter:
         output: int = 0,
         since: float | None = None,
     ) -> None:
-        minute, period, _, p_reset = windows(limits, self._clock())
-        in_minute, in_period = _still_current(limits, since, minute, period, input)
-        if not in_minute and not in_period and not output:
+        if not input and not output:
             return
-        args = [minute, period, in_minute, in_period, output, self._ttl(limits, p_reset)]
+        _, args, _, p_reset = self._args(limits, since)
+        args += [input, output, self._ttl(limits, p_reset)]
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
                 await self._charge(keys=[self.key(owner)], args=args)

@@ -229,3 +229,22 @@ def test_a_response_refused_after_admission_gives_its_estimate_back(
     ok = httpx.post(f"{gw.http_url}/v1/chat/completions", json=chat_body("hi"), headers=headers)
     left = int(ok.headers["x-ratelimit-remaining-tokens"])
     assert left > BIG - 100, left
+
+
+def test_one_huge_prompt_is_owed_by_the_minutes_after_it(gateway) -> None:
+    """A 3,000-token prompt against 1,000 input tokens a minute is let in (its minute had
+    room) and owed by the minutes after it: the next request's Retry-After names when the key
+    may send again, minutes away, not the end of this minute."""
+    fresh_minute(5.0)
+    made = create(gateway.http_url, input_tpm=1000)
+    headers = {"Authorization": f"Bearer {made['secret']}"}
+    url = f"{gateway.http_url}/v1/chat/completions"
+    huge = httpx.post(
+        url, json=chat_body(" ".join(f"w{i}" for i in range(3000)), max_tokens=1), headers=headers
+    )
+    assert huge.status_code == 200 and huge.json()["usage"]["prompt_tokens"] > 3000
+    r = httpx.post(url, json=chat_body("hi"), headers=headers)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited"
+    assert int(r.headers["retry-after"]) > 120
+    reset = r.headers["x-ratelimit-reset-tokens"]
+    assert reset.startswith(("2m", "3m")), reset
