@@ -248,3 +248,61 @@ def test_one_huge_prompt_is_owed_by_the_minutes_after_it(gateway) -> None:
     assert int(r.headers["retry-after"]) > 120
     reset = r.headers["x-ratelimit-reset-tokens"]
     assert reset.startswith(("2m", "3m")), reset
+
+
+async def test_realtime_clients_on_two_replicas_stay_within_the_limit_plus_one(
+    make_gateway, redis_url
+) -> None:
+    """Eight Realtime connections of one key, four on each replica, ask at once: what is
+    admitted stays within the limit plus one response; the rest get `rate_limited`."""
+    from gateway.testing.realtime_peer import Peer
+
+    settings = dict(admin_api_key=ADMIN, redis_url=redis_url)
+    a = make_gateway(engine=FakeEngine(delay_s=0.3), settings=settings)
+    b = make_gateway(engine=FakeEngine(delay_s=0.3), settings=settings)
+    limit = 400
+    fresh_minute(10.0)
+    key = create(a.http_url, input_tpm=limit)["secret"]
+    peers = [
+        await Peer.open((a if i % 2 else b).ws_url, api_key=key, key_in="header") for i in range(8)
+    ]
+    try:
+        for i, peer in enumerate(peers):
+            await peer.add([{"type": "input_text", "text": DENSE[i % 2]}])
+            await peer.until("conversation.item.done", timeout=10)
+
+        async def ask(peer: Peer) -> dict:
+            await peer.send({"type": "response.create", "response": {"max_output_tokens": 1}})
+            while True:
+                event = await peer.recv(timeout=10)
+                if event["type"] == "response.done" and event["response"]["status"] != "failed":
+                    return event
+                if event["type"] == "error":
+                    assert event["error"]["code"] == "rate_limited", event
+                    return event
+
+        ends = await asyncio.gather(*(ask(p) for p in peers))
+    finally:
+        for peer in peers:
+            await peer.close()
+    real = [e["response"]["usage"]["input_tokens"] for e in ends if e["type"] == "response.done"]
+    assert real and len(real) < len(ends)
+    assert sum(real) < limit + max(real), (sum(real), real)
+
+
+async def test_every_choice_of_a_chat_completion_is_counted(gateway) -> None:
+    made = create(gateway.http_url, output_tpm=BIG)
+    r = httpx.post(
+        f"{gateway.http_url}/v1/chat/completions",
+        json=chat_body("one two three four", n=3),
+        headers={"Authorization": f"Bearer {made['secret']}"},
+    )
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    wanted = r.json()["usage"]["completion_tokens"]
+    assert wanted >= 3 * 5  # each choice's words and its tag
+
+    await eventually(
+        lambda: usage_of(gateway.http_url, made["id"])["output_tokens"] == wanted,
+        timeout=5,
+        what="all three choices counted",
+    )
