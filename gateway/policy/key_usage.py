@@ -20,7 +20,9 @@ goes to the windows of the admission (`TokenLimiter.charge`'s `since`).
 
 Counts are written in the background: a store that is slow or down never delays a response;
 a count lost that way is logged. At most `MAX_PENDING` writes are in flight; past that they are
-dropped (and logged), not queued.
+dropped (and logged), not queued, except a key's token charges: those are owed (one sum a key,
+its corrections that lower a count left out) and written with that key's next charge, so a
+flood of streams or a slow Redis never lets tokens go uncounted.
 """
 
 from __future__ import annotations
@@ -69,11 +71,12 @@ class _Background:
         self._pending: set[asyncio.Task[None]] = set()
         self._by_owner: dict[str, set[asyncio.Task[None]]] = {}
 
-    def run(self, what: str, owner: str, work: Coroutine[Any, Any, None]) -> None:
+    def run(self, what: str, owner: str, work: Coroutine[Any, Any, None]) -> bool:
+        """Start `work`; False (and `work` closed) when too many writes are in flight."""
         if len(self._pending) >= MAX_PENDING:
             work.close()
             log.warning("key_usage_dropped", key_id=owner, what=what)
-            return
+            return False
 
         async def guarded() -> None:
             try:
@@ -94,6 +97,7 @@ class _Background:
                 del self._by_owner[owner]
 
         task.add_done_callback(done)
+        return True
 
     async def settled(self, owner: str, timeout_s: float = 1.0) -> None:
         """Wait (at most `timeout_s`) for the writes of `owner` under way now."""
@@ -109,7 +113,7 @@ class _Background:
 class TokenMeter:
     """Token limits and usage of managed keys (`open` per response), over one token limiter."""
 
-    __slots__ = ("_background", "_labelled", "auth", "limiter", "metrics")
+    __slots__ = ("_background", "_labelled", "_owed", "auth", "limiter", "metrics")
 
     def __init__(
         self, limiter: TokenLimiter, auth: Authenticator, metrics: GatewayMetrics | None = None
@@ -119,6 +123,8 @@ class TokenMeter:
         self.metrics = metrics
         self._background = _Background()
         self._labelled: set[str] = set()
+        # owner -> (input, output) tokens whose charge found no room in flight, not yet written
+        self._owed: dict[str, tuple[int, int]] = {}
 
     def limits(self, owner: str) -> TokenLimits | None:
         return TokenLimits.of(self.auth.limits_of(owner))
@@ -173,9 +179,17 @@ class TokenMeter:
         output: int,
         since: float | None = None,
     ) -> None:
-        if limits is not None and (input or output):
-            work = self.limiter.charge(owner, limits, input=input, output=output, since=since)
-            self._background.run("tokens", owner, work)
+        if limits is None or not (input or output):
+            return
+        owed_in, owed_out = self._owed.pop(owner, (0, 0))
+
+        async def work() -> None:
+            if owed_in or owed_out:  # in the windows of now: it counts late, never less
+                await self.limiter.charge(owner, limits, input=owed_in, output=owed_out)
+            await self.limiter.charge(owner, limits, input=input, output=output, since=since)
+
+        if not self._background.run("tokens", owner, work()):
+            self._owed[owner] = (owed_in + max(input, 0), owed_out + max(output, 0))
 
     def record(self, owner: str, usage: TokenUsage) -> None:
         store = self.auth.store

@@ -168,3 +168,26 @@ async def test_an_estimate_corrected_after_its_minute_lowers_the_debt(limiter_of
     await limiter.charge("key_e", limits, output=1)  # the new minute is written
     await limiter.charge("key_e", limits, input=2_000 - 20_000, since=again.at)
     assert (await limiter.admit("key_e", limits, 0)).input == 0
+
+
+async def test_token_charges_past_the_writes_in_flight_are_owed_not_dropped(monkeypatch) -> None:
+    """With as many writes in flight as the meter allows (a slow Redis, a flood of streams),
+    a token charge was dropped: tokens streamed for free. Now it is owed, and the key's next
+    charge writes it (a correction that lowers a count may be dropped: never fewer counted)."""
+    import gateway.policy.key_usage as key_usage
+
+    monkeypatch.setattr(key_usage, "MAX_PENDING", 1)
+    store, limiter = MemoryKeyStore(), MemoryTokenLimiter()
+    auth = Authenticator([], store)
+    meter = TokenMeter(limiter, auth)
+    key = await managed(auth, store, output_tpm=10_000)
+    limits = TokenLimits(output_tpm=10_000)
+    meter.charge(key, limits, input=0, output=16)  # takes the one slot
+    meter.charge(key, limits, input=0, output=16)  # no slot: owed
+    meter.charge(key, limits, input=-5, output=16)  # no slot: owed (its correction dropped)
+    await meter._background.settled(key)
+    assert (await limiter.admit(key, limits, 0)).output == 16
+    meter.charge(key, limits, input=0, output=1)  # a slot again: it carries what is owed
+    await meter._background.settled(key)
+    assert (await limiter.admit(key, limits, 0)).output == 16 * 3 + 1
+    await meter.aclose()
