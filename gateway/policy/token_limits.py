@@ -12,11 +12,11 @@ number of replicas, never pass together on the same room: what is admitted stays
 limit plus the one response that took the last room. Output tokens are counted as they stream
 (`charge`), and a response's estimate is corrected to its real input count when it ends, so
 the counters hold what was really used; neither ever cuts an answer that is under way. The
-correction counts in the windows the estimate went to (`since`, the admission's `Used.at`): in
-a window that has ended since, it is dropped, never put on the next window (a high estimate
-given back there would wipe what the key used in the new minute). No counter goes below 0.
-Refused: GatewayError("rate_limited") with `retry_after_s`, the seconds until the window
-that refused starts again (HTTP 429 and Retry-After).
+correction counts in the windows the estimate went to (`since`, the admission's `Used.at`):
+once such a window has ended, it only changes the debt that window left (below), never the
+new window's own use (a high estimate given back there would wipe what the key used in the
+new minute). No counter goes below 0. Refused: GatewayError("rate_limited") with
+`retry_after_s`, the seconds until a response is let in again (HTTP 429 and Retry-After).
 
 Two counters with one contract: `MemoryTokenLimiter` (one replica's view) and
 `RedisTokenLimiter`, whose counters for one key are the fields of one hash,
@@ -182,8 +182,8 @@ class TokenLimiter(Protocol):
         since: float | None = None,
     ):
         """Count tokens used now (a negative `input` corrects an estimate that was too high).
-        With `since` (the admission's `Used.at`), `input` counts only in the windows of that
-        time that are still the current ones."""
+        With `since` (the admission's `Used.at`), `input` corrects the windows of that time:
+        in one that has ended, only the debt it left."""
 
     async def aclose(self) -> None: ...
 
