@@ -94,6 +94,9 @@ class FakeEngine:
         return len(text.split())
 
     def _prompt_tokens(self, request: GenerationRequest) -> tuple[int, int]:
+        raw = request.raw_prompt  # a legacy completion's prompt: its ids, or its text's count
+        if raw is not None:
+            return (len(raw) if isinstance(raw, tuple) else self.count_tokens(raw)), 0
         text = images = 0
         for message in request.messages:
             for part in message.content:

@@ -683,6 +683,7 @@ def test_completion_of_one_prompt(client: openai.OpenAI, fake_gateway: FakeGatew
     assert [c.text for c in completion.choices] == ["a b c [0 images]"]
     assert completion.choices[0].finish_reason == "stop"
     assert completion.usage is not None and completion.usage.completion_tokens == 4
+    assert completion.usage.prompt_tokens == 3  # the engine's count of the prompt, as it is
     request = fake_gateway.engine.requests[-1]
     assert request.raw_prompt == "a b c" and request.messages == []
     assert request.cache_salt == "anonymous" and request.kv_key is None
