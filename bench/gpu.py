@@ -13,7 +13,7 @@ What it measures, on CUDA when present (else on the CPU):
   host-to-device copy of the uint8 image included);
 - the tower's achieved TFLOP/s at batch 32 in the pipeline's dtype (bf16 on CUDA), against
   `--peak-tflops`;
-- INT4 pack and unpack GB/s (`kernels.int4`; Triton on CUDA), against `--peak-gbps`.
+- INT4 pack and unpack GB/s (`visiongate_kernels.int4`; Triton on CUDA), against `--peak-gbps`.
 
 `--quick`: tiny towers of the same two families and small tensors, one timed round; seconds on a
 CPU. Figures are never invented: what needs CUDA is recorded as skipped, with the reason, when
@@ -52,8 +52,8 @@ from bench.encoder import Baseline, photo_bytes, throughput
 from encoder_worker.config import EncoderConfig
 from encoder_worker.patch_rows import pil_preprocess, preprocess_batch
 from encoder_worker.pipeline import EncoderPipeline
-from kernels import dequantize_int4, quantize_int4
-from kernels._triton import use_triton
+from visiongate_kernels._triton import use_triton
+from visiongate_kernels.int4 import dequantize_int4, quantize_int4
 
 __all__ = ("main",)
 

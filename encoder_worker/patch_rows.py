@@ -2,9 +2,9 @@
 
 `PreprocessSpec` says what the tower expects: CLIP resizes the shorter side to the input size
 and center-crops (bicubic); SigLIP squashes the whole image to a square (bilinear). The
-geometry becomes a `kernels.ResizeCrop`, and `kernels.resize_normalize_patchify` turns the
-uint8 HWC image straight into [N, 3*P*P] rows: the Triton kernel on CUDA, the torch reference
-on CPU.
+geometry becomes a `ResizeCrop`, and `resize_normalize_patchify` (both in
+`visiongate_kernels.resize_patchify`) turns the uint8 HWC image straight into [N, 3*P*P] rows:
+the Triton kernel on CUDA, the torch reference on CPU.
 
 `pil_preprocess` is the classic path (Pillow resize + crop, numpy normalize) kept as the
 baseline and as a cross-check.
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from kernels import ResizeCrop, resize_normalize_patchify
+from visiongate_kernels.resize_patchify import ResizeCrop, resize_normalize_patchify
 
 __all__ = (
     "CLIP_MEAN",

@@ -4,7 +4,7 @@
 
     b"VGT4" | u32 little-endian header length | msgpack header | packed | scales | positions
 
-with `packed` = [N, G*group/2] uint8 (two 4-bit values per byte, see `kernels.int4`),
+with `packed` = [N, G*group/2] uint8 (two 4-bit values per byte, see `visiongate_kernels.int4`),
 `scales` = [N, G] float16 little-endian and `positions` = [N] int32 little-endian.
 `from_bytes()` is its exact inverse and checks everything (magic, sizes, header fields), so
 bytes from a cache or a queue either come back as the same payload or raise ValueError.
@@ -23,7 +23,7 @@ import struct
 import msgspec
 import torch
 
-from kernels import dequantize_int4, packed_shapes, quantize_int4
+from visiongate_kernels.int4 import dequantize_int4, packed_shapes, quantize_int4
 
 __all__ = (
     "FLOAT_DTYPES",

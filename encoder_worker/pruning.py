@@ -12,9 +12,9 @@ Modes (`EncoderConfig.pruning`):
   the anchor whose key it is most similar to, and each group is averaged (VisionZip's
   dominant + contextual split), so what was dropped is summarized rather than lost.
 
-Selection is one batched top-k (`kernels.topk_sorted`) and one gather (`kernels.gather_tokens`):
-kept tokens come out in their original spatial order, with their patch indices. Contextual
-tokens follow the dominant ones and carry their anchor's patch index.
+Selection is one batched top-k (`topk_sorted`) and one gather (`gather_tokens`), both in
+`visiongate_kernels.gather`: kept tokens come out in their original spatial order, with their
+patch indices. Contextual tokens follow the dominant ones and carry their anchor's patch index.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels import gather_tokens, topk_sorted
+from visiongate_kernels.gather import gather_tokens, topk_sorted
 
 __all__ = ("PrunedImage", "dynamic_keep_ratio", "keep_counts", "merge_dropped", "prune")
 

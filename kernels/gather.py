@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels._triton import Impl, jit, use_triton
+from visiongate_kernels._triton import Impl, jit, use_triton
 
 if TYPE_CHECKING:
     import triton.language as tl

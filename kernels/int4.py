@@ -10,7 +10,7 @@ lifts the cosine to the original noticeably over plain absmax at the same size.
 
 - `quantize_int4_ref` / `dequantize_int4_ref`: torch references.
 - `_quantize_int4_kernel` / `_dequantize_int4_kernel`: Triton, one program per (row, group).
-`quantize_int4` / `dequantize_int4` dispatch by device (see `kernels._triton.use_triton`).
+`quantize_int4` / `dequantize_int4` dispatch by device (see `_triton.use_triton`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels._triton import Impl, jit, use_triton
+from visiongate_kernels._triton import Impl, jit, use_triton
 
 if TYPE_CHECKING:
     import triton.language as tl

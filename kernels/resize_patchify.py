@@ -13,7 +13,7 @@ a crop (`ResizeCrop` says both).
   its KY x KX taps, clamps to [0, 255], normalizes and writes straight into its patch row, so
   the resized image never exists in memory.
 
-`resize_normalize_patchify` picks one by device (see `kernels._triton.use_triton`).
+`resize_normalize_patchify` picks one by device (see `_triton.use_triton`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import Impl, jit, use_triton
+from visiongate_kernels._triton import Impl, jit, use_triton
 
 if TYPE_CHECKING:
     import triton.language as tl

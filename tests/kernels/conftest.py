@@ -2,8 +2,8 @@
 
 Without CUDA they run in Triton's interpreter on the CPU, which needs TRITON_INTERPRET=1 before
 triton is first imported: set here, at conftest import, before any test module loads (the
-`kernels` package itself imports triton only when a kernel launches). With CUDA the kernels
-are compiled and run for real (`gpu` marker).
+`visiongate_kernels` package itself imports triton only when a kernel launches). With CUDA the
+kernels are compiled and run for real (`gpu` marker).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 @pytest.fixture(params=["interpreter", pytest.param("cuda", marks=pytest.mark.gpu)])
 def kernel_device(request) -> torch.device:
     """Where the Triton side of a comparison runs."""
-    from kernels._triton import interpreter_ready, triton_available
+    from visiongate_kernels._triton import interpreter_ready, triton_available
 
     if not triton_available():
         pytest.skip("triton is not installed")

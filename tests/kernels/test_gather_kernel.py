@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.gather import gather_tokens, gather_tokens_ref, topk_sorted
+from visiongate_kernels.gather import gather_tokens, gather_tokens_ref, topk_sorted
 
 
 def test_topk_sorted_keeps_the_best_in_spatial_order():

@@ -3,7 +3,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.int4 import dequantize_int4, dequantize_int4_ref, quantize_int4, quantize_int4_ref
+from visiongate_kernels.int4 import (
+    dequantize_int4,
+    dequantize_int4_ref,
+    quantize_int4,
+    quantize_int4_ref,
+)
 
 
 def _tokens(n: int, d: int, seed: int = 0) -> torch.Tensor:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels._triton import interpreter_ready, triton_available
+from visiongate_kernels._triton import interpreter_ready, triton_available
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")

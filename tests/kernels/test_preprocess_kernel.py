@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image, ImageFilter
 
-from kernels.resize_patchify import (
+from visiongate_kernels.resize_patchify import (
     ResizeCrop,
     resize_normalize_patchify,
     resize_normalize_patchify_ref,

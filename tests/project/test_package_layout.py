@@ -17,6 +17,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("gateway", "encoder_worker", "kernels", "dashboards", "bench")
+# directories whose import name is not their own (setup.py maps them): `kernels` is Hugging
+# Face's distribution, which transformers imports
+IMPORT_NAMES = {"kernels": "visiongate_kernels"}
 # read for the layer rules only: what the shipped packages must never import
 OUTSIDE = ("tests",)
 # the wire protocol layer may lean on these leaf modules of the gateway, and nothing else
@@ -42,7 +45,7 @@ LAYER_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("gateway.api.http", ("gateway.api.openai", "gateway.api.realtime")),
     ("gateway", ("tests", "bench")),
     ("encoder_worker", ("gateway", "tests", "bench")),
-    ("kernels", ("gateway", "encoder_worker", "tests", "bench")),
+    ("visiongate_kernels", ("gateway", "encoder_worker", "tests", "bench")),
     # the boards name the gateway's metrics, from the telemetry that defines them
     ("dashboards", ("gateway.api", "gateway.chat", "gateway.engine", "gateway.server", "tests")),
     ("bench", ("tests",)),
@@ -57,6 +60,7 @@ def project_modules(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> 
     for package in packages:
         for path in sorted((root / package).rglob("*.py")):
             parts = path.relative_to(root).with_suffix("").parts
+            parts = (IMPORT_NAMES.get(parts[0], parts[0]), *parts[1:])
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             modules[".".join(parts)] = path
