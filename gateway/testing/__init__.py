@@ -3,5 +3,6 @@ tests: fake engines and encoders (`fakes`), a gateway over them with its clients
 its logs and spans (`fake_gateway`), a fake upstream (`upstream_fake`), real gateway processes on
 loopback ports (`processes`), an OTLP receiver (`otlp_receiver`), free ports (`ports`), sample
 photos and data URLs (`images`), engine requests and their answers (`engine_requests`), a raw
-Realtime peer and frame readers (`realtime_peer`), and polling waits (`waiting`).
+Realtime peer and frame readers (`realtime_peer`), polling waits (`waiting`), and a clock that
+moves only when told (`clock`).
 """

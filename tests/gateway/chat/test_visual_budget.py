@@ -15,28 +15,21 @@ from gateway.caching import make_image_store, make_vision_cache
 from gateway.chat.image_input import digest_of
 from gateway.chat.vision_resolver import VisionResolver
 from gateway.chat.visual_budget import BudgetedEncoder, VisualBudget
+from gateway.testing.clock import ManualClock
 from gateway.testing.images import data_url
 from tests.conftest import photo_bytes
 
 MiB = 1024 * 1024
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def budget(clock: Clock, **kw) -> VisualBudget:
+def budget(clock: ManualClock, **kw) -> VisualBudget:
     args = dict(objective_ms=1000.0, ceiling=0.5, floor=0.2, step=0.1, window_s=10.0, hold_s=2.0)
     args.update(kw)
     return VisualBudget(min_samples=4, clock=clock, **args)  # type: ignore[arg-type]
 
 
 def test_the_cap_steps_down_while_burning_and_back_once_it_stops() -> None:
-    clock = Clock()
+    clock = ManualClock()
     b = budget(clock)
     assert b.levels == (0.5, 0.4, 0.3, 0.2) and b.cap is None
     for _ in range(3):
@@ -68,7 +61,7 @@ def test_the_cap_steps_down_while_burning_and_back_once_it_stops() -> None:
 
 
 def test_bad_budgets_are_refused() -> None:
-    clock = Clock()
+    clock = ManualClock()
     for kw in ({"floor": 0.0}, {"floor": 0.6}, {"step": 0.0}, {"objective_ms": 0.0}):
         with pytest.raises(ValueError):
             budget(clock, **kw)
@@ -86,7 +79,7 @@ def test_a_cap_is_other_content() -> None:
 
 async def test_images_encoded_under_a_cap_are_cached_by_its_fingerprint() -> None:
     inner = LocalEncoder(EncoderConfig(), hidden_size=576, target_rms=1.0)
-    clock = Clock()
+    clock = ManualClock()
     b = budget(clock, ceiling=0.5, floor=0.1, step=0.2, hold_s=0.0)
     encoder = BudgetedEncoder(inner, b)
     assert encoder.fingerprints[0] == inner.fingerprint

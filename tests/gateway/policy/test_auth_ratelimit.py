@@ -13,19 +13,12 @@ from gateway.policy.ratelimit import MemoryRateLimiter, RedisRateLimiter
 from gateway.protocol.errors import GatewayError
 from gateway.server.app import create_app
 from gateway.server.runner import ServerThread
+from gateway.testing.clock import ManualClock
 from tests.gateway.conftest import gateway_settings
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def test_memory_limiter_refills_over_time() -> None:
-    clock = FakeClock()
+    clock = ManualClock(1000.0)
     limiter = MemoryRateLimiter(3, clock=clock)
     for _ in range(3):
         await limiter.acquire("a")

@@ -19,6 +19,7 @@ from gateway.policy.key_store import (
     usage_day,
 )
 from gateway.protocol.errors import GatewayError
+from gateway.testing.clock import ManualClock
 
 
 @pytest.fixture(params=["memory", "redis", "cluster"])
@@ -102,16 +103,8 @@ async def test_nothing_secret_at_rest(redis_url, raw_redis) -> None:
     await store.aclose()
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def test_authenticator_cache_revocation_and_outage() -> None:
-    store, clock = MemoryKeyStore(), Clock()
+    store, clock = MemoryKeyStore(), ManualClock()
     auth = Authenticator(["static-key-1234"], store, clock=clock)
     secret, expired_secret = new_secret(), new_secret()
     r = record()

@@ -20,39 +20,13 @@ from gateway.policy.key_store import (
 from gateway.policy.key_usage import TokenMeter, TokenUsage
 from gateway.policy.token_limits import (
     MemoryTokenLimiter,
-    RedisTokenLimiter,
     TokenLimits,
     refusal,
 )
+from gateway.testing.clock import ManualClock
 
 # 2026-12-03 13:00:50 UTC: 10 s left in the minute, the same UTC day for hours
 LATE = 1796302850.0
-
-
-class Clock:
-    def __init__(self, now: float = LATE) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def limiter_of(request):
-    made = []
-
-    def make(clock: Clock):
-        if request.param == "memory":
-            limiter = MemoryTokenLimiter(clock=clock)
-        else:
-            url = request.getfixturevalue("redis_url")
-            limiter = RedisTokenLimiter(url, namespace=request.node.name[-40:], clock=clock)
-        made.append(limiter)
-        return limiter
-
-    yield make
-    for limiter in made:
-        await limiter.aclose()
 
 
 async def test_a_correction_after_the_minute_rolled_over_stays_in_its_own_window(
@@ -61,7 +35,7 @@ async def test_a_correction_after_the_minute_rolled_over_stays_in_its_own_window
     """An over-estimated response admitted at a minute's end and ending in the next minute:
     giving its estimate back there would wipe what the key used in the new minute (a way to
     reset one's own counter at will); only the budget, whose period it still is, is corrected."""
-    clock = Clock()
+    clock = ManualClock(LATE)
     limiter = limiter_of(clock)
     limits = TokenLimits(input_tpm=1000, budget_tokens=10_000, budget_period="day")
     admitted = await limiter.admit("key_a", limits, 990)  # estimated high: really 10
@@ -79,7 +53,7 @@ async def test_a_correction_after_the_minute_rolled_over_stays_in_its_own_window
 
 
 async def test_counters_never_go_below_zero_and_a_limit_of_one(limiter_of) -> None:
-    clock = Clock()
+    clock = ManualClock(LATE)
     limiter = limiter_of(clock)
     limits = TokenLimits(input_tpm=1, output_tpm=1)
     first = await limiter.admit("key_b", limits, 1)
@@ -130,7 +104,7 @@ async def test_one_huge_response_a_minute_does_not_outrun_the_limit(limiter_of) 
     each minute: each was let in (its window had room) and every new minute started empty, so
     the key got 200 times its limit. Now what a window admitted past its limit plus one more
     limit is owed by the windows after it, one limit a window."""
-    clock = Clock(LATE + 10.0)  # the start of a minute
+    clock = ManualClock(LATE + 10.0)  # the start of a minute
     limiter = limiter_of(clock)
     limits = TokenLimits(input_tpm=1000)
     first = await limiter.admit("key_h", limits, 200_000)
@@ -154,7 +128,7 @@ async def test_one_huge_response_a_minute_does_not_outrun_the_limit(limiter_of) 
 
 
 async def test_an_estimate_corrected_after_its_minute_lowers_the_debt(limiter_of) -> None:
-    clock = Clock(LATE + 10.0)
+    clock = ManualClock(LATE + 10.0)
     limiter = limiter_of(clock)
     limits = TokenLimits(input_tpm=1000, budget_tokens=10**9, budget_period="month")
     big = await limiter.admit("key_d", limits, 50_000)  # really 5,000

@@ -19,42 +19,15 @@ from gateway.policy.token_limits import (
     refusal,
     windows,
 )
+from gateway.testing.clock import ManualClock
 from gateway.testing.ports import free_port
 
 # 2026-12-03 13:00:10 UTC: 50 s left in the minute, 10 h 59 m 50 s in the day
 NOON = 1796302810.0
 
 
-class Clock:
-    def __init__(self, now: float = NOON) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture(params=["memory", "redis", "cluster"])
-async def limiter_of(request):
-    made = []
-
-    def make(clock: Clock):
-        if request.param == "memory":
-            limiter = MemoryTokenLimiter(clock=clock)
-        else:
-            url = request.getfixturevalue(
-                "redis_url" if request.param == "redis" else "redis_cluster_url"
-            )
-            limiter = RedisTokenLimiter(url, namespace=request.node.name[-40:], clock=clock)
-        made.append(limiter)
-        return limiter
-
-    yield make
-    for limiter in made:
-        await limiter.aclose()
-
-
 async def test_room_then_refusal_then_the_next_minute(limiter_of) -> None:
-    clock = Clock()
+    clock = ManualClock(NOON)
     limiter = limiter_of(clock)
     limits = TokenLimits(input_tpm=100)
     first = await limiter.admit("key_a", limits, 60)
@@ -75,7 +48,7 @@ async def test_room_then_refusal_then_the_next_minute(limiter_of) -> None:
 
 
 async def test_output_and_budget_windows_and_corrections(limiter_of) -> None:
-    clock = Clock()
+    clock = ManualClock(NOON)
     limiter = limiter_of(clock)
     limits = TokenLimits(output_tpm=50, budget_tokens=300, budget_period="day")
     assert (await limiter.admit("key_a", limits, 40)).admitted
@@ -116,7 +89,7 @@ async def test_two_replicas_under_concurrent_clients_hold_the_limit(limiter_of) 
     """Two limiters on one Redis (two gateway replicas), 40 clients at once, each response
     estimated at 7 tokens against 100 a minute: exactly ceil(100 / 7) = 15 get in, so the
     tokens admitted stay under the limit plus one response."""
-    clock = Clock()
+    clock = ManualClock(NOON)
     a, b = limiter_of(clock), limiter_of(clock)
     limits = TokenLimits(input_tpm=100)
     results = await asyncio.gather(

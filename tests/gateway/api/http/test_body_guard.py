@@ -17,20 +17,13 @@ from gateway.api.http import bodies
 from gateway.api.http.body_guard import BodyGuard
 from gateway.policy.auth import Authenticator
 from gateway.policy.ratelimit import SMALL_BODY, RefusedBytes
+from gateway.testing.clock import ManualClock
 from gateway.testing.fake_gateway import GatewayFactory, MiB
 from gateway.testing.images import data_url
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_refused_bytes_is_a_sliding_minute_per_owner() -> None:
-    clock = Clock()
+    clock = ManualClock(100.0)
     refused = RefusedBytes(10, clock=clock)
     refused.add("a", 4)  # counted in the second ending at 101
     clock.now += 20
