@@ -21,8 +21,8 @@ goes to the windows of the admission (`TokenLimiter.charge`'s `since`).
 Counts are written in the background: a store that is slow or down never delays a response;
 a count lost that way is logged. At most `MAX_PENDING` writes are in flight; past that they are
 dropped (and logged), not queued, except a key's token charges: those are owed (one sum a key,
-its corrections that lower a count left out) and written with that key's next charge, so a
-flood of streams or a slow Redis never lets tokens go uncounted.
+its corrections that lower a count left out) and written with that key's next charge, or at
+shutdown (`aclose`), so a flood of streams or a slow Redis never lets tokens go uncounted.
 """
 
 from __future__ import annotations
@@ -213,13 +213,44 @@ class TokenMeter:
                 encode_s=usage.encode_ms / 1000.0,
             )
 
+    def _uncount_request(self, owner: str) -> None:
+        """A response refused here, after `CountingLimiter.acquire` counted its request (another
+        response took the last room in between): its key's `requests` count it no more."""
+        store = self.auth.store
+        if store is not None:
+            self._background.run("requests", owner, store.count_usage(owner, requests=-1))
+
     def _refused(self, owner: str, limit: str = "tokens") -> None:
         if self.metrics is not None:
             self.metrics.record_key_refusal(key=self.key_label(owner), limit=limit)
 
     async def aclose(self) -> None:
         await self._background.drain()
+        await self._settle_owed()
         await self.limiter.aclose()
+
+    async def _settle_owed(self, timeout_s: float = 2.5) -> None:
+        """Write what is owed (charges that found no room in flight) before the limiter
+        closes, so that a shutdown under a flood loses no tokens; what cannot be written in
+        `timeout_s` is logged."""
+        owed, self._owed = self._owed, {}
+        if not owed:
+            return
+
+        async def write(owner: str, input: int, output: int) -> None:
+            limits = self.limits(owner)
+            if limits is not None:
+                await self.limiter.charge(owner, limits, input=input, output=output)
+
+        writes = [asyncio.ensure_future(write(o, i, out)) for o, (i, out) in owed.items()]
+        _, late = await asyncio.wait(writes, timeout=timeout_s)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
+        for (owner, counts), task in zip(owed.items(), writes, strict=True):
+            failed = task in late or task.exception() is not None
+            if failed:
+                log.warning("key_usage_lost", key_id=owner, what="tokens", tokens=sum(counts))
 
 
 class Metered:
@@ -254,6 +285,7 @@ class Metered:
             return None
         if not used.admitted:
             self.meter._refused(self.owner)
+            self.meter._uncount_request(self.owner)
             self._done = True  # refused: nothing was counted, nothing is recorded
             return refusal(self.limits, used)
         self._reserved, self._since = estimate, used.at

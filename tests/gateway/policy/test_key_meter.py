@@ -17,7 +17,14 @@ from gateway.policy.key_store import (
     new_secret,
     secret_digest,
 )
-from gateway.policy.key_usage import CHARGE_EVERY, KEY_LABELS, TokenMeter, TokenUsage
+from gateway.policy.key_usage import (
+    CHARGE_EVERY,
+    KEY_LABELS,
+    CountingLimiter,
+    TokenMeter,
+    TokenUsage,
+)
+from gateway.policy.ratelimit import MemoryRateLimiter
 from gateway.policy.token_limits import MemoryTokenLimiter, TokenLimits
 from gateway.telemetry import Telemetry, config_from_env
 
@@ -96,3 +103,26 @@ async def test_key_labels_are_bounded() -> None:
     assert labels[:KEY_LABELS] == ids[:KEY_LABELS]
     assert labels[KEY_LABELS:] == ["other"] * 5
     assert meter.key_label(ids[0]) == ids[0]  # a labelled key keeps its label
+
+
+async def test_a_response_refused_at_its_admission_is_not_a_request_of_its_key() -> None:
+    """Two responses pass the request limiter while the key's minute has room; the first one's
+    estimate takes it all, so the second is refused when its own estimate is counted. Its
+    request was counted on the way in; the key's usage counts one request, not two."""
+    store, limiter = MemoryKeyStore(), MemoryTokenLimiter()
+    auth = Authenticator([], store)
+    meter = TokenMeter(limiter, auth)
+    requests = CountingLimiter(MemoryRateLimiter(0), auth, meter)
+    key = await managed(auth, store, input_tpm=100)
+    await requests.acquire(key)
+    await requests.acquire(key)
+    first, second = meter.open(key), meter.open(key)
+    assert await first.admit(150) is None
+    refused = await second.admit(10)
+    assert refused is not None and refused.code == "rate_limited"
+    first.finish(TokenUsage(input_tokens=150, output_tokens=1))
+    await requests._background.drain()
+    await meter._background.settled(key)
+    (usage,) = await store.usage([key])
+    assert (usage.requests, usage.input_tokens) == (1, 150)
+    await requests.aclose()

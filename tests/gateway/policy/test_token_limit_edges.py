@@ -20,6 +20,7 @@ from gateway.policy.key_store import (
 from gateway.policy.key_usage import TokenMeter, TokenUsage
 from gateway.policy.token_limits import (
     MemoryTokenLimiter,
+    RedisTokenLimiter,
     TokenLimits,
     refusal,
 )
@@ -165,3 +166,28 @@ async def test_token_charges_past_the_writes_in_flight_are_owed_not_dropped(monk
     await meter._background.settled(key)
     assert (await limiter.admit(key, limits, 0)).output == 16 * 3 + 1
     await meter.aclose()
+
+
+async def test_what_is_owed_at_shutdown_is_written_before_the_limiter_closes(
+    monkeypatch, redis_url
+) -> None:
+    """Charges owed when the process stops (no later charge of that key to carry them) were
+    lost with it; `aclose` writes them, and another replica reads them on Redis."""
+    import gateway.policy.key_usage as key_usage
+
+    monkeypatch.setattr(key_usage, "MAX_PENDING", 1)
+    store = MemoryKeyStore()
+    auth = Authenticator([], store)
+    meter = TokenMeter(RedisTokenLimiter(redis_url, namespace="owed-at-shutdown"), auth)
+    key = await managed(auth, store, input_tpm=10_000, output_tpm=10_000)
+    limits = TokenLimits(input_tpm=10_000, output_tpm=10_000)
+    meter.charge(key, limits, input=0, output=16)  # takes the one slot
+    meter.charge(key, limits, input=7, output=16)  # no slot: owed
+    meter.charge(key, limits, input=0, output=5)  # no slot: owed
+    await meter.aclose()
+    other = RedisTokenLimiter(redis_url, namespace="owed-at-shutdown")
+    try:
+        used = await other.admit(key, limits, 0)
+        assert (used.input, used.output) == (7, 16 * 2 + 5)
+    finally:
+        await other.aclose()
