@@ -162,6 +162,19 @@ class EncoderConfig(msgspec.Struct, frozen=True, kw_only=True):
         return tower_family(self.tower)
 
     @property
+    def max_image_tokens(self) -> int:
+        """The most visual tokens one image becomes under this config, from the tower's files
+        alone (no weights loaded): a VLM checkpoint's bound (`families.max_image_tokens`),
+        else the tower's patches. Patch dropping only ever keeps fewer."""
+        if self.family is not None:
+            from encoder_worker.families.family import max_image_tokens
+
+            return max_image_tokens(self.tower)
+        from encoder_worker.tower import describe_tower
+
+        return describe_tower(self.tower, self.seed).spec.num_patches
+
+    @property
     def exact(self) -> bool:
         """No patch dropping and unquantized fp32 tokens: the checkpoint's rows as they are."""
         return self.pruning == "none" and self.visual_tokens == "fp32"

@@ -60,6 +60,7 @@ __all__ = (
     "TileSpec",
     "describe_checkpoint",
     "expand_image",
+    "max_image_tokens",
     "pixel_shuffle",
     "plan_tiles",
     "preprocess",
@@ -389,6 +390,21 @@ class _Settings:
 def describe_checkpoint(path: str | Path) -> dict:
     """`Family.describe()` of the checkpoint, from its files alone."""
     return _Settings.read(Path(path)).describe()
+
+
+def max_image_tokens(path: Path) -> int:
+    """The tiles of a square image as large as the processor lets one be (its `longest_edge`,
+    the larger of a fixed size, or `MAX_IMAGE_SIDE` with resizing off): no image makes more
+    (a side rounds up to at most as many tiles as the longest), times a tile's tokens."""
+    settings = _Settings.read(path)
+    spec = settings.spec
+    if not spec.do_resize:
+        side = MAX_IMAGE_SIDE
+    elif spec.longest_edge:
+        side = min(spec.longest_edge, MAX_IMAGE_SIDE)
+    else:
+        side = max(spec.size_hw or (spec.tile,))
+    return plan_tiles(side, side, spec).tiles * settings.image_seq_len
 
 
 class Family:

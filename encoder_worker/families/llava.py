@@ -39,7 +39,7 @@ from encoder_worker.types import ImageLayout
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ("Family", "describe_checkpoint")
+__all__ = ("Family", "describe_checkpoint", "max_image_tokens")
 
 log = structlog.get_logger("encoder_worker.families.llava")
 
@@ -120,6 +120,15 @@ def describe_checkpoint(path: str | Path) -> dict:
         "image_processor": {k: processor.get(k) for k in _PIXEL_FIELDS},
         "image_token": _image_token(path, config.image_token_index),
     }
+
+
+def max_image_tokens(path: Path) -> int:
+    """Every image is one tower input of `image_size` px: its patches, less the CLS row under
+    the "default" select strategy."""
+    config = _load_config(path)
+    vision = config.vision_config
+    patches = (int(vision.image_size) // int(vision.patch_size)) ** 2
+    return patches if config.vision_feature_select_strategy == "default" else patches + 1
 
 
 def _resolve_prefix(index: dict, prefixes: tuple[str, ...], probe: str, levels=("",)) -> str:

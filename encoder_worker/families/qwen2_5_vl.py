@@ -54,7 +54,14 @@ from encoder_worker.checkpoint import checkpoint_id, read_tensors, safetensors_i
 from encoder_worker.families.family import FamilyOutput, UnsupportedCheckpoint
 from encoder_worker.types import ImageError, ImageLayout
 
-__all__ = ("PLACEHOLDER", "Family", "describe_checkpoint", "grid_mrope", "smart_resize")
+__all__ = (
+    "PLACEHOLDER",
+    "Family",
+    "describe_checkpoint",
+    "grid_mrope",
+    "max_image_tokens",
+    "smart_resize",
+)
 
 log = structlog.get_logger("encoder_worker.families.qwen2_5_vl")
 
@@ -179,6 +186,13 @@ def describe_checkpoint(path: str | Path) -> dict:
         "saliency": "l2_norm(merged row)",
         "placeholder": PLACEHOLDER,
     }
+
+
+def max_image_tokens(path: Path) -> int:
+    """`smart_resize` keeps an image within `max_pixels`, and each merged row covers
+    (patch * merge)^2 of them."""
+    pre = _Preprocess(path)
+    return pre.max_pixels // (pre.patch * pre.merge) ** 2
 
 
 def _read_vision_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -18,6 +18,8 @@ import math
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, TypeVar
 
+import structlog
+
 from gateway.chat.context_fit import IMAGE_OVERHEAD_TOKENS, MESSAGE_OVERHEAD_TOKENS
 from gateway.chat.events import Finished, TextChunk
 from gateway.chat.generation_stream import ms_since
@@ -34,6 +36,7 @@ __all__ = (
     "IMAGE_TOKENS_ESTIMATE",
     "admitted",
     "counted",
+    "image_tokens_estimate",
     "input_estimate",
     "observe",
     "raw_input_estimate",
@@ -41,8 +44,10 @@ __all__ = (
 )
 
 E = TypeVar("E")
+log = structlog.get_logger("visiongate.metering")
 CHARS_PER_TOKEN = 3
-# visual tokens counted for an image before it is resolved, unless the engine names its own
+# visual tokens counted for an image before it is resolved when neither the engine nor the
+# encoder's config says more (`image_tokens_estimate`)
 IMAGE_TOKENS_ESTIMATE = 256
 
 
@@ -61,8 +66,26 @@ def text_tokens_estimate(text: str) -> int:
     return max(math.ceil(len(text) / CHARS_PER_TOKEN), dense) + wide
 
 
-def input_estimate(session: Session, options: ResponseOptions, engine: Engine) -> int:
-    """The prompt tokens of a turn over `session`, estimated before anything is resolved."""
+def image_tokens_estimate(engine: Engine, encoder: object) -> int:
+    """What an image not encoded yet counts as: the engine's own figure (an upstream engine
+    sent image bytes), else the most tokens the encoder's config makes of one image (a VLM
+    checkpoint's bound, a tower's patches), else `IMAGE_TOKENS_ESTIMATE`. Read once, at start."""
+    own = int(getattr(engine, "image_tokens_estimate", 0) or 0)
+    if own:
+        return own
+    config = getattr(encoder, "config", None)
+    if config is None or not hasattr(type(config), "max_image_tokens"):
+        return IMAGE_TOKENS_ESTIMATE
+    try:
+        return int(config.max_image_tokens) or IMAGE_TOKENS_ESTIMATE
+    except (OSError, ValueError) as exc:  # files unreadable here: the encoder says so itself
+        log.warning("image_tokens_estimate.default", error=str(exc)[:200])
+        return IMAGE_TOKENS_ESTIMATE
+
+
+def input_estimate(session: Session, options: ResponseOptions, per_image: int) -> int:
+    """The prompt tokens of a turn over `session`, estimated before anything is resolved;
+    `per_image` is what each of its images counts as (`image_tokens_estimate`)."""
     instructions = options.instructions or session.instructions
     texts = [instructions or "", options.tools_prompt or ""] + [
         part.text or ""
@@ -70,7 +93,6 @@ def input_estimate(session: Session, options: ResponseOptions, engine: Engine) -
         for part in item.parts
         if part.kind in ("text", "tool_call")
     ]
-    per_image = int(getattr(engine, "image_tokens_estimate", 0) or 0) or IMAGE_TOKENS_ESTIMATE
     images = len(session.image_digests)
     return (
         sum(map(text_tokens_estimate, texts))

@@ -50,7 +50,13 @@ from gateway.chat.generation_stream import (
     raw_events,
     status_of,
 )
-from gateway.chat.metering import admitted, counted, input_estimate, raw_input_estimate
+from gateway.chat.metering import (
+    admitted,
+    counted,
+    image_tokens_estimate,
+    input_estimate,
+    raw_input_estimate,
+)
 from gateway.chat.response_trace import ResponseTrace
 from gateway.chat.session_warmup import warm_up
 from gateway.chat.turn_prompt import (
@@ -99,6 +105,10 @@ class ChatService:
         self.telemetry = telemetry or NoopTelemetry()
         # a managed key's token limits and usage (gateway.chat.metering); None: not counted
         self.meter = meter
+        # what an image not encoded yet counts against a key's token limits
+        self.image_tokens_estimate = (
+            image_tokens_estimate(engine, vision.encoder) if meter is not None else 0
+        )
 
     def _trace(self, options: ResponseOptions, session_id: str | None, t0: float) -> ResponseTrace:
         return ResponseTrace(
@@ -140,7 +150,7 @@ class ChatService:
             else:
                 await drop_place(self.sessions, session, options)
 
-        estimate = input_estimate(session, options, self.engine)
+        estimate = input_estimate(session, options, self.image_tokens_estimate)
         metered, refused = await admitted(self.meter, session.owner, estimate, options, t0, ending)
         if refused is not None:
             yield refused

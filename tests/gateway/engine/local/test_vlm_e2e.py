@@ -206,6 +206,23 @@ async def test_follow_up_turn_matches_transformers_generate(vlm_server) -> None:
     assert usage["input_token_details"]["cached_tokens"] > ref["image_tokens"]
 
 
+async def test_an_image_not_encoded_yet_is_estimated_at_the_checkpoints_bound(vlm_server) -> None:
+    """A key's token limits are charged an estimate before images are encoded: for a VLM
+    checkpoint the most tokens one of its images can make (`max_image_tokens`), which the real
+    image's count never passes."""
+    from encoder_worker.families.family import max_image_tokens
+    from gateway.chat.metering import IMAGE_TOKENS_ESTIMATE, image_tokens_estimate
+
+    family, path, server = vlm_server
+    state = server.app.state["gateway"]
+    bound = max_image_tokens(path)
+    assert image_tokens_estimate(state.engine, state.serving.encoder) == bound
+    assert bound != IMAGE_TOKENS_ESTIMATE  # not the default's figure
+    ((_, usage),) = await _ask(server.ws_url, PHOTOS[0])
+    image_tokens = usage["input_token_details"]["image_tokens"]
+    assert 0 < image_tokens <= bound, (family, image_tokens, bound)
+
+
 async def test_text_spelling_the_image_placeholder_is_refused(vlm_server) -> None:
     """User text that spells the checkpoint's image placeholder would shift every image's rows;
     the response fails with invalid_request and the connection stays open."""
