@@ -233,10 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_convert)
 
     from dashboards.commands import register as register_dashboards
+    from gateway.cli.client_secret import register as register_client_secret
     from gateway.cli.keys import register as register_keys
     from gateway.cli.worker_cli import register as register_worker
 
-    for register in (register_worker, register_dashboards, register_keys):
+    for register in (register_worker, register_dashboards, register_keys, register_client_secret):
         register(sub)
     return parser
 

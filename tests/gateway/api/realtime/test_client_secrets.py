@@ -281,3 +281,33 @@ async def test_playground_session_with_a_managed_key(make_gateway, redis_url) ->
     assert r.status_code == 401 and r.json()["error"]["code"] == "api_key_revoked"
     event, code, _ = await refused(pg.ws_url, secret, at_handshake=False)
     assert event["error"]["code"] == "api_key_revoked" and code == 1008
+
+
+async def test_the_cli_mints_one_for_a_script(make_gateway, monkeypatch, capsys) -> None:
+    """`visiongate client-secret`, the parent key in VISIONGATE_API_KEY: the printed key opens
+    a Realtime session with the settings given; a bad one or a refused parent exits 1."""
+    from gateway.cli.main import main
+
+    gw = make_gateway(settings=dict(api_keys=[STATIC]))
+    monkeypatch.delenv("VISIONGATE_API_KEY", raising=False)
+    assert main(["client-secret", "--url", gw.http_url]) == 2  # no parent key: says so
+    capsys.readouterr()
+    monkeypatch.setenv("VISIONGATE_API_KEY", STATIC)
+    argv = ["client-secret", "--url", gw.http_url, "--expires-in-s", "60"]
+    session = '{"type": "realtime", "instructions": "Be short."}'
+    assert await asyncio.to_thread(main, [*argv, "--session", session, "--value-only"]) == 0
+    secret = capsys.readouterr().out.strip()
+    assert secret.startswith("ek_") and "\n" not in secret
+    async with Peer.connected(gw.ws_url, api_key=secret) as peer:
+        updated = await peer.recv(10)
+        assert updated["session"]["instructions"] == "Be short."
+    assert await asyncio.to_thread(main, argv) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["value"].startswith("ek_") and made["value"] != secret
+    assert time.time() + 55 <= made["expires_at"] <= time.time() + 61
+    assert await asyncio.to_thread(main, [*argv, "--session", "{not json"]) == 1
+    assert json.loads(capsys.readouterr().err)["error"]["code"] == "invalid_request"
+    monkeypatch.setenv("VISIONGATE_API_KEY", "sk-not-a-key-of-this-gateway")
+    assert await asyncio.to_thread(main, argv) == 1
+    err = capsys.readouterr().err
+    assert json.loads(err[err.rfind("\n{\n") + 1 :])["error"]["code"] == "unauthorized"
