@@ -40,6 +40,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     log_level: str = "info"
     api_keys: list[str] = []  # empty: no authentication, every caller is "anonymous"
     rate_limit_per_minute: int = 0  # responses per minute per API key; 0: no limit
+    # input / output tokens per minute per static API key (all callers together, as one
+    # owner, when no keys are set); managed keys carry their own limits; 0: no limit
+    input_tokens_per_minute: int = 0
+    output_tokens_per_minute: int = 0
     # the admin API's key (/v1/admin/keys): set, it turns managed API keys on (gateway.policy)
     admin_api_key: str = ""
     # ephemeral Realtime keys (POST /v1/realtime/client_secrets): the longest lifetime a client
@@ -184,6 +188,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             f"must be 1..{self.max_output_tokens_limit}, got {self.max_output_tokens}",
         )
         need(self.rate_limit_per_minute >= 0, "rate_limit_per_minute", "must be >= 0")
+        need(self.input_tokens_per_minute >= 0, "input_tokens_per_minute", "must be >= 0")
+        need(self.output_tokens_per_minute >= 0, "output_tokens_per_minute", "must be >= 0")
         need(
             not self.admin_api_key or len(self.admin_api_key) >= 16,
             "admin_api_key",

@@ -111,23 +111,36 @@ class _Background:
 
 
 class TokenMeter:
-    """Token limits and usage of managed keys (`open` per response), over one token limiter."""
+    """Token limits and usage of managed keys (`open` per response), over one token limiter;
+    `defaults` are the limits of every other owner (static keys, or "anonymous" on a gateway
+    without keys: the `input_tokens_per_minute` / `output_tokens_per_minute` settings), whose
+    usage is not kept in the key store (it lists managed keys only) but counted in metrics."""
 
-    __slots__ = ("_background", "_labelled", "_owed", "auth", "limiter", "metrics")
+    __slots__ = ("_background", "_labelled", "_owed", "auth", "defaults", "limiter", "metrics")
 
     def __init__(
-        self, limiter: TokenLimiter, auth: Authenticator, metrics: GatewayMetrics | None = None
+        self,
+        limiter: TokenLimiter,
+        auth: Authenticator,
+        metrics: GatewayMetrics | None = None,
+        *,
+        defaults: TokenLimits | None = None,
     ) -> None:
         self.limiter = limiter
         self.auth = auth
         self.metrics = metrics
+        self.defaults = defaults
         self._background = _Background()
         self._labelled: set[str] = set()
         # owner -> (input, output) tokens whose charge found no room in flight, not yet written
         self._owed: dict[str, tuple[int, int]] = {}
 
     def limits(self, owner: str) -> TokenLimits | None:
-        return TokenLimits.of(self.auth.limits_of(owner))
+        record = self.auth.limits_of(owner)
+        return TokenLimits.of(record) if record is not None else self.defaults
+
+    def _managed(self, owner: str) -> bool:
+        return self.auth.limits_of(owner) is not None
 
     def key_label(self, owner: str) -> str:
         """The `key` label of a managed key's metrics: its id, for the first `KEY_LABELS`
@@ -165,8 +178,9 @@ class TokenMeter:
         return used.tightest(limits) if used is not None else None
 
     def open(self, owner: str) -> Metered | None:
-        """The meter of one response of `owner`; None when it is not a managed key."""
-        if self.auth.limits_of(owner) is None:
+        """The meter of one response of `owner`; None for an owner neither managed nor under
+        the default limits."""
+        if not self._managed(owner) and self.defaults is None:
             return None
         return Metered(self, owner, self.limits(owner))
 
@@ -193,7 +207,7 @@ class TokenMeter:
 
     def record(self, owner: str, usage: TokenUsage) -> None:
         store = self.auth.store
-        if store is not None:
+        if store is not None and self._managed(owner):
             work = store.count_usage(
                 owner,
                 input_tokens=usage.input_tokens,
@@ -217,7 +231,7 @@ class TokenMeter:
         """A response refused here, after `CountingLimiter.acquire` counted its request (another
         response took the last room in between): its key's `requests` count it no more."""
         store = self.auth.store
-        if store is not None:
+        if store is not None and self._managed(owner):
             self._background.run("requests", owner, store.count_usage(owner, requests=-1))
 
     def _refused(self, owner: str, limit: str = "tokens") -> None:
@@ -337,8 +351,9 @@ class CountingLimiter:
         try:
             allowance = await self.inner.acquire(owner)
         except GatewayError:
-            if self.tokens is not None and self.auth.limits_of(owner) is not None:
-                self.tokens._refused(owner, "requests")
+            if self.tokens is not None and self.tokens.limits(owner) is not None:
+                if self.auth.limits_of(owner) is not None:
+                    self.tokens._refused(owner, "requests")
                 await self.tokens.check(owner, refuse=False)  # the 429's token headers
             raise
         if self.tokens is not None:

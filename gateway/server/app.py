@@ -41,7 +41,7 @@ from gateway.policy.key_store import make_key_store
 from gateway.policy.key_usage import CountingLimiter, TokenMeter
 from gateway.policy.rate_headers import RateLimitHeaders
 from gateway.policy.ratelimit import RefusedBytes, make_rate_limiter
-from gateway.policy.token_limits import make_token_limiter
+from gateway.policy.token_limits import TokenLimits, make_token_limiter
 from gateway.server.readiness import Readiness
 from gateway.server.state import GatewayState, Serving
 from gateway.sessions import make_session_store
@@ -173,10 +173,21 @@ def create_app(
     if bind_telemetry is not None:  # an upstream engine's per-replica metrics and spans
         bind_telemetry(telemetry)
     auth = _authenticator(settings, engine)
-    # managed keys' token limits and usage, on the key store's backend
+    # managed keys' token limits and usage, on the key store's backend, and the settings'
+    # token limits of every other key
+    defaults = (
+        TokenLimits(
+            input_tpm=settings.input_tokens_per_minute or None,
+            output_tpm=settings.output_tokens_per_minute or None,
+        )
+        if settings.input_tokens_per_minute or settings.output_tokens_per_minute
+        else None
+    )
     meter = (
-        TokenMeter(make_token_limiter(settings.redis_url), auth, telemetry.metrics)
-        if auth.store is not None
+        TokenMeter(
+            make_token_limiter(settings.redis_url), auth, telemetry.metrics, defaults=defaults
+        )
+        if auth.store is not None or defaults is not None
         else None
     )
     state = GatewayState(

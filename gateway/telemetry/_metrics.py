@@ -140,7 +140,7 @@ class GatewayMetrics:
         image_tokens: int,
         encode_s: float,
     ) -> None:
-        """One finished response of a managed API key. ``key`` is its id, or "other" past the
+        """One finished response of a key under token limits. ``key`` is its id, or "other" past the
         ids a process labels (the caller bounds the set: `gateway.policy.key_usage`)."""
         for kind, count in (
             ("input", input_tokens),
@@ -152,7 +152,7 @@ class GatewayMetrics:
         self._add("visiongate.key.encode.duration", max(encode_s, 0.0), {"key": key})
 
     def record_key_refusal(self, *, key: str, limit: str) -> None:
-        """A response of a managed key refused by its ``limit`` (requests | tokens)."""
+        """A response of a key under token limits refused by its ``limit`` (requests | tokens)."""
         self._add("visiongate.key.rate_limited", 1, {"key": key, "limit": limit})
 
     def record_upstream_attempt(
