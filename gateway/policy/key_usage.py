@@ -1,11 +1,12 @@
-"""Per managed key usage and token limits around each response (`/v1/admin/usage`, metrics).
+"""Per key usage and token limits around each response (`/v1/admin/usage`, metrics): managed
+keys' own limits, and the settings' limits of static keys (`TokenMeter.defaults`).
 
 `CountingLimiter` wraps the request rate limiter, whose `acquire(owner)` every transport calls
 once per response before anything of it is stored: past the requests limit, it asks the token
 limiter (`gateway.policy.token_limits`) whether the key's token windows still have room, so a
 key past a token limit is refused (429) before its turn is stored, then counts the request.
 
-`TokenMeter.open(owner)` is the chat layer's hook for one response of a managed key
+`TokenMeter.open(owner)` is the chat layer's hook for one response of a key under limits
 (`Metered`): `admit(estimate)` counts the estimated input tokens against the key's limits in one
 atomic step, which is what keeps concurrent responses within a limit (plus one response), and
 returns the refusal if the key has no room left; `streamed(n)` counts output tokens as they go

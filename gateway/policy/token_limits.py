@@ -1,5 +1,6 @@
-"""Per managed key token limits: input and output tokens per minute, and a token budget per
-day or month (`KeyRecord.input_tpm`, `output_tpm`, `budget_tokens` + `budget_period`).
+"""Per key token limits: input and output tokens per minute, and a token budget per day or
+month (a managed key's `KeyRecord.input_tpm`, `output_tpm`, `budget_tokens` + `budget_period`;
+a static key's from the settings, `input_tokens_per_minute` / `output_tokens_per_minute`).
 
 Counting. Each key has three counters in fixed windows: input tokens this minute, output tokens
 this minute, and tokens (input + output) this budget period (the UTC day, or the UTC calendar
