@@ -407,6 +407,7 @@ async def _close(state: GatewayState) -> None:
         state.rate_limiter,
         *([state.auth.store] if state.auth.store is not None else []),
         *([state.auth.client_secrets] if state.auth.client_secrets is not None else []),
+        *([state.admin_lockout] if state.admin_lockout is not None else []),
     ):
         await store.aclose()
     state.telemetry.shutdown()

@@ -18,6 +18,7 @@ from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:
     from encoder_worker.types import Encoder
+    from gateway.api.admin.lockout import Lockout
     from gateway.caching import ImageStore, VisionCache
     from gateway.chat.service import ChatService
     from gateway.chat.vision_resolver import VisionResolver
@@ -64,6 +65,8 @@ class GatewayState:
     refused: RefusedBytes = field(default_factory=lambda: RefusedBytes(0))
     # managed keys' token limits and usage (gateway/policy/key_usage.py); None: no key store
     token_meter: TokenMeter | None = None
+    # wrong admin keys counted per client (gateway/api/admin/lockout.py); None: no admin API
+    admin_lockout: Lockout | None = None
     # set by `gateway.server.runner.serve` (a process of its own): freeze the startup heap once
     # ready
     freeze_gc: bool = False

@@ -3,7 +3,8 @@
 Every answer that is not a success is the OpenAI-shaped error object with a stable code, what
 routing or body limits refuse included (a create body over `protocol.MAX_BODY` is
 `request_too_large`, 413). Registered only when `admin_api_key` is set. Wrong admin keys are
-counted per client (`lockout.AdminLockout`): past a few in a row, `auth_locked_out` (429).
+counted per client, on every replica (`lockout.make_lockout`): past a few in a row,
+`auth_locked_out` (429).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import structlog
 from litestar import Request, Response, Router, delete, get, post
 
 from gateway.api.admin import protocol as p
-from gateway.api.admin.lockout import AdminLockout
+from gateway.api.admin.lockout import make_lockout
 from gateway.api.admin.serving import AdminServing
 from gateway.api.http.error_replies import error_handler
 from gateway.policy.auth import key_of
@@ -39,18 +40,18 @@ def admin_route_handlers(state: GatewayState) -> list[Any]:
 
     register_secrets([settings.admin_api_key])
     admin = AdminServing(settings.admin_api_key, state.auth, store)
-    lockout = AdminLockout()
+    lockout = state.admin_lockout = make_lockout(settings.redis_url)
 
     async def check_admin(request: Request) -> None:
         client = request.client.host if request.client is not None else ""
-        lockout.check(client)
+        await lockout.check(client)
         try:
             await admin.check_admin(request.headers)
         except GatewayError as exc:
             if exc.code == "unauthorized" and key_of(request.headers):
-                lockout.failed(client)
+                await lockout.failed(client)
             raise
-        lockout.succeeded(client)
+        await lockout.succeeded(client)
 
     @post("/keys", status_code=201, request_max_body_size=p.MAX_BODY)
     async def create_key(request: Request) -> Response[p.CreatedKey]:

@@ -10,7 +10,14 @@ import time
 import httpx
 import pytest
 
-from gateway.api.admin.lockout import FREE_FAILURES, MAX_DELAY_S, AdminLockout
+from gateway.api.admin.lockout import (
+    FORGET_S,
+    FREE_FAILURES,
+    MAX_DELAY_S,
+    AdminLockout,
+    RedisAdminLockout,
+)
+from gateway.protocol.errors import GatewayError
 
 ADMIN = "admin-0123456789abcdef-secret"
 STATIC = "sk-static-5b8e0f2d9c41a7"
@@ -63,14 +70,14 @@ def test_guessing_the_admin_key_locks_the_client_out(gw) -> None:
     assert httpx.get(f"{gw.http_url}/v1/models", headers=bearer(STATIC)).status_code == 200
 
 
-def test_the_delay_doubles_to_a_bound_and_the_table_is_bounded() -> None:
+async def test_the_delay_doubles_to_a_bound_and_the_table_is_bounded() -> None:
     now = [0.0]
     lockout = AdminLockout(clock=lambda: now[0])
     delays = []
     for _ in range(FREE_FAILURES + 12):
-        lockout.failed("10.0.0.1")
+        await lockout.failed("10.0.0.1")
         try:
-            lockout.check("10.0.0.1")
+            await lockout.check("10.0.0.1")
         except Exception as exc:
             delays.append(round(exc.retry_after_s, 3))  # type: ignore[attr-defined]
         else:
@@ -78,12 +85,65 @@ def test_the_delay_doubles_to_a_bound_and_the_table_is_bounded() -> None:
     assert delays[: FREE_FAILURES - 1] == [0.0] * (FREE_FAILURES - 1)
     assert delays[FREE_FAILURES - 1 : FREE_FAILURES + 4] == [1.0, 2.0, 4.0, 8.0, 16.0]
     assert max(delays) == MAX_DELAY_S
-    lockout.check("10.0.0.2")  # another client is not locked out
+    await lockout.check("10.0.0.2")  # another client is not locked out
     for i in range(20_000):
-        lockout.failed(f"c{i}")
+        await lockout.failed(f"c{i}")
     assert len(lockout._clients) <= 10_000
     now[0] += MAX_DELAY_S + 1
-    lockout.check("10.0.0.1")  # over
+    await lockout.check("10.0.0.1")  # over
+
+
+async def test_the_redis_count_doubles_alike_and_forgets_a_client(redis_url, raw_redis) -> None:
+    now = [1_000_000.0]
+    lockout = RedisAdminLockout(redis_url, namespace="lockout-unit", clock=lambda: now[0])
+    try:
+        delays = []
+        for _ in range(FREE_FAILURES + 12):
+            await lockout.failed("10.0.0.1")
+            try:
+                await lockout.check("10.0.0.1")
+            except GatewayError as exc:
+                delays.append(round(exc.retry_after_s or 0.0, 3))
+            else:
+                delays.append(0.0)
+        assert delays[: FREE_FAILURES - 1] == [0.0] * (FREE_FAILURES - 1)
+        assert delays[FREE_FAILURES - 1 : FREE_FAILURES + 4] == [1.0, 2.0, 4.0, 8.0, 16.0]
+        assert max(delays) == MAX_DELAY_S
+        await lockout.check("10.0.0.2")
+        assert 0 < raw_redis.ttl(lockout.key("10.0.0.1")) <= FORGET_S
+        now[0] += MAX_DELAY_S + 1
+        await lockout.check("10.0.0.1")  # over
+        await lockout.succeeded("10.0.0.1")
+        assert not raw_redis.exists(lockout.key("10.0.0.1"))
+    finally:
+        await lockout.aclose()
+
+
+async def test_without_redis_it_counts_in_the_process() -> None:
+    """A Redis that does not answer: the guesses still count, here."""
+    from gateway.testing.ports import free_port
+
+    lockout = RedisAdminLockout(f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        for _ in range(FREE_FAILURES):
+            await lockout.failed("10.0.0.9")
+        with pytest.raises(GatewayError) as refused:
+            await lockout.check("10.0.0.9")
+        assert refused.value.code == "auth_locked_out"
+    finally:
+        await lockout.aclose()
+
+
+def test_guesses_spread_over_two_replicas_share_one_count(make_gateway, redis_url) -> None:
+    settings = dict(admin_api_key=ADMIN, api_keys=[STATIC], redis_url=redis_url)
+    a, b = make_gateway(settings=settings), make_gateway(settings=settings)
+    for i in range(FREE_FAILURES):
+        gw = (a, b)[i % 2]
+        r = httpx.get(f"{gw.http_url}/v1/admin/keys", headers=bearer(f"guess-{i:04d}-bbbbbbbbbb"))
+        assert code_of(r) == "unauthorized"
+    for gw in (a, b):  # locked out on both, the right key included
+        r = httpx.get(f"{gw.http_url}/v1/admin/keys", headers=bearer(ADMIN))
+        assert r.status_code == 429 and code_of(r) == "auth_locked_out", r.text
 
 
 def test_forged_ids_cursors_and_headers(gw) -> None:
