@@ -44,6 +44,30 @@ def usage_of(url: str, key_id: str) -> dict:
     return next(u for u in data if u["id"] == key_id)
 
 
+def assert_token_refusal(r: httpx.Response, limit: int) -> None:
+    """A 429 of a token limit: the stable code, Retry-After and the token headers."""
+    assert r.json()["error"]["code"] == "rate_limited"
+    assert int(r.headers["retry-after"]) >= 1
+    assert r.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert r.headers["x-ratelimit-limit-tokens"] == str(limit)
+    assert RESET.match(r.headers["x-ratelimit-reset-tokens"])
+
+
+def admitted_within(answers: list[httpx.Response], limit: int) -> list[httpx.Response]:
+    """The answers of concurrent clients against an input limit: each a 200 or a token 429,
+    some of both, and the prompt tokens admitted within the limit plus one response. The
+    200s."""
+    ok = [r for r in answers if r.status_code == 200]
+    refused = [r for r in answers if r.status_code == 429]
+    assert len(ok) + len(refused) == len(answers), {r.status_code for r in answers}
+    assert ok and refused
+    prompt_tokens = [r.json()["usage"]["prompt_tokens"] for r in ok]
+    assert sum(prompt_tokens) < limit + max(prompt_tokens)
+    for r in refused:
+        assert_token_refusal(r, limit)
+    return ok
+
+
 def chat_body(text: str, **extra) -> dict:
     return {"model": "fake-echo", "messages": [{"role": "user", "content": text}], **extra}
 
@@ -70,19 +94,8 @@ async def test_two_replicas_hold_the_input_limit_under_concurrent_clients(replic
         for _ in range(3):  # waves of concurrent clients on both replicas
             answers += await asyncio.gather(*(one(i) for i in range(24)))
 
-    ok = [r for r in answers if r.status_code == 200]
-    refused = [r for r in answers if r.status_code == 429]
-    assert len(ok) + len(refused) == len(answers), {r.status_code for r in answers}
-    assert ok and refused
+    ok = admitted_within(answers, limit)
     prompt_tokens = [r.json()["usage"]["prompt_tokens"] for r in ok]
-    # what was admitted stays within the limit plus one response
-    assert sum(prompt_tokens) < limit + max(prompt_tokens)
-    for r in refused:
-        assert r.json()["error"]["code"] == "rate_limited"
-        assert int(r.headers["retry-after"]) >= 1
-        assert r.headers["x-ratelimit-remaining-tokens"] == "0"
-        assert r.headers["x-ratelimit-limit-tokens"] == str(limit)
-        assert RESET.match(r.headers["x-ratelimit-reset-tokens"])
     # the counters hold what was really used: the admin API sees every admitted token
     completion_tokens = sum(r.json()["usage"]["completion_tokens"] for r in ok)
 
