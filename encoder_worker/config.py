@@ -169,10 +169,10 @@ class EncoderConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.family is not None:
             from encoder_worker.families.family import max_image_tokens
 
-            return max_image_tokens(self.tower)
-        from encoder_worker.tower import describe_tower
+            return max_image_tokens(self.tower, max_pixels=self.max_pixels)
+        from encoder_worker.tower import tower_grid
 
-        return describe_tower(self.tower, self.seed).spec.num_patches
+        return tower_grid(self.tower) ** 2
 
     @property
     def exact(self) -> bool:

@@ -38,6 +38,7 @@ __all__ = (
     "build_tower",
     "cls_attention_row",
     "describe_tower",
+    "tower_grid",
 )
 
 # name -> (hidden, mlp, layers, heads, image size, patch size)
@@ -185,6 +186,24 @@ class TowerInfo(NamedTuple):
     num_layers: int
     spec: PreprocessSpec
     weights_id: str
+
+
+def tower_grid(tower: str) -> int:
+    """Patches along a side of the tower's input, from its name or config.json alone (no
+    weights hashed: `describe_tower` names them too)."""
+    if tower in SYNTHETIC_SHAPES:
+        *_, size, patch = SYNTHETIC_SHAPES[tower]
+        return size // patch
+    try:
+        with open(os.path.join(tower, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{tower}: cannot read config.json ({exc})") from None
+    model_type = str(cfg.get("model_type") or "")
+    if model_type in ("clip", "siglip"):
+        cfg = cfg.get("vision_config") or {}
+    size, patch = (224, 16) if model_type.startswith("siglip") else (224, 32)  # as describe_tower
+    return int(cfg.get("image_size", size)) // int(cfg.get("patch_size", patch))
 
 
 def describe_tower(tower: str, seed: int) -> TowerInfo:

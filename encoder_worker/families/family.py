@@ -116,14 +116,16 @@ def load_family(
     return mod.Family(Path(checkpoint_dir), device, dtype)
 
 
-def max_image_tokens(checkpoint_dir: str | Path) -> int:
+def max_image_tokens(checkpoint_dir: str | Path, *, max_pixels: int) -> int:
     """The most visual tokens one image can put in the prompt (before patch dropping), from the
     checkpoint's files alone: what a gateway counts for an image it has not encoded yet (a key's
-    token limits are charged the estimate first, so it errs high). LLaVA: the tower's patches;
-    Idefics3: the tiles of the largest image the processor makes, plus the global image, times
-    the tokens of a tile; Qwen2.5-VL: `max_pixels` in merged patches."""
+    token limits are charged the estimate first, so it errs high). `max_pixels` is the decode
+    guard's limit (`EncoderConfig.max_pixels`), which bounds a processor that does not resize.
+    LLaVA: the tower's patches; Idefics3: the tiles of the largest image the processor makes,
+    plus the global image, times the tokens of a tile; Qwen2.5-VL: its `max_pixels` in merged
+    patches, or more for the elongated images its resize clamps to one row."""
     module = detect_family(checkpoint_dir)
     if module is None:
         raise UnsupportedCheckpoint(f"{checkpoint_dir}: not a VLM checkpoint")
     mod = importlib.import_module(f"encoder_worker.families.{module}")
-    return int(mod.max_image_tokens(Path(checkpoint_dir)))
+    return int(mod.max_image_tokens(Path(checkpoint_dir), max_pixels=max_pixels))

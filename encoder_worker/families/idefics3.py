@@ -392,19 +392,31 @@ def describe_checkpoint(path: str | Path) -> dict:
     return _Settings.read(Path(path)).describe()
 
 
-def max_image_tokens(path: Path) -> int:
-    """The tiles of a square image as large as the processor lets one be (its `longest_edge`,
-    the larger of a fixed size, or `MAX_IMAGE_SIDE` with resizing off): no image makes more
-    (a side rounds up to at most as many tiles as the longest), times a tile's tokens."""
+def max_image_tokens(path: Path, *, max_pixels: int) -> int:
+    """The most tiles an image makes, times a tile's tokens. Resized, no image makes more than
+    a square as large as the processor lets one be (its `longest_edge`, or the larger side of a
+    fixed size): a side rounds up to at most as many tiles as the longest. Not resized, an
+    image keeps its own size, bounded only by `max_pixels` (the decode guard): the most tiles
+    of r rows is r + 1 (the short side's rounding may add a row) times the columns of the
+    widest image r rows allow, plus the global image."""
     settings = _Settings.read(path)
     spec = settings.spec
-    if not spec.do_resize:
-        side = MAX_IMAGE_SIDE
-    elif spec.longest_edge:
-        side = min(spec.longest_edge, MAX_IMAGE_SIDE)
-    else:
-        side = max(spec.size_hw or (spec.tile,))
-    return plan_tiles(side, side, spec).tiles * settings.image_seq_len
+    if not spec.do_image_splitting:  # one image, squashed to a tile
+        return settings.image_seq_len
+    if spec.do_resize:
+        if spec.longest_edge:
+            side = min(spec.longest_edge, MAX_IMAGE_SIDE)
+        else:
+            side = max(spec.size_hw or (spec.tile,))
+        return plan_tiles(side, side, spec).tiles * settings.image_seq_len
+    t, most = spec.tile, 1
+    for rows in range(1, max_pixels // t + 2):
+        tallest_short = (rows - 1) * t + 1  # the least height that needs `rows` rows
+        if tallest_short > max_pixels:
+            break
+        cols = math.ceil((max_pixels // tallest_short) / t)
+        most = max(most, (rows + 1) * cols + 1)
+    return most * settings.image_seq_len
 
 
 class Family:

@@ -122,7 +122,7 @@ def describe_checkpoint(path: str | Path) -> dict:
     }
 
 
-def max_image_tokens(path: Path) -> int:
+def max_image_tokens(path: Path, *, max_pixels: int = 0) -> int:
     """Every image is one tower input of `image_size` px: its patches, less the CLS row under
     the "default" select strategy."""
     config = _load_config(path)

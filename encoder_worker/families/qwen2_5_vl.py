@@ -188,11 +188,22 @@ def describe_checkpoint(path: str | Path) -> dict:
     }
 
 
-def max_image_tokens(path: Path) -> int:
-    """`smart_resize` keeps an image within `max_pixels`, and each merged row covers
-    (patch * merge)^2 of them."""
+def max_image_tokens(path: Path, *, max_pixels: int = 0) -> int:
+    """Each merged row covers (patch * merge)^2 = f^2 pixels, and `smart_resize` keeps an image
+    within the processor's `max_pixels` (P) but for one case: a side it scales below f is
+    clamped up to f, so an image as elongated as the processor takes (`_MAX_ASPECT`: a) keeps
+    its long side at sqrt(P * a) and becomes floor(sqrt(P * a) / f) rows of one. Scaled up
+    toward `min_pixels` (m, in rows), each side rounds up: at most m + sqrt(a m) + sqrt(m / a)
+    + 1 rows. The bound is the largest of the three."""
     pre = _Preprocess(path)
-    return pre.max_pixels // (pre.patch * pre.merge) ** 2
+    factor = pre.patch * pre.merge
+    within = pre.max_pixels // factor**2
+    clamped = math.floor(math.sqrt(pre.max_pixels * _MAX_ASPECT) / factor)
+    least = pre.min_pixels / factor**2
+    scaled_up = math.ceil(
+        least + math.sqrt(_MAX_ASPECT * least) + math.sqrt(least / _MAX_ASPECT) + 1
+    )
+    return max(within, clamped, scaled_up)
 
 
 def _read_vision_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -78,8 +78,8 @@ def image_tokens_estimate(engine: Engine, encoder: object) -> int:
         return IMAGE_TOKENS_ESTIMATE
     try:
         return int(config.max_image_tokens) or IMAGE_TOKENS_ESTIMATE
-    except (OSError, ValueError) as exc:  # files unreadable here: the encoder says so itself
-        log.warning("image_tokens_estimate.default", error=str(exc)[:200])
+    except Exception as exc:  # files unreadable or odd here: never a failed start
+        log.warning("image_tokens_estimate.default", error=f"{type(exc).__name__}: {exc}"[:300])
         return IMAGE_TOKENS_ESTIMATE
 
 

@@ -105,10 +105,9 @@ class ChatService:
         self.telemetry = telemetry or NoopTelemetry()
         # a managed key's token limits and usage (gateway.chat.metering); None: not counted
         self.meter = meter
-        # what an image not encoded yet counts against a key's token limits
-        self.image_tokens_estimate = (
-            image_tokens_estimate(engine, vision.encoder) if meter is not None else 0
-        )
+        # what an image not encoded yet counts as (a key's token limits, an incomplete answer's
+        # usage)
+        self.image_tokens_estimate = image_tokens_estimate(engine, vision.encoder)
 
     def _trace(self, options: ResponseOptions, session_id: str | None, t0: float) -> ResponseTrace:
         return ResponseTrace(

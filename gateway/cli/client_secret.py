@@ -43,10 +43,13 @@ def _fail(message: str, code: str | None = None) -> int:
 def cmd_client_secret(args: argparse.Namespace) -> int:
     import httpx
 
-    parent = os.environ.get(ENV, "")
+    parent = os.environ.get(ENV, "").strip()  # a key file's line ending is not the key's
     if not parent:
         print(f"set {ENV} to the API key the ephemeral key is minted with", file=sys.stderr)
         return 2
+    if not (parent.isascii() and parent.isprintable()):
+        # never echoed: an error that quoted the header would print the key
+        return _fail(f"{ENV} holds characters no API key has", "invalid_request")
     body: dict[str, Any] = {}
     if args.expires_in_s is not None:
         body["expires_after"] = {"anchor": "created_at", "seconds": args.expires_in_s}
@@ -58,13 +61,14 @@ def cmd_client_secret(args: argparse.Namespace) -> int:
     url = args.url.rstrip("/") + "/v1/realtime/client_secrets"
     try:
         r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {parent}"}, timeout=30)
-    except httpx.HTTPError as exc:
-        return _fail(f"{type(exc).__name__}: {exc}")
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        # the exception's text may quote the request's headers: only its kind is shown
+        return _fail(f"{type(exc).__name__} reaching {args.url}")
     try:
         answer = r.json()
     except ValueError:
         answer = {"error": {"message": f"HTTP {r.status_code}", "code": None}}
-    if not r.is_success:
+    if not r.is_success or not isinstance(answer, dict) or "value" not in answer:
         print(json.dumps(answer, indent=2), file=sys.stderr)
         return 1
     print(answer["value"] if args.value_only else json.dumps(answer, indent=2))

@@ -7,35 +7,36 @@ image it has not encoded yet, so one that fell short would let concurrent respon
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from encoder_worker.config import EncoderConfig
 from encoder_worker.families.family import UnsupportedCheckpoint, max_image_tokens
 from tests.vlm_checkpoints import exactness, idefics3, llava, qwen2_5_vl
 
 SQUARE = (1024, 1024)
+# the most elongated image Qwen2.5-VL's processor takes (200:1): its resize clamps the short
+# side to one merged patch and keeps the long side at sqrt(max_pixels * 200)
+STRIP = (28, 28 * 200)
 # family, builder options, the image token the processor expands the placeholder into, and
 # the (height, width) of an image that makes the most tokens: for LLaVA and Idefics3 a square
-# past every size the processor resizes to; for Qwen2.5-VL one whose merged-patch grid fills
-# max_pixels exactly (40 = 5 x 8 merged patches of 28 px, 20 = 4 x 5)
+# past every size the processor resizes to; for Qwen2.5-VL the strip (89 rows of one against
+# max_pixels' 40; 63 against 20)
 VARIANTS = {
     "llava-default": ("llava", {}, "<image>", SQUARE),
     "llava-full": ("llava", {"select_strategy": "full"}, "<image>", SQUARE),
     "idefics3-split": ("idefics3", {}, "<image>", SQUARE),
     "idefics3-nosplit": ("idefics3", {"do_image_splitting": False}, "<image>", SQUARE),
     "idefics3-edge256": ("idefics3", {"longest_edge": 256}, "<image>", SQUARE),
-    "qwen2_5_vl": ("qwen2_5_vl", {}, "<|image_pad|>", (5 * 28 * 4, 8 * 28 * 4)),
-    "qwen2_5_vl-max20": (
-        "qwen2_5_vl",
-        {"max_pixels": 28 * 28 * 20},
-        "<|image_pad|>",
-        (4 * 28 * 5, 5 * 28 * 5),
-    ),
+    "qwen2_5_vl": ("qwen2_5_vl", {}, "<|image_pad|>", STRIP),
+    "qwen2_5_vl-max20": ("qwen2_5_vl", {"max_pixels": 28 * 28 * 20}, "<|image_pad|>", STRIP),
 }
 BUILDERS = {"llava": llava, "idefics3": idefics3, "qwen2_5_vl": qwen2_5_vl}
+MAX_PIXELS = EncoderConfig().max_pixels
 PHOTOS = ("astronaut", "coffee", "tall", "strip", "small")
 
 
@@ -55,21 +56,37 @@ def image_tokens(family: str, path: Path, token: str, rgb: np.ndarray) -> int:
 def test_no_image_makes_more_tokens_than_the_bound_and_the_largest_makes_it(key, tmp_path) -> None:
     family, options, token, (height, width) = VARIANTS[key]
     path = BUILDERS[family].build(tmp_path / key, **options)
-    bound = max_image_tokens(path)
+    bound = max_image_tokens(path, max_pixels=MAX_PIXELS)
     counts = {name: image_tokens(family, path, token, exactness.shaped(name)) for name in PHOTOS}
     assert all(0 < n <= bound for n in counts.values()), (bound, counts)
     largest = np.asarray(Image.fromarray(exactness.shaped("astronaut")).resize((width, height)))
     assert image_tokens(family, path, token, largest) == bound, (bound, counts)
 
 
+def test_idefics3_without_resizing_is_bounded_by_the_decode_guard(tmp_path) -> None:
+    """Not resized, an image keeps its size: only the decode guard's pixel limit bounds its
+    tiles. Every shape at that limit, through the family's own tile plan (equal to the
+    processor's, test_family_idefics3), makes no more."""
+    from encoder_worker.families.idefics3 import TileSpec, plan_tiles
+
+    path = idefics3.build(tmp_path / "noresize")
+    processor = json.loads((path / "processor_config.json").read_text())
+    config = processor["image_processor"]
+    config["do_resize"] = False
+    (path / "processor_config.json").write_text(json.dumps(processor))
+    limit = 64 * 64 * 12  # twelve tiles' pixels
+    bound = max_image_tokens(path, max_pixels=limit)
+    spec = TileSpec.from_dict(config)
+    most = max(plan_tiles(h, limit // h, spec).tiles for h in range(1, limit + 1))
+    assert most * idefics3.IMAGE_SEQ_LEN <= bound <= 2 * most * idefics3.IMAGE_SEQ_LEN
+
+
 def test_a_language_model_has_no_image_bound(tmp_path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(UnsupportedCheckpoint):
-        max_image_tokens(tmp_path)
+        max_image_tokens(tmp_path, max_pixels=MAX_PIXELS)
 
 
 def test_the_built_in_towers_bound_is_their_patches() -> None:
-    from encoder_worker.config import EncoderConfig
-
     assert EncoderConfig(tower="vit-b16-224").max_image_tokens == 196
     assert EncoderConfig(tower="vit-l14-336", pruning="none").max_image_tokens == 576

@@ -15,7 +15,7 @@ import structlog
 from litestar import Request, Response, Router, delete, get, post
 
 from gateway.api.admin import protocol as p
-from gateway.api.admin.lockout import make_lockout
+from gateway.api.admin.lockout import client_of, make_lockout
 from gateway.api.admin.serving import AdminServing
 from gateway.api.http.error_replies import error_handler
 from gateway.policy.auth import key_of
@@ -43,15 +43,20 @@ def admin_route_handlers(state: GatewayState) -> list[Any]:
     lockout = state.admin_lockout = make_lockout(settings.redis_url)
 
     async def check_admin(request: Request) -> None:
-        client = request.client.host if request.client is not None else ""
-        await lockout.check(client)
+        client = client_of(request.client.host if request.client is not None else "")
+        presented = bool(key_of(request.headers))
+        if not presented:  # guesses nothing: only checked
+            await lockout.check(client)
+        else:  # counted before it is compared
+            await lockout.attempt(client)
         try:
             await admin.check_admin(request.headers)
         except GatewayError as exc:
-            if exc.code == "unauthorized" and key_of(request.headers):
-                await lockout.failed(client)
+            if presented and exc.code != "unauthorized":  # a valid API key: not a guess
+                await lockout.forgive(client)
             raise
-        await lockout.succeeded(client)
+        if presented:
+            await lockout.succeeded(client)
 
     @post("/keys", status_code=201, request_max_body_size=p.MAX_BODY)
     async def create_key(request: Request) -> Response[p.CreatedKey]:

@@ -5,6 +5,7 @@ never a 500."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -17,6 +18,7 @@ from gateway.api.admin.lockout import (
     AdminLockout,
     Lockout,
     RedisAdminLockout,
+    client_of,
 )
 from gateway.protocol.errors import GatewayError
 
@@ -82,7 +84,8 @@ async def test_the_delay_doubles_to_a_bound(backend, request) -> None:
     try:
         delays = []
         for _ in range(FREE_FAILURES + 12):
-            await lockout.failed("10.0.0.1")
+            now[0] += MAX_DELAY_S + 1  # each guess after the last one's delay
+            await lockout.attempt("10.0.0.1")
             try:
                 await lockout.check("10.0.0.1")
             except GatewayError as exc:
@@ -92,23 +95,65 @@ async def test_the_delay_doubles_to_a_bound(backend, request) -> None:
         assert delays[: FREE_FAILURES - 1] == [0.0] * (FREE_FAILURES - 1)
         assert delays[FREE_FAILURES - 1 : FREE_FAILURES + 4] == [1.0, 2.0, 4.0, 8.0, 16.0]
         assert max(delays) == MAX_DELAY_S
+        with pytest.raises(GatewayError):  # locked: not counted, refused
+            await lockout.attempt("10.0.0.1")
         await lockout.check("10.0.0.2")  # another client is not locked out
         if isinstance(lockout, RedisAdminLockout):  # forgotten an hour after its last guess
             raw = request.getfixturevalue("raw_redis")
             assert 0 < raw.ttl(lockout.key("10.0.0.1")) <= FORGET_S
         now[0] += MAX_DELAY_S + 1
         await lockout.check("10.0.0.1")  # over
-        await lockout.succeeded("10.0.0.1")
-        await lockout.failed("10.0.0.1")  # the right key cleared the count
+        await lockout.succeeded("10.0.0.1")  # the right key cleared the count
+        await lockout.attempt("10.0.0.1")
         await lockout.check("10.0.0.1")
+        # a valid API key as the admin key is no guess: counted, then taken back
+        for _ in range(FREE_FAILURES * 2):
+            await lockout.attempt("10.0.0.3")
+            await lockout.forgive("10.0.0.3")
+        await lockout.check("10.0.0.3")
     finally:
         await lockout.aclose()
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+async def test_a_burst_of_guesses_gets_the_free_ones_and_no_more(backend, request) -> None:
+    """Sent at once, guesses were all checked before any was counted: each one is now counted
+    as it is checked, so only the free ones reach the comparison."""
+    if backend == "memory":
+        lockout: Lockout = AdminLockout()
+    else:
+        lockout = RedisAdminLockout(request.getfixturevalue("redis_url"), namespace="burst")
+
+    async def guess() -> bool:
+        try:
+            await lockout.attempt("10.0.0.4")
+        except GatewayError:
+            return False
+        await asyncio.sleep(0.01)  # the comparison, a store read for a vgk- key
+        return True
+
+    try:
+        compared = await asyncio.gather(*(guess() for _ in range(200)))
+        assert sum(compared) == FREE_FAILURES
+    finally:
+        await lockout.aclose()
+
+
+def test_an_ipv6_host_counts_by_its_64() -> None:
+    assert (
+        client_of("2001:db8:1:2:aaaa::1")
+        == client_of("2001:db8:1:2:ffff::9")
+        == ("2001:db8:1:2::/64")
+    )
+    assert client_of("2001:db8:1:3::1") != client_of("2001:db8:1:2::1")
+    assert client_of("192.0.2.7") == "192.0.2.7"
+    assert client_of("") == ""
 
 
 async def test_the_process_table_is_bounded() -> None:
     lockout = AdminLockout()
     for i in range(20_000):
-        await lockout.failed(f"c{i}")
+        await lockout.attempt(f"c{i}")
     assert len(lockout._clients) <= 10_000
 
 
@@ -119,7 +164,7 @@ async def test_without_redis_it_counts_in_the_process() -> None:
     lockout = RedisAdminLockout(f"redis://127.0.0.1:{free_port()}/0")
     try:
         for _ in range(FREE_FAILURES):
-            await lockout.failed("10.0.0.9")
+            await lockout.attempt("10.0.0.9")
         with pytest.raises(GatewayError) as refused:
             await lockout.check("10.0.0.9")
         assert refused.value.code == "auth_locked_out"

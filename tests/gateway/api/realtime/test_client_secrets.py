@@ -307,6 +307,14 @@ async def test_the_cli_mints_one_for_a_script(make_gateway, monkeypatch, capsys)
     assert time.time() + 55 <= made["expires_at"] <= time.time() + 61
     assert await asyncio.to_thread(main, [*argv, "--session", "{not json"]) == 1
     assert json.loads(capsys.readouterr().err)["error"]["code"] == "invalid_request"
+    # a key read from a file with a CRLF ending works; one with a control character inside is
+    # refused without being echoed
+    monkeypatch.setenv("VISIONGATE_API_KEY", STATIC + "\r\n")
+    assert await asyncio.to_thread(main, [*argv, "--value-only"]) == 0
+    assert capsys.readouterr().out.startswith("ek_")
+    monkeypatch.setenv("VISIONGATE_API_KEY", STATIC[:6] + "\r" + STATIC[6:])
+    assert await asyncio.to_thread(main, argv) == 1
+    assert STATIC[6:] not in capsys.readouterr().err
     monkeypatch.setenv("VISIONGATE_API_KEY", "sk-not-a-key-of-this-gateway")
     assert await asyncio.to_thread(main, argv) == 1
     err = capsys.readouterr().err

@@ -215,7 +215,7 @@ async def test_an_image_not_encoded_yet_is_estimated_at_the_checkpoints_bound(vl
 
     family, path, server = vlm_server
     state = server.app.state["gateway"]
-    bound = max_image_tokens(path)
+    bound = max_image_tokens(path, max_pixels=state.settings.max_pixels)
     assert image_tokens_estimate(state.engine, state.serving.encoder) == bound
     assert bound != IMAGE_TOKENS_ESTIMATE  # not the default's figure
     ((_, usage),) = await _ask(server.ws_url, PHOTOS[0])
