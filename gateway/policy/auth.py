@@ -168,6 +168,15 @@ class Authenticator:
     def enabled(self) -> bool:
         return bool(self._owners) or self.store is not None
 
+    def static_label(self, owner: str) -> str | None:
+        """ "static-<n>" for the owner of the n-th key of `api_keys` (from 1), the name its
+        metrics carry: the owner id is a hash of the key, which a public series should not
+        offer to a dictionary. None for any other owner."""
+        for n, known in enumerate(self._owners.values(), start=1):
+            if known == owner:
+                return f"static-{n}"
+        return None
+
     def static_owner(self, key: str) -> str | None:
         found = None
         # compare against every key so the time taken does not tell which prefix matched

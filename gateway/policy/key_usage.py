@@ -144,8 +144,12 @@ class TokenMeter:
         return self.auth.limits_of(owner) is not None
 
     def key_label(self, owner: str) -> str:
-        """The `key` label of a managed key's metrics: its id, for the first `KEY_LABELS`
-        ids this process sees, else "other" (a bounded set of series)."""
+        """The `key` label of a key's metrics: a managed key's id, for the first `KEY_LABELS`
+        ids this process sees, else "other" (a bounded set of series); a static key's
+        "static-<n>" (`Authenticator.static_label`); "anonymous" on a gateway without keys."""
+        static = self.auth.static_label(owner)
+        if static is not None or owner == "anonymous":
+            return static or owner
         if owner in self._labelled:
             return owner
         if len(self._labelled) < KEY_LABELS:

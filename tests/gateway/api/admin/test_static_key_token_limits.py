@@ -59,6 +59,12 @@ async def test_two_replicas_hold_a_static_keys_input_limit(replicas) -> None:
 
     admitted_within(answers, LIMIT)
     assert bob.status_code == 200, bob.text
+    # their metrics name them by position, never by the hash of the key
+    metrics = "\n".join(httpx.get(f"{gw.http_url}/metrics").text for gw in (a, b))
+    assert 'key="static-1"' in metrics and 'key="static-2"' in metrics
+    assert not any(
+        'key="key_' in row for row in metrics.splitlines() if row.startswith("visiongate_key_")
+    )
 
 
 def test_headers_through_the_official_client_and_a_managed_keys_own_limits(replicas) -> None:
