@@ -107,7 +107,7 @@ class ChatService:
         self.meter = meter
         # what an image not encoded yet counts as (a key's token limits, an incomplete answer's
         # usage)
-        self.image_tokens_estimate = image_tokens_estimate(engine, vision.encoder)
+        self.image_tokens_estimate = image_tokens_estimate(engine, getattr(vision, "encoder", None))
 
     def _trace(self, options: ResponseOptions, session_id: str | None, t0: float) -> ResponseTrace:
         return ResponseTrace(
