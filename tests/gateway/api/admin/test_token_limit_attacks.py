@@ -31,6 +31,14 @@ def gateway(make_gateway, redis_url):
     return make_gateway(settings=dict(admin_api_key=ADMIN, redis_url=redis_url))
 
 
+@pytest.fixture
+def slow_replicas(make_gateway, redis_url):
+    """Two replicas on one Redis whose answers take 0.3 s: slow enough that concurrent clients
+    are all admitted before any answer's real count lands."""
+    settings = dict(admin_api_key=ADMIN, redis_url=redis_url)
+    return tuple(make_gateway(engine=FakeEngine(delay_s=0.3), settings=settings) for _ in "ab")
+
+
 def estimate_of(response: httpx.Response) -> int:
     """What admission counted for the first response of a fresh key of BIG input tokens."""
     return BIG - int(response.headers["x-ratelimit-remaining-tokens"])
@@ -56,11 +64,8 @@ def test_the_admission_estimate_does_not_undercount_dense_prompts(gateway, text)
         assert estimate_of(r) >= real, (api, estimate_of(r), real)
 
 
-async def test_concurrent_dense_prompts_stay_within_the_limit_plus_one(make_gateway, redis_url):
-    settings = dict(admin_api_key=ADMIN, redis_url=redis_url)
-    # slow enough that every client is admitted before any answer's real count lands
-    a = make_gateway(engine=FakeEngine(delay_s=0.3), settings=settings)
-    b = make_gateway(engine=FakeEngine(delay_s=0.3), settings=settings)
+async def test_concurrent_dense_prompts_stay_within_the_limit_plus_one(slow_replicas):
+    a, b = slow_replicas
     limit = 400
     fresh_minute(10.0)
     key = create(a.http_url, input_tpm=limit)["secret"]
@@ -251,15 +256,13 @@ def test_one_huge_prompt_is_owed_by_the_minutes_after_it(gateway) -> None:
 
 
 async def test_realtime_clients_on_two_replicas_stay_within_the_limit_plus_one(
-    make_gateway, redis_url
+    slow_replicas,
 ) -> None:
     """Eight Realtime connections of one key, four on each replica, ask at once: what is
     admitted stays within the limit plus one response; the rest get `rate_limited`."""
     from gateway.testing.realtime_peer import Peer
 
-    settings = dict(admin_api_key=ADMIN, redis_url=redis_url)
-    a = make_gateway(engine=FakeEngine(delay_s=0.3), settings=settings)
-    b = make_gateway(engine=FakeEngine(delay_s=0.3), settings=settings)
+    a, b = slow_replicas
     limit = 400
     fresh_minute(10.0)
     key = create(a.http_url, input_tpm=limit)["secret"]
