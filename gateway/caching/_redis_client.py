@@ -7,6 +7,10 @@ serves from memory), and skips Redis for `retry_after_s` so a dead server costs 
 connect per window instead of one per request. The first call after the window tries again;
 success logs the recovery. It does not retry failed writes later: a cache entry lost while
 Redis was away is simply re-created on the next miss.
+
+Each call has a deadline (`CALL_TIMEOUT_S`, its retry included) and is taken off the request's
+Redis budget (`gateway.caching.redis_deadline`): a request whose budget is spent skips Redis
+and is served from memory, so a slow cache never holds a request past its bound.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final
 
 import structlog
+
+from gateway.caching.redis_deadline import redis_deadline, request_budget
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -33,6 +39,7 @@ class _Unavailable:
 
 
 UNAVAILABLE: Final = _Unavailable()
+CALL_TIMEOUT_S = 2.5  # one call, its retry included (the socket timeout is 2 s)
 
 
 def connect(
@@ -81,8 +88,12 @@ class RedisTier:
         """`await fn(client)`, or UNAVAILABLE if Redis failed now or recently."""
         if self._down and time.monotonic() < self._down_until:
             return UNAVAILABLE
+        budget = request_budget()
+        if budget is not None and budget.left_s <= 0:  # this request waited its time already
+            return UNAVAILABLE
         try:
-            result = await fn(self.client)
+            async with redis_deadline(CALL_TIMEOUT_S):
+                result = await fn(self.client)
         except self._failures as exc:
             self.errors += 1
             if not self._down:

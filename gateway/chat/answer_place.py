@@ -6,6 +6,14 @@ while it streams come after it. The place is filled with the answer when it ends
 (`fill_place`, completed or incomplete) or dropped when no answer stays (`drop_place`). Each is
 one compare-and-set update of the session; a response whose options do not store it
 (`store=false`) touches nothing.
+
+An answer is acknowledged only once `fill_place` returned: it raises the store's error
+(`busy`) when the answer could not be written, and the caller reports the response as failed.
+A place can outlive its response (the gateway killed mid-answer, the store down for both the
+answer and the drop): readers leave `in_progress` items out of the prompt, and the next
+response of the session to take its place removes any place of another response still there.
+If that was a response still running elsewhere (two connections on one session answering at
+once), its answer is appended at the end when it is written, so it is never lost.
 """
 
 from __future__ import annotations
@@ -22,17 +30,27 @@ if TYPE_CHECKING:
     from gateway.chat.events import ResponseOptions
     from gateway.sessions.session import Session, SessionStore
 
-__all__ = ("drop_place", "fill_place", "take_place")
+__all__ = ("drop_place", "fill_place", "is_place", "take_place")
 
 log = structlog.get_logger("visiongate.service")
 
 
+def is_place(item: StoredItem) -> bool:
+    """An answer's place: an `in_progress` item that a response took (never a client's)."""
+    return item.status == "in_progress" and item.response_id is not None
+
+
 async def take_place(sessions: SessionStore, session: Session, options: ResponseOptions) -> None:
-    """Append the answer's empty, in-progress item to the stored session."""
+    """Append the answer's empty, in-progress item to the stored session, removing the places
+    other responses left there."""
     if not options.store:
         return
 
     def place(stored: Session) -> None:
+        left = [i.id for i in stored.items if is_place(i) and i.id != options.item_id]
+        if left:
+            stored.items[:] = [i for i in stored.items if i.id not in left]
+            log.info("stale_places_removed", session_id=stored.id, items=left)
         stored.items.append(
             StoredItem(
                 id=options.item_id,
@@ -53,11 +71,12 @@ async def fill_place(
     text: str,
     status: Literal["completed", "incomplete"],
     usage: SessionUsage | None = None,
-) -> GatewayError | None:
-    """Write the answer into its place, and add what it cost (`usage`) to the session's; the
-    error if the record could not be written (the answer went out all the same)."""
+) -> None:
+    """Write the answer into its place (at the end, if another response removed the place),
+    and add what it cost (`usage`) to the session's. Raises the store's `GatewayError` (busy)
+    when it could not be written: the answer must then not be reported as given."""
     if not options.store:
-        return None
+        return
 
     parts = answer_parts(text, options)
 
@@ -66,19 +85,29 @@ async def fill_place(
             if item.id == options.item_id:
                 item.parts = parts
                 item.status = status
+                break
+        else:
+            stored.items.append(
+                StoredItem(
+                    id=options.item_id,
+                    role="assistant",
+                    parts=parts,
+                    status=status,
+                    response_id=options.response_id,
+                )
+            )
         if usage is not None:
             stored.usage.add(usage)
 
     try:
         await sessions.update(session.id, session.owner, fill)
-    except GatewayError as exc:  # the answer went out; only its record is lost
+    except GatewayError as exc:
         log.error("answer_not_stored", response_id=options.response_id, code=exc.code)
-        return GatewayError(
-            "answer_not_stored",
-            f"the answer was sent but could not be "
-            f"stored in the session ({exc.code}); resend it to keep it",
-        )
-    return None
+        if exc.code == "session_not_found":  # deleted or expired while it was answered
+            raise
+        raise GatewayError(
+            "busy", f"the answer could not be stored ({exc.message}); retry the turn"
+        ) from exc
 
 
 async def drop_place(sessions: SessionStore, session: Session, options: ResponseOptions) -> None:

@@ -107,8 +107,6 @@ class Finished:
     vision_misses: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     truncated_items: int = 0  # oldest conversation items left out to fit the context
-    # the answer went out but its record in the session could not be written
-    store_error: GatewayError | None = None
     # with n > 1: every answer in index order (the first is also `text`/`status` above, and
     # `output_tokens` counts them all); empty with n == 1
     choices: list[ChoiceEnd] = field(default_factory=list)

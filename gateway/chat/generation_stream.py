@@ -165,13 +165,21 @@ async def guarded(
     keep: Callable[[str], Awaitable[None]] | None,
 ) -> AsyncIterator[Any]:
     """`inner`'s events, ended once whatever happens: a fault ends the response as failed
-    (`failed` makes its end); a consumer gone before the end cancels it, finishes its trace as
-    cancelled (`client_disconnected`, with the text sent so far) and runs `keep` with that
-    text in the background (a write that must outlive the response)."""
+    (`failed` makes its end), with the code of a `GatewayError` raised inside (the session
+    store unavailable is `busy`) and `internal_error` for anything else; a consumer gone
+    before the end cancels it, finishes its trace as cancelled (`client_disconnected`, with
+    the text sent so far) and runs `keep` with that text in the background (a write that must
+    outlive the response)."""
     try:
         async for event in inner:
             yield event
-    except Exception as exc:  # any fault ends the response as failed, never silently
+    except GatewayError as exc:  # a refusal with its own code: a store down is busy (503)
+        log.warning(
+            "response_failed", response_id=options.response_id, code=exc.code, error=exc.message
+        )
+        if not ending.finished:
+            yield ending.finish(await failed(exc))
+    except Exception as exc:  # any other fault ends the response as failed, never silently
         log.exception("response_failed", response_id=options.response_id)
         if not ending.finished:
             error = GatewayError("internal_error", f"the response failed: {type(exc).__name__}")

@@ -10,7 +10,10 @@ answer ends.
 
 Every response, whichever the entry, is traced and counted once, ends in exactly one
 `Finished` (a fault inside ends it as `failed`, never silently), and a consumer that goes away
-before the end cancels the engine's work and is recorded as a cancelled response.
+before the end cancels the engine's work and is recorded as a cancelled response. A stored
+response ends as given (completed, incomplete, cancelled) only once its answer is written in
+the session: an answer the store did not take ends the response as failed (`busy`, 503), so no
+API reports as given what a later turn would not find.
 
 Tools reach the model as text (`gateway.chat.turn_prompt`); an answer given with tools is
 stored as its text and tool-call parts, so a client replaying the history with `tool_calls`
@@ -55,7 +58,9 @@ from gateway.chat.metering import (
     counted,
     image_tokens_estimate,
     input_estimate,
+    output_reservation,
     raw_input_estimate,
+    raw_output_reservation,
 )
 from gateway.chat.response_trace import ResponseTrace
 from gateway.chat.session_warmup import warm_up
@@ -150,7 +155,10 @@ class ChatService:
                 await drop_place(self.sessions, session, options)
 
         estimate = input_estimate(session, options, self.image_tokens_estimate)
-        metered, refused = await admitted(self.meter, session.owner, estimate, options, t0, ending)
+        reserve = output_reservation(session, options, self.max_output_tokens_limit)
+        metered, refused = await admitted(
+            self.meter, session.owner, estimate, options, t0, ending, reserve
+        )
         if refused is not None:
             yield refused
             return
@@ -161,6 +169,8 @@ class ChatService:
                 yield event
         finally:  # a consumer gone: the guard's ending runs now, not when it is collected
             await events.aclose()
+            if metered is not None:  # events that never started did not close it
+                metered.close()
 
     async def respond_raw(
         self,
@@ -186,7 +196,8 @@ class ChatService:
             )
 
         estimate = raw_input_estimate(prompts)
-        metered, refused = await admitted(self.meter, owner, estimate, options, t0, ending)
+        reserve = raw_output_reservation(prompts, options, self.max_output_tokens_limit)
+        metered, refused = await admitted(self.meter, owner, estimate, options, t0, ending, reserve)
         if refused is not None:
             yield refused
             return
@@ -199,6 +210,8 @@ class ChatService:
                 yield event
         finally:
             await events.aclose()
+            if metered is not None:
+                metered.close()
 
     async def _respond(
         self,
@@ -319,7 +332,6 @@ class ChatService:
             SessionUsage(
                 responses=1,
                 input_tokens=result.input_tokens,
-                cached_tokens=result.cached_tokens,
                 image_tokens=result.image_tokens,
                 output_tokens=sum(r.output_tokens for r in results.values()),
             ),

@@ -183,17 +183,24 @@ def create_app(
         if settings.input_tokens_per_minute or settings.output_tokens_per_minute
         else None
     )
+    concurrency = settings.max_concurrent_responses_per_key
     meter = (
         TokenMeter(
-            make_token_limiter(settings.redis_url), auth, telemetry.metrics, defaults=defaults
+            make_token_limiter(settings.redis_url),
+            auth,
+            telemetry.metrics,
+            defaults=defaults,
+            concurrency=concurrency,
         )
-        if auth.store is not None or defaults is not None
+        if auth.store is not None or defaults is not None or (auth.enabled and concurrency)
         else None
     )
     state = GatewayState(
         settings=settings,
         engine=engine,
-        sessions=make_session_store(settings.redis_url, settings.session_ttl_s),
+        sessions=make_session_store(
+            settings.redis_url, settings.session_ttl_s, timeout_s=settings.store_timeout_s
+        ),
         vision_cache=make_vision_cache(
             settings.redis_url, settings.vision_cache_bytes, settings.vision_cache_ttl_s
         ),
@@ -213,7 +220,9 @@ def create_app(
         token_meter=meter,
         telemetry=telemetry,
         # with the session store's backend: a record names a session of that store
-        responses=make_response_store(settings.redis_url, settings.session_ttl_s),
+        responses=make_response_store(
+            settings.redis_url, settings.session_ttl_s, timeout_s=settings.store_timeout_s
+        ),
         # with no API keys every caller is one owner: one caller's refusals would stop everyone
         refused=RefusedBytes(settings.max_refused_body_bytes_per_minute if auth.enabled else 0),
     )

@@ -24,13 +24,18 @@ __all__ = (
 )
 
 
-def make_session_store(redis_url: str | None, ttl_s: float) -> SessionStore:
-    """In-process without a Redis URL (nothing survives a restart); otherwise Redis."""
+def make_session_store(
+    redis_url: str | None, ttl_s: float, *, timeout_s: float | None = None
+) -> SessionStore:
+    """In-process without a Redis URL (nothing survives a restart); otherwise Redis, each call
+    within `timeout_s` (the store's default when None)."""
     if redis_url is None:
         return MemorySessionStore(ttl_s)
     from gateway.sessions.redis import RedisSessionStore
 
-    return RedisSessionStore(redis_url, ttl_s)
+    if timeout_s is None:
+        return RedisSessionStore(redis_url, ttl_s)
+    return RedisSessionStore(redis_url, ttl_s, timeout_s=timeout_s)
 
 
 def __getattr__(name: str) -> Any:

@@ -31,9 +31,10 @@ the old keys expire on their own.
 
 Owner checks happen here, after decoding: a foreign owner gets the same `session_not_found`
 as an unknown id and does not refresh the TTL. A value that does not decode is logged and
-treated as not found (the next save overwrites it). Redis being unreachable is a
-`GatewayError("busy")` (503): unlike the caches, sessions have no memory fallback that would
-be correct across replicas.
+treated as not found (the next save overwrites it). Redis being unreachable, or not answering
+within the call's deadline (`timeout_s`, or less when the request's Redis budget is nearly
+spent: `gateway.caching.redis_deadline`), is a `GatewayError("busy")` (503): unlike the caches,
+sessions have no memory fallback that would be correct across replicas.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
 from gateway.caching.redis_connections import REDIS_FAILURES, async_client
+from gateway.caching.redis_deadline import redis_deadline
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import UPDATE_ATTEMPTS, Session, T, not_found
 
@@ -162,13 +164,17 @@ _decoder = msgspec.msgpack.Decoder(Session)
 _FAILURES = REDIS_FAILURES
 
 
-def store_client(redis_url: str) -> Any:
+STORE_TIMEOUT_S = 5.0  # one store call's deadline, retries included, unless told otherwise
+
+
+def store_client(redis_url: str, timeout_s: float = STORE_TIMEOUT_S) -> Any:
     """The client of a Redis-backed store (sessions, response records): bytes values, two
-    retries with short backoff, a socket timeout long enough for a large session."""
+    retries with short backoff, socket timeouts no longer than a call's deadline (`timeout_s`,
+    which each call also gets as a whole: `redis_deadline`)."""
     return async_client(
         redis_url,
-        socket_connect_timeout=2.0,
-        socket_timeout=5.0,
+        socket_connect_timeout=min(2.0, timeout_s),
+        socket_timeout=timeout_s,
         decode_responses=False,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
     )
@@ -206,21 +212,32 @@ class RedisSessionStore:
         "_ttl_ms",
         "index_keys",
         "namespace",
+        "timeout_s",
         "ttl_s",
     )
 
-    def __init__(self, redis_url: str, ttl_s: float, namespace: str = "vg") -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        ttl_s: float,
+        namespace: str = "vg",
+        *,
+        timeout_s: float = STORE_TIMEOUT_S,
+    ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         _check_namespace(namespace)
         self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
         self.namespace = namespace
         self._ttl_ms = max(1, int(ttl_s * 1000))
         # every bucket's expiry index, in bucket order: what `count()` walks
         self.index_keys = tuple(
             f"{namespace}:sessions:{{{bucket:02x}}}" for bucket in range(BUCKETS)
         )
-        self._client = store_client(redis_url)
+        self._client = store_client(redis_url, timeout_s)
         self._save: AsyncScript = self._client.register_script(_SAVE)
         self._create: AsyncScript = self._client.register_script(_CREATE)
         self._replace: AsyncScript = self._client.register_script(_REPLACE)
@@ -363,7 +380,8 @@ class RedisSessionStore:
 
     async def _call(self, op: str, pending: Awaitable[Any]) -> Any:
         try:
-            return await pending
+            async with redis_deadline(self.timeout_s):
+                return await pending
         except _FAILURES as exc:
             log.error("session_store_unavailable", op=op, error=repr(exc))
             raise GatewayError("busy", "session store unavailable, retry shortly") from exc

@@ -10,8 +10,9 @@ record never copies it.
 Records are owner-scoped and kept with an idle TTL, as sessions are: another API key's record
 reads as unknown, and reading one refreshes it. Two backends side by side, like the session
 stores: memory (the embedded default) and Redis (`vg:response:<owner>:<id>`, msgpack). Redis
-being unreachable is `GatewayError("busy")`: a record has no memory fallback that would be
-right across replicas.
+being unreachable, or not answering within a call's deadline (as the session store's:
+`gateway.caching.redis_deadline`), is `GatewayError("busy")`: a record has no memory fallback
+that would be right across replicas.
 
 The Redis backend works on one Redis or a Redis Cluster alike: a record is one key, and every
 command and script names that key only, so nothing can be CROSSSLOT, and records spread over a
@@ -30,6 +31,7 @@ import msgspec
 import structlog
 
 from gateway.caching.redis_connections import REDIS_FAILURES
+from gateway.caching.redis_deadline import redis_deadline
 from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:
@@ -74,11 +76,16 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ResponseRecord)
 
 
-def make_response_store(redis_url: str | None, ttl_s: float) -> ResponseStore:
-    """The backend the session store uses: in-process without a Redis URL, else Redis."""
+def make_response_store(
+    redis_url: str | None, ttl_s: float, *, timeout_s: float | None = None
+) -> ResponseStore:
+    """The backend the session store uses: in-process without a Redis URL, else Redis (each
+    call within `timeout_s`, the default when None)."""
     if redis_url is None:
         return MemoryResponseStore(ttl_s)
-    return RedisResponseStore(redis_url, ttl_s)
+    if timeout_s is None:
+        return RedisResponseStore(redis_url, ttl_s)
+    return RedisResponseStore(redis_url, ttl_s, timeout_s=timeout_s)
 
 
 class MemoryResponseStore:
@@ -156,17 +163,28 @@ _FAILURES = REDIS_FAILURES
 
 
 class RedisResponseStore:
-    __slots__ = ("_client", "_delete", "_ttl_ms", "namespace", "ttl_s")
+    __slots__ = ("_client", "_delete", "_ttl_ms", "namespace", "timeout_s", "ttl_s")
 
-    def __init__(self, redis_url: str, ttl_s: float, namespace: str = "vg") -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        ttl_s: float,
+        namespace: str = "vg",
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        from gateway.sessions.redis import store_client
+        from gateway.sessions.redis import STORE_TIMEOUT_S, store_client
 
+        timeout_s = STORE_TIMEOUT_S if timeout_s is None else timeout_s
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
         self.namespace = namespace
         self._ttl_ms = max(1, int(ttl_s * 1000))
-        self._client = store_client(redis_url)
+        self._client = store_client(redis_url, timeout_s)
         self._delete: AsyncScript = self._client.register_script(_DELETE)
 
     def key(self, owner: str, response_id: str) -> str:
@@ -219,7 +237,8 @@ class RedisResponseStore:
 
     async def _call(self, op: str, pending: Awaitable[Any]) -> Any:
         try:
-            return await pending
+            async with redis_deadline(self.timeout_s):
+                return await pending
         except _FAILURES as exc:
             log.error("response_store_unavailable", op=op, error=repr(exc))
             raise GatewayError("busy", "response store unavailable, retry shortly") from exc

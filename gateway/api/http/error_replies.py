@@ -3,8 +3,8 @@
 `as_gateway_error` maps what is raised under a router (a `GatewayError`, a body Litestar could
 not decode or validate, a refusal of Litestar's own, a fault) to a `GatewayError` with a stable
 code; `error_reply` answers it (the status of its code, or Litestar's own for its refusals,
-`Retry-After` when it has one), counts it in the error metric and logs it once;
-`error_handler` is the two as a router's exception handler. The `/v1` router, the admin API
+`Retry-After` when it has one, and 1 s on every 503), counts it in the error metric and logs
+it once; `error_handler` is the two as a router's exception handler. The `/v1` router, the admin API
 and the client-secret routes all answer errors through it.
 """
 
@@ -26,6 +26,8 @@ __all__ = ("as_gateway_error", "error_handler", "error_reply")
 
 log = structlog.get_logger("visiongate.http")
 
+RETRY_AFTER_S = 1  # the Retry-After of a 503 that names none
+
 
 def error_reply(
     error: ErrorResponse, state: GatewayState, *, status: int | None = None, api: str = "http"
@@ -41,8 +43,12 @@ def error_reply(
         message=error.error.message,
         param=error.error.param,
     )
-    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
-    return Response(error, status_code=status or error.status_code, headers=headers)
+    code = status or error.status_code
+    retry = error.retry_after
+    if retry is None and code == 503:  # busy, loading, a store down: all worth retrying soon
+        retry = RETRY_AFTER_S
+    headers = {"Retry-After": str(retry)} if retry is not None else None
+    return Response(error, status_code=code, headers=headers)
 
 
 def as_gateway_error(exc: Exception) -> GatewayError:

@@ -12,6 +12,7 @@ their own answer; between the two they run the same steps, written here once:
   before any output keeps its own HTTP status; the encode slots close once the images are
   resolved (or failed), which is before any text.
 - `failure_of`: the error a failed or empty end stands for.
+- `open_store_budget`: the request's bound on waiting for Redis (`store_timeout_s`).
 
 They return values and raise only `GatewayError` (the route maps both): an answer that fails
 before any output is an `ErrorResponse`, one that fails later ends its stream with an error
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import structlog
 
 from gateway.api.http.event_streams import close_shielded, read_ahead
+from gateway.caching.redis_deadline import open_request_budget
 from gateway.chat.events import Finished
 from gateway.chat.requests import add_inline_images, admit_encodes, resolve_references
 from gateway.protocol.errors import GatewayError
@@ -45,6 +47,7 @@ __all__ = (
     "failure_of",
     "fingerprint",
     "open_answer",
+    "open_store_budget",
 )
 
 log = structlog.get_logger("visiongate.http")
@@ -114,6 +117,12 @@ async def open_answer(
         await close_shielded(events)
         return failure_of(end)
     return Opened(first, events)
+
+
+def open_store_budget(state: GatewayState) -> None:
+    """Bound the time this request (its streamed body included) waits for Redis, all its
+    calls together (`store_timeout_s`; `gateway.caching.redis_deadline`)."""
+    open_request_budget(state.settings.store_timeout_s)
 
 
 def failure_of(end: object) -> GatewayError:

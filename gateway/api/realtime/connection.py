@@ -35,6 +35,7 @@ from gateway.api.realtime.channel import CLOSE_POLICY, CLOSE_TRY_AGAIN, ConnStat
 from gateway.api.realtime.item_events import ItemEvents
 from gateway.api.realtime.response_events import ResponseEvents
 from gateway.api.realtime.session_events import SessionEvents
+from gateway.caching.redis_deadline import open_request_budget
 from gateway.chat.requests import check_model
 from gateway.policy.auth import public_subprotocol
 from gateway.policy.ratelimit import SMALL_BODY, counts_as_refused, refused_error
@@ -74,6 +75,7 @@ class RealtimeConnection(SessionEvents, ItemEvents, ResponseEvents):
         metrics = self.state.metrics
         metrics.ws_connection_opened()
         try:
+            open_request_budget(self.state.settings.store_timeout_s)
             if not await self._open_session(session_id):
                 return
             if session_settings:
@@ -123,6 +125,8 @@ class RealtimeConnection(SessionEvents, ItemEvents, ResponseEvents):
 
     async def _handle_frame(self, frame: str | bytes) -> None:
         event_id = None
+        # each client event (with the response it starts) waits for Redis within its own bound
+        open_request_budget(self.state.settings.store_timeout_s)
         # large frames as large HTTP bodies (gateway/api/http/body_guard.py): counted when refused,
         # and not decoded while the key's refused bytes are over the limit
         refused = self.state.refused

@@ -7,7 +7,9 @@ for the HTTP APIs (one prompt and grammar under every choice). It reads the stor
 truth: another connection may have added to it) or, with `response.input`, its own context,
 never stored; function calls reach the model joined to the answer that made them
 (`items.joined`). Its events are built by `output.ResponseOutput`, and every response ends
-with a `response.done`, a failed one included. An answer that called tools is stored as the
+with a `response.done`, a failed one included; it goes out once the answer is written in the
+session, and an answer the store did not take ends the response as failed (`busy`: an `error`
+event, then `response.done` with status failed). An answer that called tools is stored as the
 items it showed (`items.split_answer_item`).
 """
 
@@ -192,13 +194,11 @@ class ResponseEvents(Channel):
         options = output.options
         if ev.status != "failed":
             await output.close_items(ev)
-            if options.store and options.tools and ev.store_error is None:
+            if options.store and options.tools:
                 await self._split_answer(options.item_id)
         elif ev.error is not None:
             await self._send_error(ev.error, event_id)
         await output.done(ev)
-        if ev.store_error is not None:  # the answer went out; its record in the session did not
-            await self._send_error(ev.store_error, event_id)
         await self._send_rate_limits()
 
     async def _send_rate_limits(self) -> None:

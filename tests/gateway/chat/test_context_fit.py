@@ -142,7 +142,7 @@ class FailingWrites(MemorySessionStore):
         return await super().update(session_id, owner, mutate)
 
 
-async def test_an_answer_that_cannot_be_stored_is_reported() -> None:
+async def test_an_answer_that_cannot_be_stored_ends_the_response_as_failed() -> None:
     engine = FakeEngine()
     sessions = FailingWrites(3600)
     service, _ = build(engine, sessions)
@@ -156,9 +156,24 @@ async def test_an_answer_that_cannot_be_stored_is_reported() -> None:
         if isinstance(ev, TextChunk):
             sessions.broken = True  # the store goes away while the answer streams
     done = events[-1]
-    assert isinstance(done, Finished) and done.status == "completed"
-    assert done.text == "hello there [0 images]"
-    assert done.store_error is not None and done.store_error.code == "answer_not_stored"
+    # never reported as given: failed with the store's retryable error, its usage kept
+    assert isinstance(done, Finished) and done.status == "failed"
+    assert done.error is not None and done.error.code == "busy"
+    assert done.error.http_status == 503
+    assert done.text == "hello there [0 images]" and done.output_tokens > 0
+    # its place stays (the drop failed too) but the prompt of the next response leaves it out
+    sessions.broken = False
+    stored = await sessions.load(session.id, OWNER)
+    assert [i.status for i in stored.items] == ["completed", "in_progress"]
+    again = await run(service, stored, ResponseOptions())
+    assert again.status == "completed"
+    assert [m.role for m in engine.requests[-1].messages] == ["user"]
+    # and the next response to take its place removed the one left behind
+    final = await sessions.load(session.id, OWNER)
+    assert [(i.role, i.status) for i in final.items] == [
+        ("user", "completed"),
+        ("assistant", "completed"),
+    ]
 
 
 @pytest.mark.parametrize("truncation", ["auto", "disabled"])

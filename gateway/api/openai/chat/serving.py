@@ -43,6 +43,7 @@ from gateway.api.openai.serving import (
     failure_of,
     fingerprint,
     open_answer,
+    open_store_budget,
 )
 from gateway.chat.events import Finished, ResponseOptions, TextChunk
 from gateway.chat.output_grammar import (
@@ -106,6 +107,7 @@ class ChatCompletionServing:
         """The answer to `request` from `owner`'s key; `session_id` (the header's) joins a
         session, as the body's `session_id` does."""
         received = time.perf_counter()
+        open_store_budget(self.state)
         try:
             prepared = await self._prepare(request, owner, session_id or request.session_id)
         except GatewayError as exc:
@@ -339,7 +341,7 @@ class ChatCompletionServing:
             image_tokens_total=ev.image_tokens_total,
             session_id=prepared.session.id if prepared.stored else None,
             truncated_items=ev.truncated_items,
-            stored=(ev.store_error is None) if prepared.stored else None,
+            stored=True if prepared.stored else None,  # a failed answer has no extension
         )
 
     def _finished(self, ev: ServiceEvent | None, prepared: _Prepared) -> None:

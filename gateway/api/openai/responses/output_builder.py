@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from gateway.engine.interface import TokenLogprob
     from gateway.sessions.session import Session
 
-__all__ = ("PreparedResponse", "ResponseOutput", "frame")
+__all__ = ("PreparedResponse", "ResponseOutput", "frame", "mark_failed")
 
 _json = msgspec.json.Encoder()
 
@@ -244,7 +244,7 @@ class ResponseOutput:
             image_tokens_total=finished.image_tokens_total,
             session_id=prepared.session.id if prepared.stored else None,
             truncated_items=finished.truncated_items,
-            stored=(finished.store_error is None) if prepared.stored else None,
+            stored=(finished.status != "failed") if prepared.stored else None,
             forked=prepared.forked,
             notes=prepared.notes,
         )
@@ -300,6 +300,16 @@ def _logprob(token: TokenLogprob) -> r.Logprob:
         logprob=token.logprob,
         top_logprobs=[r.TopLogprob(token=t, bytes=list(b), logprob=lp) for t, lp, b in token.top],
     )
+
+
+def mark_failed(response: r.ResponseObject, exc: GatewayError) -> r.ResponseObject:
+    """`response` as failed with `exc` (its output kept: the client has seen it stream)."""
+    response.status = "failed"
+    response.error = _error(exc)
+    response.incomplete_details = None
+    if response.visiongate is not None and response.visiongate.stored is not None:
+        response.visiongate.stored = False
+    return response
 
 
 def _error(exc: GatewayError) -> r.ResponseError:

@@ -18,6 +18,12 @@ Like the chat serving layer this returns values: a `ResponseObject`, an `EventSt
 `ErrorResponse`. A stream starts only at the first text (or the end), so a failure before any
 output gets its HTTP status; a failure after it ends the stream with `response.failed`. A
 client that disconnects cancels generation.
+
+A stored response is reported as completed (or incomplete) only once its answer is in the
+session and its record is written, so that every completed response can be retrieved and
+continued. When the store does not take either, a non-streamed response is answered 503 `busy`
+(Retry-After; no response id is given) and its chain is left as it was, best-effort; a streamed
+one, whose text went out already, ends with `response.failed` carrying that error.
 """
 
 from __future__ import annotations
@@ -34,8 +40,14 @@ from gateway.api.http.event_streams import close_shielded, replay
 from gateway.api.openai.chat import protocol as p
 from gateway.api.openai.responses import protocol as r
 from gateway.api.openai.responses.inputs import ParsedInput, convert_items, image_parts, parse_input
-from gateway.api.openai.responses.output_builder import ResponseOutput, frame
-from gateway.api.openai.serving import EventStream, Opened, admit_turn, open_answer
+from gateway.api.openai.responses.output_builder import ResponseOutput, frame, mark_failed
+from gateway.api.openai.serving import (
+    EventStream,
+    Opened,
+    admit_turn,
+    open_answer,
+    open_store_budget,
+)
 from gateway.chat.events import Finished, TextChunk
 from gateway.chat.output_grammar import (
     plain_text_grammar,
@@ -101,6 +113,7 @@ class ResponsesServing:
         self, request: r.ResponsesRequest, *, owner: str
     ) -> r.ResponseObject | EventStream | p.ErrorResponse:
         received = time.perf_counter()
+        open_store_budget(self.state)
         try:
             prepared = await self._prepare(request, owner)
         except GatewayError as exc:
@@ -303,7 +316,9 @@ class ResponsesServing:
             raise GatewayError("internal_error", "could not create the conversation's session")
 
     async def _roll_back(self, prepared: Prepared) -> None:
-        """A response that failed before any output leaves its chain as it found it."""
+        """A response that failed before any output, or whose answer or record was not stored,
+        leaves its chain as it found it (best-effort: the store may still be down, and then
+        continuing from the previous response forks the chain)."""
         if not prepared.stored:
             return
         sessions, session = self.state.sessions, prepared.session
@@ -311,7 +326,7 @@ class ResponsesServing:
             if prepared.created:
                 await sessions.delete(session.id, prepared.owner)
                 return
-            added = {item.id for item in prepared.parsed.items}
+            added = {item.id for item in prepared.parsed.items} | {prepared.options.item_id}
 
             def drop(stored: Session) -> None:
                 while stored.items and stored.items[-1].id in added:
@@ -323,7 +338,11 @@ class ResponsesServing:
 
     # ------------------------------------------------------------ answering
 
-    async def _complete(self, prepared: Prepared, opened: Opened[ServiceEvent]) -> r.ResponseObject:
+    async def _complete(
+        self, prepared: Prepared, opened: Opened[ServiceEvent]
+    ) -> r.ResponseObject | p.ErrorResponse:
+        """The whole response, once its answer and its record are stored; an answer or record
+        the store did not take is the store's error (busy, 503), with no response id given."""
         events = opened.events
         out = ResponseOutput(prepared)
         finished: Finished | None = None
@@ -337,7 +356,13 @@ class ResponsesServing:
             prepared.options.cancel.set()  # no-op once finished; frees the engine otherwise
             await close_shielded(events)
         response = out.finish(finished)
-        await self._record(prepared, response, finished)
+        if finished is not None and finished.error is not None and _unstored(finished.error):
+            await self._roll_back(prepared)
+            return p.error_response(finished.error)
+        error = await self._record(prepared, response, finished)
+        if error is not None:
+            await self._roll_back(prepared)
+            return p.error_response(error)
         return response
 
     async def _sse(self, prepared: Prepared, opened: Opened[ServiceEvent]) -> AsyncIterator[bytes]:
@@ -355,7 +380,9 @@ class ResponsesServing:
                 for ready in out.take():
                     yield ready
             response = out.finish(finished)
-            await self._record(prepared, response, finished)
+            error = await self._record(prepared, response, finished)
+            if error is not None:  # its text went out, but it cannot be retrieved or continued
+                mark_failed(response, error)
             end = {
                 "completed": r.ResponseCompleted,
                 "failed": r.ResponseFailed,
@@ -372,12 +399,14 @@ class ResponsesServing:
 
     async def _record(
         self, prepared: Prepared, response: r.ResponseObject, finished: Finished | None
-    ) -> None:
-        """Keep a stored response's record, so that it can be retrieved and continued."""
+    ) -> GatewayError | None:
+        """Keep a stored response's record, so that it can be retrieved and continued; the
+        store's error (busy) when a response that did not fail could not be recorded: it must
+        then not be reported as completed."""
         if not prepared.stored:
-            return
+            return None
         answered = finished is not None and finished.status != "failed"
-        if answered and finished is not None and finished.store_error is None:
+        if answered:
             last = prepared.options.item_id
         else:
             last = prepared.parsed.items[-1].id if prepared.parsed.items else None
@@ -392,14 +421,19 @@ class ResponsesServing:
         )
         try:
             await self.state.responses.put(record)
-        except GatewayError as exc:  # the answer went out; only its record is lost
+        except GatewayError as exc:
             log.error("response_not_recorded", response_id=response.id, code=exc.code)
-            if response.visiongate is not None:
-                response.visiongate.stored = False
+            if not answered:  # reported as failed already
+                return None
+            return GatewayError(
+                "busy", f"the response could not be stored ({exc.message}); retry it"
+            )
+        return None
 
     # ------------------------------------------------------------ stored responses
 
     async def retrieve(self, response_id: str, owner: str) -> bytes | p.ErrorResponse:
+        open_store_budget(self.state)
         try:
             record = await self.state.responses.get(response_id, owner)
         except GatewayError as exc:
@@ -409,6 +443,7 @@ class ResponsesServing:
         return record.body
 
     async def delete(self, response_id: str, owner: str) -> r.ResponseDeleted | p.ErrorResponse:
+        open_store_budget(self.state)
         try:
             deleted = await self.state.responses.delete(response_id, owner)
         except GatewayError as exc:
@@ -421,6 +456,7 @@ class ResponsesServing:
     async def input_items(
         self, response_id: str, owner: str, *, after: str | None, limit: int, order: str
     ) -> r.InputItemList | p.ErrorResponse:
+        open_store_budget(self.state)
         try:
             if not 1 <= limit <= MAX_INPUT_ITEMS_PAGE:
                 raise GatewayError(
@@ -498,3 +534,8 @@ def _unknown_response(response_id: str, param: str, why: str = "") -> GatewayErr
 
 def _is_finished(event: ServiceEvent) -> bool:
     return isinstance(event, Finished)
+
+
+def _unstored(error: GatewayError) -> bool:
+    """A failure of the store (the answer not written), not of the answer itself."""
+    return error.code in ("busy", "session_not_found")
