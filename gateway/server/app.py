@@ -183,16 +183,11 @@ def create_app(
         if settings.input_tokens_per_minute or settings.output_tokens_per_minute
         else None
     )
-    concurrency = settings.max_concurrent_responses_per_key
     meter = (
         TokenMeter(
-            make_token_limiter(settings.redis_url),
-            auth,
-            telemetry.metrics,
-            defaults=defaults,
-            concurrency=concurrency,
+            make_token_limiter(settings.redis_url), auth, telemetry.metrics, defaults=defaults
         )
-        if auth.store is not None or defaults is not None or (auth.enabled and concurrency)
+        if auth.store is not None or defaults is not None
         else None
     )
     state = GatewayState(
