@@ -44,6 +44,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # owner, when no keys are set); managed keys carry their own limits; 0: no limit
     input_tokens_per_minute: int = 0
     output_tokens_per_minute: int = 0
+    # responses one API key may have in flight at once, on all replicas together (past it:
+    # concurrency_limited, HTTP 429); managed keys may carry their own; 0: no cap. Callers
+    # on a gateway without keys have none (the engine's queue bounds them)
+    max_concurrent_responses_per_key: int = 64
     # the admin API's key (/v1/admin/keys): set, it turns managed API keys on (gateway.policy)
     admin_api_key: str = ""
     # ephemeral Realtime keys (POST /v1/realtime/client_secrets): the longest lifetime a client
@@ -195,6 +199,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         need(self.rate_limit_per_minute >= 0, "rate_limit_per_minute", "must be >= 0")
         need(self.input_tokens_per_minute >= 0, "input_tokens_per_minute", "must be >= 0")
         need(self.output_tokens_per_minute >= 0, "output_tokens_per_minute", "must be >= 0")
+        need(
+            self.max_concurrent_responses_per_key >= 0,
+            "max_concurrent_responses_per_key",
+            "must be >= 0",
+        )
         need(
             not self.admin_api_key or len(self.admin_api_key) >= 16,
             "admin_api_key",

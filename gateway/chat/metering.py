@@ -1,9 +1,12 @@
 """The chat layer's side of per key token limits and usage (`gateway.policy.key_usage`).
 
-`ChatService` opens a meter for each response of a managed key, admits it with
-`input_estimate` / `raw_input_estimate` before the answer takes its place in the conversation
-(`admitted`: a refused response leaves nothing stored), and reads its events through `counted`,
-which hands each to `observe` and closes the meter when the response is over. The estimates
+`ChatService` opens a meter for each response of a key under limits, admits it with
+`input_estimate` / `raw_input_estimate` and the output it may write (`output_reservation` /
+`raw_output_reservation`: what the engine will be told is the most it may write, for every
+answer) before the answer takes its place in the conversation (`admitted`: a refused response
+leaves nothing stored), and reads its events through `counted`, which hands each to `observe`
+and closes the meter when the response is over; the service closes it again once its events
+are over, in case they never started (closing twice gives nothing back twice). The estimates
 are cheap (no tokenizer, `text_tokens_estimate`: characters / 3, but never fewer than the
 text's words plus its digits, and a token for every byte past the first of a character beyond
 ASCII; then a per message and per image allowance) and err high for the text of a byte-level
@@ -23,6 +26,7 @@ import structlog
 from gateway.chat.context_fit import IMAGE_OVERHEAD_TOKENS, MESSAGE_OVERHEAD_TOKENS
 from gateway.chat.events import Finished, TextChunk
 from gateway.chat.generation_stream import ms_since
+from gateway.chat.turn_prompt import sampling_for
 from gateway.policy.key_usage import TokenUsage
 
 if TYPE_CHECKING:
@@ -39,7 +43,9 @@ __all__ = (
     "image_tokens_estimate",
     "input_estimate",
     "observe",
+    "output_reservation",
     "raw_input_estimate",
+    "raw_output_reservation",
     "text_tokens_estimate",
 )
 
@@ -106,6 +112,22 @@ def raw_input_estimate(prompts: list[str | tuple[int, ...]]) -> int:
     return sum(len(p) if isinstance(p, tuple) else text_tokens_estimate(p) + 1 for p in prompts)
 
 
+def output_reservation(session: Session, options: ResponseOptions, limit: int) -> int:
+    """The most output tokens a turn over `session` may write: its answers' cap (the
+    client's `max_tokens`, else the session's, within the gateway's `limit`: what the engine is
+    told, `turn_prompt.sampling_for`) times their number."""
+    return sampling_for(session, options, limit).max_output_tokens * max(options.n, 1)
+
+
+def raw_output_reservation(
+    prompts: list[str | tuple[int, ...]], options: ResponseOptions, limit: int
+) -> int:
+    """The most output tokens raw prompts may get: `n` answers each, every one capped as
+    `generation_stream.raw_events` caps it (the client's `max_tokens`, else `limit`)."""
+    each = min(options.max_output_tokens or limit, limit)
+    return each * max(options.n, 1) * len(prompts)
+
+
 async def admitted(
     meter: TokenMeter | None,
     owner: str,
@@ -113,11 +135,19 @@ async def admitted(
     options: ResponseOptions,
     t0: float,
     ending: Ending,
+    reserve: int = 0,
 ) -> tuple[Metered | None, Finished | None]:
-    """The response's meter (None: not a managed key), or its end when its key's token limits
-    refuse it: a failed `Finished` with the `rate_limited` error, before anything is stored."""
+    """The response's meter (None: a key under no limit), or its end when its key's limits
+    refuse it: a failed `Finished` with the `rate_limited` (or `concurrency_limited`) error,
+    before anything is stored. `reserve`: the most output tokens it may write."""
     metered = meter.open(owner) if meter is not None else None
-    refusal = await metered.admit(estimate) if metered is not None else None
+    refusal = None
+    if metered is not None:
+        try:
+            refusal = await metered.admit(estimate, reserve)
+        except BaseException:  # cancelled on its way back: what it took is given back
+            metered.close()
+            raise
     if refusal is None:
         return metered, None
     timings = {"total_ms": ms_since(t0)}

@@ -171,6 +171,8 @@ class ChatService:
             await events.aclose()
             if metered is not None:  # events that never started did not close it
                 metered.close()
+            if metered is not None:  # events that never started did not close it
+                metered.close()
 
     async def respond_raw(
         self,
@@ -210,6 +212,8 @@ class ChatService:
                 yield event
         finally:
             await events.aclose()
+            if metered is not None:
+                metered.close()
             if metered is not None:
                 metered.close()
 

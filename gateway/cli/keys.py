@@ -32,6 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--output-tpm", type=int)
     c.add_argument("--budget-tokens", type=int)
     c.add_argument("--budget-period", choices=("day", "month"))
+    c.add_argument("--max-concurrent", type=int, help="responses in flight at once (0: no cap)")
     ls = verbs.add_parser("list", help="one page of keys, oldest first")
     ls.add_argument("--limit", type=int, default=50)
     ls.add_argument("--after", help="the last id of the previous page")
@@ -59,7 +60,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
         if args.verb == "create":
             fields = (
                 "name", "owner", "expires_in_s", "models", "rpm",
-                "input_tpm", "output_tpm", "budget_tokens", "budget_period",
+                "input_tpm", "output_tpm", "budget_tokens", "budget_period", "max_concurrent",
             )  # fmt: skip
             body: dict[str, Any] = {f: getattr(args, f) for f in fields}
             body = {k: v for k, v in body.items() if v is not None}

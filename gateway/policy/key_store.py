@@ -90,6 +90,9 @@ class KeyRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     output_tpm: int | None = None  # output tokens per minute
     budget_tokens: int | None = None  # input + output tokens per `budget_period`
     budget_period: Period | None = None  # the UTC day or calendar month; set with budget_tokens
+    # responses in flight at once, on all replicas; None: the gateway's
+    # max_concurrent_responses_per_key; 0: no cap
+    max_concurrent: int | None = None
     revoked: bool = False
     revoked_at: float | None = None
 

@@ -6,18 +6,24 @@ once per response before anything of it is stored: past the requests limit, it a
 limiter (`gateway.policy.token_limits`) whether the key's token windows still have room, so a
 key past a token limit is refused (429) before its turn is stored, then counts the request.
 
-`TokenMeter.open(owner)` is the chat layer's hook for one response of a key under limits
-(`Metered`): `admit(estimate)` counts the estimated input tokens against the key's limits in one
-atomic step, which is what keeps concurrent responses within a limit (plus one response), and
-returns the refusal if the key has no room left; `streamed(n)` counts output tokens as they go
-out, written every `CHARGE_EVERY` tokens; `finish(usage)` corrects the estimate to the real
-input count, counts what is left of the output, and records the usage: in the key store
-(requests, input, cached, output and image tokens, encode ms) and as metrics labelled by key
-(`gateway.telemetry`: at most `KEY_LABELS` key ids a process, the rest "other"). A response
-that ends without a `finish` (its consumer gone) still has its streamed tokens counted, and one
-that failed after text went out (an end with no counts) keeps its estimate and what streamed:
-only a response refused before any output gives its estimate back. The estimate's correction
-goes to the windows of the admission (`TokenLimiter.charge`'s `since`).
+`TokenMeter.open(owner)` is the chat layer's hook for one response of a key under limits or
+under the cap on responses in flight (`Metered`): `admit(estimate, output)` counts the
+estimated input tokens and reserves the most output the response may write (its `max_tokens`
+x `n`, or the gateway's cap) against the key's limits in one atomic step, and takes one of the
+key's slots; that is what keeps concurrent responses within a limit (plus one response's
+reservation), on every replica. It returns the refusal if the key has no room left
+(`rate_limited`) or no slot (`concurrency_limited`: `TokenMeter.concurrency`, a managed key's
+own `max_concurrent`, else the `max_concurrent_responses_per_key` setting). `streamed(n)`
+counts output tokens as they go out; only those past the reservation are written (every
+`CHARGE_EVERY`), and a long answer renews its slot's lease. `finish(usage)`, once, corrects
+the estimate to the real input count, gives back the unused part of the reservation (both in
+the windows of the admission: `TokenLimiter.charge`'s `since`) and the slot, and records the
+usage: in the key store (requests, input, cached, output and image tokens, encode ms) and as
+metrics labelled by key (`gateway.telemetry`: at most `KEY_LABELS` key ids a process, the rest
+"other"). `close()` is the same for a response that ends without a `finish` (an error, a
+cancel, a client gone): it counts what streamed. One that failed after text went out (an end
+with no counts) keeps its estimate and what streamed: only a response refused before any
+output gives its estimate back. Neither gives anything back twice.
 
 Counts are written in the background: a store that is slow or down never delays a response;
 a count lost that way is logged. At most `MAX_PENDING` writes are in flight; past that they are
@@ -29,6 +35,8 @@ shutdown (`aclose`), so a flood of streams or a slow Redis never lets tokens go 
 from __future__ import annotations
 
 import asyncio
+import secrets
+import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +58,8 @@ __all__ = ("CHARGE_EVERY", "CountingLimiter", "Metered", "TokenMeter", "TokenUsa
 log = structlog.get_logger("visiongate.key_usage")
 MAX_PENDING = 1000  # writes in flight
 CHARGE_EVERY = 16  # streamed output tokens written to the counters at a time
+RENEW_EVERY_S = 60.0  # a streaming response's slot renewed this often (LIVE_LEASE_S: 300 s)
+CONCURRENCY_RETRY_S = 1.0  # Retry-After of a key with every slot taken: one may free any time
 KEY_LABELS = 100  # managed key ids a process labels metrics with; later ones are "other"
 
 
@@ -115,9 +125,20 @@ class TokenMeter:
     """Token limits and usage of managed keys (`open` per response), over one token limiter;
     `defaults` are the limits of every other owner (static keys, or "anonymous" on a gateway
     without keys: the `input_tokens_per_minute` / `output_tokens_per_minute` settings), whose
-    usage is not kept in the key store (it lists managed keys only) but counted in metrics."""
+    usage is not kept in the key store (it lists managed keys only) but counted in metrics.
+    `concurrency` caps the responses in flight of a key (a managed key's `max_concurrent`
+    overrides it; 0: no cap); callers without a key ("anonymous") have none."""
 
-    __slots__ = ("_background", "_labelled", "_owed", "auth", "defaults", "limiter", "metrics")
+    __slots__ = (
+        "_background",
+        "_labelled",
+        "_owed",
+        "auth",
+        "concurrency",
+        "defaults",
+        "limiter",
+        "metrics",
+    )
 
     def __init__(
         self,
@@ -126,11 +147,13 @@ class TokenMeter:
         metrics: GatewayMetrics | None = None,
         *,
         defaults: TokenLimits | None = None,
+        concurrency: int = 0,
     ) -> None:
         self.limiter = limiter
         self.auth = auth
         self.metrics = metrics
         self.defaults = defaults
+        self.concurrency = concurrency
         self._background = _Background()
         self._labelled: set[str] = set()
         # owner -> (input, output) tokens whose charge found no room in flight, not yet written
@@ -142,6 +165,14 @@ class TokenMeter:
 
     def _managed(self, owner: str) -> bool:
         return self.auth.limits_of(owner) is not None
+
+    def cap(self, owner: str) -> int:
+        """The most responses `owner` may have in flight at once (0: no cap)."""
+        if owner == "anonymous":
+            return 0
+        record = self.auth.limits_of(owner)
+        own = getattr(record, "max_concurrent", None) if record is not None else None
+        return self.concurrency if own is None else own
 
     def key_label(self, owner: str) -> str:
         """The `key` label of a key's metrics: a managed key's id, for the first `KEY_LABELS`
@@ -183,11 +214,11 @@ class TokenMeter:
         return used.tightest(limits) if used is not None else None
 
     def open(self, owner: str) -> Metered | None:
-        """The meter of one response of `owner`; None for an owner neither managed nor under
-        the default limits."""
-        if not self._managed(owner) and self.defaults is None:
+        """The meter of one response of `owner`; None for an owner neither managed, nor under
+        the default limits, nor under a cap on responses in flight."""
+        if not self._managed(owner) and self.defaults is None and not self.cap(owner):
             return None
-        return Metered(self, owner, self.limits(owner))
+        return Metered(self, owner, self.limits(owner), self.cap(owner))
 
     def charge(
         self,
@@ -197,18 +228,32 @@ class TokenMeter:
         input: int,
         output: int,
         since: float | None = None,
+        release: str = "",
     ) -> None:
-        if limits is None or not (input or output):
+        """Count tokens in the background (`since`: the admission's windows; see
+        `TokenLimiter.charge`), giving back the slot of `release` with them. A charge that
+        finds too many writes in flight is owed (what raises a count; a slot not given back
+        frees itself when its lease ends)."""
+        if limits is None:
+            if not release:
+                return
+            limits = TokenLimits()
+        if not (input or output or release):
             return
         owed_in, owed_out = self._owed.pop(owner, (0, 0))
 
         async def work() -> None:
             if owed_in or owed_out:  # in the windows of now: it counts late, never less
                 await self.limiter.charge(owner, limits, input=owed_in, output=owed_out)
-            await self.limiter.charge(owner, limits, input=input, output=output, since=since)
+            await self.limiter.charge(
+                owner, limits, input=input, output=output, since=since, release=release
+            )
 
         if not self._background.run("tokens", owner, work()):
             self._owed[owner] = (owed_in + max(input, 0), owed_out + max(output, 0))
+
+    def renew(self, owner: str, response: str) -> None:
+        self._background.run("slot", owner, self.limiter.renew(owner, response))
 
     def record(self, owner: str, usage: TokenUsage) -> None:
         store = self.auth.store
@@ -273,55 +318,89 @@ class TokenMeter:
 
 
 class Metered:
-    """One response of a managed key: its admission, its streamed tokens, its usage."""
+    """One response of a key under limits or a cap: its admission (tokens counted and
+    reserved, a slot taken), its streamed tokens, its end (the unused part given back, once)."""
 
     __slots__ = (
+        "_admitted",
         "_done",
         "_out_charged",
+        "_out_reserved",
         "_out_seen",
+        "_renewed",
         "_reserved",
         "_since",
+        "cap",
         "limits",
         "meter",
         "owner",
+        "response",
     )
 
-    def __init__(self, meter: TokenMeter, owner: str, limits: TokenLimits | None) -> None:
-        self.meter, self.owner, self.limits = meter, owner, limits
+    def __init__(
+        self, meter: TokenMeter, owner: str, limits: TokenLimits | None, cap: int = 0
+    ) -> None:
+        self.meter, self.owner, self.limits, self.cap = meter, owner, limits, cap
+        self.response = secrets.token_hex(8)  # its slot's name among the key's
         self._reserved = 0  # input tokens counted at admission (the estimate)
+        self._out_reserved = 0  # output tokens counted at admission (the reservation)
         self._out_seen = 0
-        self._out_charged = 0
-        self._since: float | None = None  # when the estimate was counted (its windows)
+        self._out_charged = 0  # output written past the reservation
+        self._since: float | None = None  # when the admission was counted (its windows)
+        self._admitted = False  # a slot is held and the counts are the meter's to correct
+        self._renewed = 0.0
         self._done = False
 
-    async def admit(self, estimate: int) -> GatewayError | None:
-        """Count the estimate against the key's limits; the refusal when there is no room."""
-        if self.limits is None:
+    async def admit(self, estimate: int, output: int = 0) -> GatewayError | None:
+        """Count the estimate, reserve `output` tokens and take a slot; the refusal when the
+        key has no room or no slot left."""
+        if self.limits is None and not self.cap:
             return None
-        estimate = max(estimate, 1)
-        used = await self.meter.limiter.admit(self.owner, self.limits, estimate)
+        limits = self.limits or TokenLimits()
+        estimate = max(estimate, 1) if self.limits is not None else 0
+        output = max(output, 0) if self.limits is not None else 0
+        used = await self.meter.limiter.admit(
+            self.owner,
+            limits,
+            estimate,
+            output=output,
+            response=self.response,
+            concurrency=self.cap,
+        )
         if used is None:  # the counters cannot be read: let through, nothing was counted
             return None
         if not used.admitted:
-            self.meter._refused(self.owner)
+            self.meter._refused(self.owner, "concurrency" if used.busy else "tokens")
             self.meter._uncount_request(self.owner)
             self._done = True  # refused: nothing was counted, nothing is recorded
-            return refusal(self.limits, used)
-        self._reserved, self._since = estimate, used.at
-        note_tokens(used.tightest(self.limits))
+            if used.busy:
+                return GatewayError(
+                    "concurrency_limited",
+                    f"this API key has {used.live} responses in flight, as many as it may have "
+                    "at once; retry when one has ended",
+                    retry_after_s=CONCURRENCY_RETRY_S,
+                )
+            return refusal(limits, used)
+        self._admitted = True
+        self._reserved, self._out_reserved, self._since = estimate, output, used.at
+        self._renewed = time.monotonic()
+        if self.limits is not None:
+            note_tokens(used.tightest(self.limits))
         return None
 
     def streamed(self, tokens: int = 1) -> None:
         self._out_seen += tokens
-        if self._out_seen - self._out_charged >= CHARGE_EVERY:
-            self._charge(0, self._out_seen - self._out_charged)
-
-    def _charge(self, input: int, output: int) -> None:
-        self._out_charged += output
-        self.meter.charge(self.owner, self.limits, input=input, output=output, since=self._since)
+        past = self._out_seen - self._out_reserved - self._out_charged
+        if past >= CHARGE_EVERY:
+            self._out_charged += past
+            self.meter.charge(self.owner, self.limits, input=0, output=past)
+        if self._admitted and self.cap and time.monotonic() - self._renewed >= RENEW_EVERY_S:
+            self._renewed = time.monotonic()
+            self.meter.renew(self.owner, self.response)
 
     def finish(self, usage: TokenUsage) -> None:
-        """The response ended with this usage: counters corrected, usage recorded (once)."""
+        """The response ended with this usage: counters corrected, the unused reservation and
+        the slot given back, usage recorded (once)."""
         if self._done:
             return
         self._done = True
@@ -329,7 +408,21 @@ class Metered:
             usage = msgspec.structs.replace(usage, input_tokens=self._reserved)
         if usage.output_tokens < self._out_seen:
             usage = msgspec.structs.replace(usage, output_tokens=self._out_seen)
-        self._charge(usage.input_tokens - self._reserved, usage.output_tokens - self._out_charged)
+        # output past the reservation counts now; the unused reservation goes back to the
+        # admission's windows, with the estimate's correction
+        past = max(usage.output_tokens - self._out_reserved, 0) - self._out_charged
+        unused = max(self._out_reserved - usage.output_tokens, 0)
+        if past:
+            self.meter.charge(self.owner, self.limits, input=0, output=past)
+        counted = self.limits is not None  # else only a slot is held
+        self.meter.charge(
+            self.owner,
+            self.limits,
+            input=usage.input_tokens - self._reserved if counted else 0,
+            output=-unused,
+            since=self._since,
+            release=self.response if self._admitted and self.cap else "",
+        )
         self.meter.record(self.owner, usage)
 
     def close(self) -> None:

@@ -1,37 +1,51 @@
 """Per key token limits: input and output tokens per minute, and a token budget per day or
 month (a managed key's `KeyRecord.input_tpm`, `output_tpm`, `budget_tokens` + `budget_period`;
-a static key's from the settings, `input_tokens_per_minute` / `output_tokens_per_minute`).
+a static key's from the settings, `input_tokens_per_minute` / `output_tokens_per_minute`),
+and a cap on a key's responses in flight.
 
 Counting. Each key has three counters in fixed windows: input tokens this minute, output tokens
 this minute, and tokens (input + output) this budget period (the UTC day, or the UTC calendar
 month). A window starts empty when the clock enters it.
 
-Admission (`admit(owner, limits, add)`): a response is let in while every limit of its key
-still has room (used < limit); once in, `add` (its input tokens as estimated before anything
-runs) is counted at once, in the same atomic step. So concurrent responses of one key, on any
-number of replicas, never pass together on the same room: what is admitted stays within the
-limit plus the one response that took the last room. Output tokens are counted as they stream
-(`charge`), and a response's estimate is corrected to its real input count when it ends, so
-the counters hold what was really used; neither ever cuts an answer that is under way. The
-correction counts in the windows the estimate went to (`since`, the admission's `Used.at`):
-once such a window has ended, it only changes the debt that window left (below), never the
-new window's own use (a high estimate given back there would wipe what the key used in the
-new minute). No counter goes below 0. Refused: GatewayError("rate_limited") with
-`retry_after_s`, the seconds until a response is let in again (HTTP 429 and Retry-After).
+Admission (`admit(owner, limits, add, output=...)`): a response is let in while every limit of
+its key still has room (used < limit); once in, what it may cost is counted at once, in the
+same atomic step: `add`, its input tokens as estimated before anything runs, and `output`, the
+most it may write (its `max_tokens` x `n`, or the gateway's cap): a reservation. So concurrent
+responses of one key, on any number of replicas, never pass together on the same room: what is
+admitted stays within the limit plus the one response that took the last room, its whole
+reservation included. When the response ends, its estimate is corrected to its real input
+count and the unused part of its reservation is given back (`charge` with negative counts), so
+the counters hold what was really used; output past a reservation (one admitted while the
+counters could not be read) is counted as it streams. Nothing here ever cuts an answer that is
+under way. Corrections count in the windows the admission went to (`since`, the admission's
+`Used.at`): once such a window has ended, they only change the debt that window left (below),
+never the new window's own use (a reservation given back there would wipe what the key used in
+the new minute). No counter goes below 0. Refused: GatewayError("rate_limited") with
+`retry_after_s`, the seconds until the counters as they stand have room again (HTTP 429 and
+Retry-After): reservations in flight count as used, so a response that ends short may let the
+key in sooner, never later.
+
+Responses in flight. With a cap (`concurrency` > 0, and a `response` id), admission also takes
+one of the key's slots: a key with `concurrency` responses in flight is refused
+(`Used.busy`; the caller answers "concurrency_limited"). A slot is a lease (`LIVE_LEASE_S`,
+renewed by `renew` while the response streams) given back by the `charge` that ends the
+response (`release`); one whose replica died frees itself when its lease runs out.
 
 Two counters with one contract: `MemoryTokenLimiter` (one replica's view) and
 `RedisTokenLimiter`, whose counters for one key are the fields of one hash,
 `vg:tokens:{<key id>}` (fields `in`, `out`, `b`, and for each the window it belongs to, `:w`,
-that window's index, `:n`, and the debt it opened with, `:c`), changed by single-key scripts:
-one Redis or any Redis Cluster node.
+that window's index, `:n`, and the debt it opened with, `:c`), and whose slots are the members
+of one sorted set, `vg:live:{<key id>}` (score: the lease's end), both changed by scripts over
+the two keys of one hash slot: one Redis or any Redis Cluster node.
 
 Debt. A window only refuses once full, so one response can take it far past its limit (a
 200,000-token prompt against 1,000 a minute): what a window counted past its limit plus one
 more limit is owed by the windows after it, one limit a window, so a key's tokens over time
 stay within its limits plus one response, however large that one was. An estimate corrected
-after its window ended lowers that debt (never the new window's own use). A debt lives at
-most a day on Redis (the hash's expiry). While Redis is
-unreachable the limiter lets responses through (and logs it) like the request limiter.
+after its window ended lowers that debt (never the new window's own use). On Redis the hash
+lives until the last window its debts reach has ended (and a minute more), however many days
+or months that is. While Redis is unreachable the limiter lets responses through (and logs
+it) like the request limiter.
 """
 
 from __future__ import annotations
@@ -52,6 +66,7 @@ if TYPE_CHECKING:
     from gateway.policy.key_store import KeyRecord
 
 __all__ = (
+    "LIVE_LEASE_S",
     "MemoryTokenLimiter",
     "RedisTokenLimiter",
     "TokenLimiter",
@@ -65,6 +80,7 @@ __all__ = (
 log = structlog.get_logger("visiongate.ratelimit")
 
 Kind = Literal["input_tpm", "output_tpm", "budget"]
+LIVE_LEASE_S = 300.0  # a slot of a response in flight, unless renewed (`TokenLimiter.renew`)
 
 
 class TokenLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -99,14 +115,16 @@ class Used(msgspec.Struct, frozen=True):
     budget: int
     minute_reset_s: float
     period_reset_s: float
-    admitted: bool = True  # False: a limit had no room, and nothing was counted
+    admitted: bool = True  # False: a limit had no room (or no slot), and nothing was counted
     at: float = 0.0  # the clock's reading when it was read (unix s): the admission's windows
+    live: int = 0  # the key's responses in flight after it (with a cap asked for)
+    busy: bool = False  # refused for the cap on responses in flight, not for tokens
 
     def allowances(self, limits: TokenLimits) -> dict[Kind, Allowance]:
         """Each limit's room; its reset is when a response is let in again: the window's end,
         or, with a debt of whole limits carried, as many windows later (a month as 31 days)."""
         out: dict[Kind, Allowance] = {}
-        period_s = 86400.0 if limits.budget_period == "day" else 31 * 86400.0
+        period_s = _period_s(limits)
         for kind, limit, used, reset, length in (
             ("input_tpm", limits.input_tpm, self.input, self.minute_reset_s, 60.0),
             ("output_tpm", limits.output_tpm, self.output, self.minute_reset_s, 60.0),
@@ -167,11 +185,22 @@ def refusal(limits: TokenLimits, used: Used) -> GatewayError:
 
 
 class TokenLimiter(Protocol):
-    async def admit(self, owner: str, limits: TokenLimits, add: int) -> Used | None:
-        """Let a response in while every limit has room, counting `add` input tokens at once;
-        with no room, count nothing (`Used.admitted` False: `refusal` is the answer). `add=0`
-        only asks. The counters after it; None when they cannot be read (Redis down: let
-        through)."""
+    async def admit(
+        self,
+        owner: str,
+        limits: TokenLimits,
+        add: int,
+        *,
+        output: int = 0,
+        response: str = "",
+        concurrency: int = 0,
+    ) -> Used | None:
+        """Let a response in while every limit has room, counting `add` input tokens and
+        `output` reserved output tokens at once; with no room, count nothing (`Used.admitted`
+        False: `refusal` is the answer). With `concurrency` > 0, `response` also takes one of
+        the key's slots, and is refused (`Used.busy`) when `concurrency` are taken. `add=0`
+        and `output=0` only ask. The counters after it; None when they cannot be read (Redis
+        down: let through)."""
 
     async def charge(
         self,
@@ -181,10 +210,15 @@ class TokenLimiter(Protocol):
         input: int = 0,
         output: int = 0,
         since: float | None = None,
+        release: str = "",
     ):
-        """Count tokens used now (a negative `input` corrects an estimate that was too high).
-        With `since` (the admission's `Used.at`), `input` corrects the windows of that time:
-        in one that has ended, only the debt it left."""
+        """Count tokens used now (a negative `input` corrects an estimate that was too high, a
+        negative `output` gives back a reservation). With `since` (the admission's `Used.at`),
+        both correct the windows of that time: in one that has ended, only the debt it left.
+        `release`: the response whose slot is given back (a slot already gone is no error)."""
+
+    async def renew(self, owner: str, response: str) -> None:
+        """The response is still under way: its slot's lease starts again."""
 
     async def aclose(self) -> None: ...
 
@@ -246,17 +280,22 @@ def _store(fields: dict, name: str, w: _Window, value: int, debt: int) -> None:
     fields.update({name: value, f"{name}:w": w.id, f"{name}:n": w.index, f"{name}:c": debt})
 
 
+def _period_s(limits: TokenLimits) -> float:
+    """The budget period's length, a month as its longest."""
+    return 86400.0 if limits.budget_period == "day" else 31 * 86400.0
+
+
 def _counter_windows(
     limits: TokenLimits, now: float, since: float | None
 ) -> tuple[_Window, _Window, _Window, float, float]:
-    """The three counters' windows at `now` (input and budget corrections belong to the
-    windows of `since`), and the seconds to the minute's and the period's end."""
+    """The three counters' windows at `now` (corrections belong to the windows of `since`),
+    and the seconds to the minute's and the period's end."""
     minute, period, m_reset, p_reset = windows(limits, now)
     m_index, p_index = _indices(limits, now)
     then_minute, then_period = (minute, period) if since is None else windows(limits, since)[:2]
     return (
         _Window(minute, m_index, limits.input_tpm or 0, then_minute),
-        _Window(minute, m_index, limits.output_tpm or 0, minute),
+        _Window(minute, m_index, limits.output_tpm or 0, then_minute),
         _Window(period, p_index, limits.budget_tokens or 0, then_period),
         m_reset,
         p_reset,
@@ -266,14 +305,31 @@ def _counter_windows(
 class MemoryTokenLimiter:
     """One replica's counters (the embedded default)."""
 
-    __slots__ = ("_clock", "_keys")
+    __slots__ = ("_clock", "_keys", "_live")
 
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         # owner -> field -> value, as the Redis hash holds them
         self._keys: dict[str, dict[str, str | int]] = {}
+        # owner -> response -> the end of its slot's lease, as the Redis sorted set holds them
+        self._live: dict[str, dict[str, float]] = {}
 
-    async def admit(self, owner: str, limits: TokenLimits, add: int) -> Used | None:
+    def _slots(self, owner: str, now: float) -> dict[str, float]:
+        live = self._live.setdefault(owner, {})
+        for response in [r for r, end in live.items() if end <= now]:
+            del live[response]
+        return live
+
+    async def admit(
+        self,
+        owner: str,
+        limits: TokenLimits,
+        add: int,
+        *,
+        output: int = 0,
+        response: str = "",
+        concurrency: int = 0,
+    ) -> Used | None:
         now = self._clock()
         wi, wo, wb, m_reset, p_reset = _counter_windows(limits, now, None)
         fields = self._keys.setdefault(owner, {})
@@ -285,11 +341,18 @@ class MemoryTokenLimiter:
         used = Used(i, o, b, m_reset, p_reset, at=now)
         if used.refused_by(limits):
             return msgspec.structs.replace(used, admitted=False)
-        if add:
-            used = msgspec.structs.replace(used, input=i + add, budget=b + add)
-            _store(fields, "in", wi, i + add, ic)
+        live = self._slots(owner, now) if concurrency > 0 else {}
+        if concurrency > 0 and len(live) >= concurrency:
+            return msgspec.structs.replace(used, admitted=False, busy=True, live=len(live))
+        if add or output:
+            i, o, b = i + add, o + output, b + add + output
+            used = msgspec.structs.replace(used, input=i, output=o, budget=b)
+            _store(fields, "in", wi, i, ic)
             _store(fields, "out", wo, o, oc)
-            _store(fields, "b", wb, b + add, bc)
+            _store(fields, "b", wb, b, bc)
+        if concurrency > 0 and response:
+            live[response] = now + LIVE_LEASE_S
+            used = msgspec.structs.replace(used, live=len(live))
         return used
 
     async def charge(
@@ -300,20 +363,29 @@ class MemoryTokenLimiter:
         input: int = 0,
         output: int = 0,
         since: float | None = None,
+        release: str = "",
     ) -> None:
+        if release:
+            self._live.get(owner, {}).pop(release, None)
+        if not input and not output:
+            return
         wi, wo, wb, _, _ = _counter_windows(limits, self._clock(), since)
         fields = self._keys.setdefault(owner, {})
         i, ic = _changed(fields, "in", wi, input)
         o, oc = _changed(fields, "out", wo, output)
-        b, bc = _changed(fields, "b", wb, input)
-        if output:  # the budget takes the output as it goes, in its current period
-            b = max(b + output, 0)
+        b, bc = _changed(fields, "b", wb, input + output)
         _store(fields, "in", wi, i, ic)
         _store(fields, "out", wo, o, oc)
         _store(fields, "b", wb, b, bc)
 
+    async def renew(self, owner: str, response: str) -> None:
+        live = self._live.get(owner, {})
+        if response in live:
+            live[response] = self._clock() + LIVE_LEASE_S
+
     async def aclose(self) -> None:
         self._keys.clear()
+        self._live.clear()
 
 
 # The scripts' steps, those of `_read`, `_changed` and `_store` above. ARGV for each counter
@@ -350,49 +422,99 @@ local function store(name, base, value, debt)
 end
 """
 
-# KEYS[1]: the key's hash. ARGV[1..12]: the counters' windows (`_STEPS`), ARGV[13]: input
-# tokens to add once admitted (0: only ask), ARGV[14]: expiry (s).
-# Returns {admitted 1|0, input, output, budget} after it.
+# The hash's expiry after a write of counters `i`, `o`, `b`: until the end of the last window
+# that still owes part of one (`_read`: the j-th window after a counter's owes value - limit *
+# (j + 1)), and a minute. ARGV[15], ARGV[16]: seconds to the minute's and to the period's end,
+# ARGV[17]: the period's length.
+_KEEP = """
+local function keep(i, o, b)
+  local need = 0
+  local function upto(value, limit, reset, length)
+    if limit > 0 then
+      need = math.max(need, reset + length * math.max(math.ceil(value / limit) - 2, 0))
+    end
+  end
+  upto(i, tonumber(ARGV[3]), tonumber(ARGV[15]), 60)
+  upto(o, tonumber(ARGV[7]), tonumber(ARGV[15]), 60)
+  upto(b, tonumber(ARGV[11]), tonumber(ARGV[16]), tonumber(ARGV[17]))
+  redis.call('EXPIRE', KEYS[1], math.ceil(math.max(need, tonumber(ARGV[15]))) + 60)
+end
+"""
+
+# KEYS[1]: the key's hash, KEYS[2]: its slots. ARGV[1..12]: the counters' windows (`_STEPS`),
+# ARGV[13]: input tokens to add once admitted, ARGV[14]: output tokens to reserve (both 0: only
+# ask), ARGV[15..17]: `_KEEP`'s, ARGV[18]: the response ('' : none), ARGV[19]: the cap on
+# responses in flight (0: none), ARGV[20]: now (s), ARGV[21]: a slot's lease (s).
+# Returns {1 admitted | 0 refused for tokens | 2 refused for the cap, input, output, budget,
+# responses in flight}.
 _ADMIT = (
     _STEPS
+    + _KEEP
     + """
 local i, ic = read('in', 1)
 local o, oc = read('out', 5)
 local b, bc = read('b', 9)
 local li, lo, lb = tonumber(ARGV[3]), tonumber(ARGV[7]), tonumber(ARGV[11])
-local add = tonumber(ARGV[13])
+local add, reserve = tonumber(ARGV[13]), tonumber(ARGV[14])
+local cap, now = tonumber(ARGV[19]), tonumber(ARGV[20])
 if (li > 0 and i >= li) or (lo > 0 and o >= lo) or (lb > 0 and b >= lb) then
-  return {0, i, o, b}
+  return {0, i, o, b, 0}
 end
-if add ~= 0 then
+local live = 0
+if cap > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  live = redis.call('ZCARD', KEYS[2])
+  if live >= cap then return {2, i, o, b, live} end
+end
+if add ~= 0 or reserve ~= 0 then
   i = i + add
-  b = b + add
+  o = o + reserve
+  b = b + add + reserve
   store('in', 1, i, ic)
   store('out', 5, o, oc)
   store('b', 9, b, bc)
-  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[14]))
+  keep(i, o, b)
 end
-return {1, i, o, b}
+if cap > 0 and ARGV[18] ~= '' then
+  local lease = tonumber(ARGV[21])
+  redis.call('ZADD', KEYS[2], now + lease, ARGV[18])
+  redis.call('EXPIRE', KEYS[2], math.ceil(lease) + 60)
+  live = live + 1
+end
+return {1, i, o, b, live}
 """
 )
 
-# KEYS[1]: the key's hash. ARGV[1..12]: the counters' windows, ARGV[13]: input tokens (negative:
-# an estimate corrected), ARGV[14]: output tokens, ARGV[15]: expiry (s). No counter below 0.
+# KEYS[1]: the key's hash, KEYS[2]: its slots. ARGV[1..12]: the counters' windows, ARGV[13]:
+# input tokens (negative: an estimate corrected), ARGV[14]: output tokens (negative: a
+# reservation given back), ARGV[15..17]: `_KEEP`'s, ARGV[18]: the response whose slot is given
+# back ('': none). No counter below 0.
 _CHARGE = (
     _STEPS
+    + _KEEP
     + """
+if ARGV[18] ~= '' then redis.call('ZREM', KEYS[2], ARGV[18]) end
 local di, do_ = tonumber(ARGV[13]), tonumber(ARGV[14])
+if di == 0 and do_ == 0 then return 1 end
 local i, ic = change('in', 1, di)
 local o, oc = change('out', 5, do_)
-local b, bc = change('b', 9, di)
-if do_ ~= 0 then b = math.max(b + do_, 0) end
+local b, bc = change('b', 9, di + do_)
 store('in', 1, i, ic)
 store('out', 5, o, oc)
 store('b', 9, b, bc)
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[15]))
+keep(i, o, b)
 return 1
 """
 )
+
+# KEYS[1]: a key's slots. ARGV[1]: the response, ARGV[2]: its lease's new end, ARGV[3]: the
+# lease (s). Only a slot still held is renewed.
+_RENEW = """
+if redis.call('ZADD', KEYS[1], 'XX', 'CH', ARGV[2], ARGV[1]) == 1 then
+  redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[3])) + 60)
+end
+return 1
+"""
 
 REDIS_TIMEOUT_S = 2.5  # a hung master must not hold every request
 
@@ -400,7 +522,7 @@ REDIS_TIMEOUT_S = 2.5  # a hung master must not hold every request
 class RedisTokenLimiter:
     """Counters shared by every replica on one Redis or Redis Cluster (layout above)."""
 
-    __slots__ = ("_admit", "_charge", "_clock", "_redis", "namespace")
+    __slots__ = ("_admit", "_charge", "_clock", "_redis", "_renew", "namespace")
 
     def __init__(
         self, redis_url: str, namespace: str = "vg", *, clock: Callable[[], float] = time.time
@@ -412,31 +534,53 @@ class RedisTokenLimiter:
         self._redis = async_client(redis_url, socket_connect_timeout=2.0, socket_timeout=2.0)
         self._admit = self._redis.register_script(_ADMIT)
         self._charge = self._redis.register_script(_CHARGE)
+        self._renew = self._redis.register_script(_RENEW)
 
     def key(self, owner: str) -> str:
         return f"{self.namespace}:tokens:{{{owner}}}"
 
-    @staticmethod
-    def _ttl(limits: TokenLimits, period_reset_s: float) -> int:
-        # a counter outlives its windows, and a day of debt, by a minute
-        return int(max(period_reset_s if limits.budget_period else 0.0, 86400.0)) + 60
+    def live_key(self, owner: str) -> str:
+        """The key's slots: the same hash tag as its counters (one Cluster slot)."""
+        return f"{self.namespace}:live:{{{owner}}}"
 
-    def _args(self, limits: TokenLimits, since: float | None) -> tuple[float, list, float, float]:
+    def _args(self, limits: TokenLimits, since: float | None) -> tuple[float, list]:
         now = self._clock()
         wi, wo, wb, m_reset, p_reset = _counter_windows(limits, now, since)
         args = [x for w in (wi, wo, wb) for x in (w.id, w.index, w.limit, w.since)]
-        return now, args, m_reset, p_reset
+        return now, [*args, 0, 0, m_reset, p_reset, _period_s(limits)]
 
-    async def admit(self, owner: str, limits: TokenLimits, add: int) -> Used | None:
-        now, args, m_reset, p_reset = self._args(limits, None)
-        args += [add, self._ttl(limits, p_reset)]
+    async def admit(
+        self,
+        owner: str,
+        limits: TokenLimits,
+        add: int,
+        *,
+        output: int = 0,
+        response: str = "",
+        concurrency: int = 0,
+    ) -> Used | None:
+        now, args = self._args(limits, None)
+        args[12:14] = [add, output]
+        args += [response, concurrency, now, LIVE_LEASE_S]
+        keys = [self.key(owner), self.live_key(owner)]
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
-                ok, i, o, b = await self._admit(keys=[self.key(owner)], args=args)
+                ok, i, o, b, live = await self._admit(keys=keys, args=args)
         except Exception as exc:  # Redis down: serve rather than refuse everyone
             log.warning("token_limit_unavailable", error=type(exc).__name__)
             return None
-        return Used(int(i), int(o), int(b), m_reset, p_reset, admitted=bool(int(ok)), at=now)
+        m_reset, p_reset = args[14], args[15]
+        return Used(
+            int(i),
+            int(o),
+            int(b),
+            m_reset,
+            p_reset,
+            admitted=int(ok) == 1,
+            at=now,
+            live=int(live),
+            busy=int(ok) == 2,
+        )
 
     async def charge(
         self,
@@ -446,16 +590,26 @@ class RedisTokenLimiter:
         input: int = 0,
         output: int = 0,
         since: float | None = None,
+        release: str = "",
     ) -> None:
-        if not input and not output:
+        if not input and not output and not release:
             return
-        _, args, _, p_reset = self._args(limits, since)
-        args += [input, output, self._ttl(limits, p_reset)]
+        _, args = self._args(limits, since)
+        args[12:14] = [input, output]
+        args.append(release)
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
-                await self._charge(keys=[self.key(owner)], args=args)
+                await self._charge(keys=[self.key(owner), self.live_key(owner)], args=args)
         except Exception as exc:
             log.warning("token_charge_lost", key_id=owner, error=type(exc).__name__)
+
+    async def renew(self, owner: str, response: str) -> None:
+        args = [response, self._clock() + LIVE_LEASE_S, LIVE_LEASE_S]
+        try:
+            async with asyncio.timeout(REDIS_TIMEOUT_S):
+                await self._renew(keys=[self.live_key(owner)], args=args)
+        except Exception as exc:
+            log.warning("token_slot_renew_failed", key_id=owner, error=type(exc).__name__)
 
     async def aclose(self) -> None:
         await self._redis.aclose()

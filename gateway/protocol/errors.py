@@ -37,6 +37,8 @@ ERROR_CODES: dict[str, tuple[str, int]] = {
     "permission_denied": ("permission_error", 403),
     "api_key_not_found": ("invalid_request_error", 404),
     "rate_limited": ("rate_limit_error", 429),
+    # an API key with as many responses in flight as it may have at once (Retry-After)
+    "concurrency_limited": ("rate_limit_error", 429),
     # a client that sent too many wrong admin keys in a row, for a doubling delay (Retry-After)
     "auth_locked_out": ("rate_limit_error", 429),
     "busy": ("server_error", 503),

@@ -183,11 +183,16 @@ def create_app(
         if settings.input_tokens_per_minute or settings.output_tokens_per_minute
         else None
     )
+    concurrency = settings.max_concurrent_responses_per_key
     meter = (
         TokenMeter(
-            make_token_limiter(settings.redis_url), auth, telemetry.metrics, defaults=defaults
+            make_token_limiter(settings.redis_url),
+            auth,
+            telemetry.metrics,
+            defaults=defaults,
+            concurrency=concurrency,
         )
-        if auth.store is not None or defaults is not None
+        if auth.store is not None or defaults is not None or (auth.enabled and concurrency)
         else None
     )
     state = GatewayState(

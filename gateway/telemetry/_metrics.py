@@ -152,7 +152,7 @@ class GatewayMetrics:
         self._add("visiongate.key.encode.duration", max(encode_s, 0.0), {"key": key})
 
     def record_key_refusal(self, *, key: str, limit: str) -> None:
-        """A response of a key under token limits refused by its ``limit`` (requests | tokens)."""
+        """A response of a key refused by its ``limit`` (requests | tokens | concurrency)."""
         self._add("visiongate.key.rate_limited", 1, {"key": key, "limit": limit})
 
     def record_upstream_attempt(

@@ -46,6 +46,8 @@ class CreateKeyRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     output_tpm: Count | None = None
     budget_tokens: Count | None = None
     budget_period: Literal["day", "month"] | None = None
+    # responses in flight at once; None: the gateway's max_concurrent_responses_per_key
+    max_concurrent: Annotated[int, Meta(ge=0, le=10**6)] | None = None
 
 
 class KeyView(msgspec.Struct, kw_only=True):
@@ -62,6 +64,7 @@ class KeyView(msgspec.Struct, kw_only=True):
     output_tpm: int | None
     budget_tokens: int | None
     budget_period: str | None
+    max_concurrent: int | None
     revoked: bool
     revoked_at: float | None
 
@@ -114,6 +117,7 @@ def key_view(record: KeyRecord) -> KeyView:
         output_tpm=record.output_tpm,
         budget_tokens=record.budget_tokens,
         budget_period=record.budget_period,
+        max_concurrent=record.max_concurrent,
         revoked=record.revoked,
         revoked_at=record.revoked_at,
     )

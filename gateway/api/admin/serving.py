@@ -95,6 +95,7 @@ class AdminServing:
             output_tpm=req.output_tpm,
             budget_tokens=req.budget_tokens,
             budget_period=req.budget_period,
+            max_concurrent=req.max_concurrent,
         )
         await self.store.create(record, secret_digest(secret))
         log.info("api_key_created", key_id=record.id, owner=record.owner)
