@@ -171,8 +171,6 @@ class ChatService:
             await events.aclose()
             if metered is not None:  # events that never started did not close it
                 metered.close()
-            if metered is not None:  # events that never started did not close it
-                metered.close()
 
     async def respond_raw(
         self,
@@ -212,8 +210,6 @@ class ChatService:
                 yield event
         finally:
             await events.aclose()
-            if metered is not None:
-                metered.close()
             if metered is not None:
                 metered.close()
 
