@@ -184,3 +184,17 @@ async def test_a_conversation_that_fits_is_sent_whole(truncation: str) -> None:
     done = await run(service, session, ResponseOptions(truncation=truncation))
     assert done.status == "completed" and done.truncated_items == 0
     assert len(engine.requests[-1].messages) == 1 + len(session.items)
+
+
+async def test_a_place_that_cannot_be_taken_fails_the_response_as_busy_not_internal() -> None:
+    engine = FakeEngine()
+    sessions = FailingWrites(3600)
+    service, _ = build(engine, sessions)
+    session = Session.new(OWNER, instructions="", max_output_tokens=16)
+    session.items.append(turn("user", "hello there", 0))
+    await sessions.save(session)
+    sessions.broken = True  # the store is down as the response takes its answer's place
+    done = await run(service, session, ResponseOptions())
+    assert done.status == "failed" and done.error is not None
+    assert (done.error.code, done.error.http_status) == ("busy", 503)
+    assert engine.requests == []  # nothing was generated for an answer with no place
