@@ -158,11 +158,6 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # sessions and caches
     session_ttl_s: int = 3600
     redis_url: str | None = None  # absent: everything in process
-    # the longest one request (an HTTP request; a Realtime client event with the response it
-    # starts) waits for the session store and stored responses on Redis, all its calls
-    # together, each call within it; past it the request fails with busy (HTTP 503,
-    # Retry-After) and its answer is not reported as completed
-    store_timeout_s: float = 5.0
     vision_cache_bytes: int = 512 * MiB
     vision_cache_ttl_s: int = 86400
     image_store_bytes: int = 256 * MiB
@@ -220,6 +215,25 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             or (self.playground_api_key.startswith("vgk-") and bool(self.admin_api_key)),
             "playground_api_key",
             "must be one of api_keys, or a managed key (vgk-...) with admin_api_key set",
+        need(
+            _proxies_problem(self.trusted_proxies) is None,
+            "trusted_proxies",
+            _proxies_problem(self.trusted_proxies) or "",
+        )
+        need(
+            self.trusted_proxy_header in ("x-forwarded-for", "forwarded"),
+            "trusted_proxy_header",
+            f"must be x-forwarded-for or forwarded, got {self.trusted_proxy_header!r}",
+        )
+        for name in ("header_timeout_s", "body_timeout_s", "ws_handshake_timeout_s"):
+            need(0 < getattr(self, name) <= 3600, name, "must be in (0, 3600] seconds")
+        need(self.body_min_rate >= 0, "body_min_rate", "must be >= 0 bytes a second")
+        need(self.max_connections >= 1, "max_connections", "must be >= 1")
+        need(
+            1 <= self.max_unauthenticated_connections <= self.max_connections,
+            "max_unauthenticated_connections",
+            f"must be 1..max_connections ({self.max_connections})",
+        )
         )
         need(
             self.lm_dtype in ("auto", "float32", "bfloat16", "float16", "int8"),
@@ -290,11 +304,6 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "use 1-64 letters, digits, '_', '.' or '-' (starting with a letter or digit)",
         )
         need(self.session_ttl_s >= 1, "session_ttl_s", "must be >= 1 second")
-        need(
-            0.05 <= self.store_timeout_s <= 120.0,
-            "store_timeout_s",
-            f"must be 0.05..120 seconds, got {self.store_timeout_s}",
-        )
         need(self.vision_cache_bytes >= 0, "vision_cache_bytes", "must be >= 0")
         need(self.kv_budget_bytes >= 0, "kv_budget_bytes", "must be >= 0")
         need(0.0 < self.visual_budget_floor <= 1.0, "visual_budget_floor", "must be in (0, 1]")

@@ -9,6 +9,7 @@ event one SSE frame (`event:` its type, `data:` its JSON).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -81,8 +82,10 @@ class ResponseOutput:
         self.sequence += 1
         return self.sequence - 1
 
-    def take(self) -> list[bytes]:
-        frames = [frame(ev) for ev in self.events]
+    def take(self, wire: Callable[[r.ResponseEvent], bytes] | None = None) -> list[bytes]:
+        """The events made since the last take, as `wire` sends them (SSE frames by default)."""
+        wire = wire or frame
+        frames = [wire(ev) for ev in self.events]
         self.events.clear()
         return frames
 

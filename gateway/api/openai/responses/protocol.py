@@ -39,6 +39,7 @@ __all__ = (
     "OutputItem",
     "OutputMessage",
     "OutputText",
+    "PromptCacheOptions",
     "ResponseDeleted",
     "ResponseError",
     "ResponseEvent",
@@ -57,6 +58,18 @@ __all__ = (
 class TextConfig(Struct, forbid_unknown_fields=True):
     format: dict[str, Any] | None = None
     verbosity: str | None = None  # accepted and ignored
+
+
+class PromptCacheOptions(Struct, forbid_unknown_fields=True):
+    """`prompt_cache_options`: `prewarm` prefills the input into the prompt cache without
+    generating (`gateway.api.openai.responses.prewarm`); `ttl` and `mode` are checked and
+    said in the response's notes (the engine caches every full KV block of every prompt);
+    `comparison_response_id` (cache diagnostics) is refused."""
+
+    prewarm: bool | None = None
+    ttl: Literal["30m", "12h"] | None = None
+    mode: Literal["implicit", "explicit"] | None = None
+    comparison_response_id: str | None = None
 
 
 class ResponsesRequest(Struct, forbid_unknown_fields=True):
@@ -90,9 +103,10 @@ class ResponsesRequest(Struct, forbid_unknown_fields=True):
     user: str | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
-    prompt_cache_options: Any = None
+    # the prompt cache: checked by the serving layer, `prewarm` answered without output
+    prompt_cache_key: str | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
     stream_options: Any = None
     access_programs: Any = None
     image: Any = None

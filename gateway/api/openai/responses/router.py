@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from litestar import Request, Response, delete, get, post
+from litestar import Request, Response, WebSocket, delete, get, post, websocket
 
 from gateway.api.http.disconnect import unless_client_leaves
 from gateway.api.openai.replies import ERRORS, owner_of, reply, session_body_limit
 from gateway.api.openai.responses import protocol as r
 from gateway.api.openai.responses.inputs import decode_request
 from gateway.api.openai.responses.serving import ResponsesServing
+from gateway.api.openai.responses.websocket import ResponsesSocket
+from gateway.api.realtime.channel import CLOSE_POLICY
+from gateway.policy.key_guard import watch_key
 from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:
@@ -20,8 +23,8 @@ __all__ = ("responses_route_handlers",)
 
 
 def responses_route_handlers(state: GatewayState) -> list[Any]:
-    """POST/GET/DELETE `/responses[/{id}]` and GET `/responses/{id}/input_items`, for the
-    `/v1` router."""
+    """POST/GET/DELETE `/responses[/{id}]`, POST `/responses/{id}/cancel`, GET
+    `/responses/{id}/input_items` and the WebSocket at `/responses`, for the `/v1` router."""
     responses = ResponsesServing(state)
 
     @post(
@@ -83,4 +86,43 @@ def responses_route_handlers(state: GatewayState) -> list[Any]:
         )
         return reply(page, state)
 
-    return [create_response, get_response, delete_response, list_input_items]
+    @post(
+        "/responses/{response_id:str}/cancel",
+        status_code=200,
+        responses=ERRORS,
+        summary="Cancel a response in progress",
+        description="Stops a response this gateway is answering now (streamed or not, over "
+        "HTTP or WebSocket) and returns it as stored once it ended (status `cancelled`).",
+    )
+    async def cancel_response(request: Request, response_id: str) -> Response[Any]:
+        body = await responses.cancel(response_id, owner_of(state, request))
+        if isinstance(body, bytes):
+            return Response(body, status_code=200, media_type="application/json")
+        return reply(body, state)
+
+    @websocket("/responses")
+    async def responses_socket(socket: WebSocket) -> None:
+        offered = socket.scope.get("subprotocols") or []
+        try:
+            owner = state.auth.owner(socket.headers, offered)
+        except GatewayError as exc:
+            await socket.close(code=CLOSE_POLICY, reason=exc.message)
+            return
+        await socket.accept()
+        connection = ResponsesSocket(socket, responses, owner, session_body_limit(state))
+
+        async def key_refused(exc: GatewayError) -> None:  # revoked or expired while open
+            await connection.error(exc)
+            await socket.close(code=CLOSE_POLICY, reason=exc.code)
+
+        async with watch_key(state.auth, socket.headers, offered, key_refused):
+            await connection.run()
+
+    return [
+        create_response,
+        get_response,
+        delete_response,
+        cancel_response,
+        list_input_items,
+        responses_socket,
+    ]

@@ -29,7 +29,7 @@ one, whose text went out already, ends with `response.failed` carrying that erro
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,8 +39,16 @@ import structlog
 from gateway.api.http.event_streams import close_shielded, replay
 from gateway.api.openai.chat import protocol as p
 from gateway.api.openai.responses import protocol as r
+from gateway.api.openai.responses.in_flight import InFlightResponses
 from gateway.api.openai.responses.inputs import ParsedInput, convert_items, image_parts, parse_input
 from gateway.api.openai.responses.output_builder import ResponseOutput, frame, mark_failed
+from gateway.api.openai.responses.prewarm import (
+    cache_notes,
+    check_prewarm,
+    prewarm,
+    prewarm_response,
+    wants_prewarm,
+)
 from gateway.api.openai.serving import (
     EventStream,
     Opened,
@@ -100,29 +108,44 @@ class Prepared:
     created_at: int
     model: str
     notes: list[str] = field(default_factory=list)
+    prewarm: bool = False  # prompt_cache_options.prewarm: warm the cache, generate nothing
+    # how each stream event is sent: an SSE frame (HTTP), a text message (WebSocket)
+    wire: Callable[[r.ResponseEvent], bytes] = frame
 
 
 class ResponsesServing:
     def __init__(self, state: GatewayState) -> None:
         self.state = state
         self.limits = RequestLimits.of(state.settings)
+        self.in_flight = InFlightResponses()  # what `cancel` finds, on this process
 
     # ------------------------------------------------------------ create
 
     async def create(
-        self, request: r.ResponsesRequest, *, owner: str
+        self,
+        request: r.ResponsesRequest,
+        *,
+        owner: str,
+        wire: Callable[[r.ResponseEvent], bytes] = frame,
     ) -> r.ResponseObject | EventStream | p.ErrorResponse:
+        """One response; a stream's events are made bytes by `wire` (SSE frames by default)."""
         received = time.perf_counter()
         open_store_budget(self.state)
         try:
             prepared = await self._prepare(request, owner)
         except GatewayError as exc:
             return p.error_response(exc)
+        prepared.wire = wire
+        if prepared.prewarm:
+            return await self._prewarm(prepared, received)
+        response_id = prepared.options.response_id
+        self.in_flight.add(response_id, owner, prepared.options.cancel)
         events = self.state.require().service.respond(
             prepared.session, prepared.options, received_at=received
         )
         opened = await open_answer(events, prepared.options.cancel, prepared.permit)
         if isinstance(opened, GatewayError):
+            self.in_flight.end(response_id)
             await self._roll_back(prepared)
             return p.error_response(opened)
         if request.stream:
@@ -174,6 +197,7 @@ class ResponsesServing:
             created_at=int(time.time()),
             model=model,
             notes=notes,
+            prewarm=wants_prewarm(request),
         )
 
     def _options(self, request: r.ResponsesRequest) -> tuple[ResponseOptions, list[str]]:
@@ -200,6 +224,7 @@ class ResponsesServing:
             ),
         ):
             refuse_unsupported(value, param, what, allow_empty=False)
+        check_prewarm(request, self.state.engine)
         if request.background:
             raise GatewayError(
                 "invalid_request", "background responses are not supported", param="background"
@@ -240,7 +265,7 @@ class ResponsesServing:
             options.grammar = plain_text_grammar()  # no tools now: answer the results in words
         if plan is not None:  # listed under every choice; "none" answers in plain text
             options.tools_prompt, options.tools = plan.prompt, plan.choice != "none"
-        notes = []
+        notes = cache_notes(request, self.state.settings)
         if request.reasoning and request.reasoning.get("effort") not in (None, "none"):
             notes.append("reasoning is ignored: the served model does not reason")
         ignored = [i for i in include if i != LOGPROBS_INCLUDE]
@@ -355,6 +380,7 @@ class ResponsesServing:
         finally:
             prepared.options.cancel.set()  # no-op once finished; frees the engine otherwise
             await close_shielded(events)
+            self.in_flight.end(prepared.options.response_id)
         response = out.finish(finished)
         if finished is not None and finished.error is not None and _unstored(finished.error):
             await self._roll_back(prepared)
@@ -368,16 +394,17 @@ class ResponsesServing:
     async def _sse(self, prepared: Prepared, opened: Opened[ServiceEvent]) -> AsyncIterator[bytes]:
         events = opened.events
         out = ResponseOutput(prepared)
+        wire = prepared.wire
         finished: Finished | None = None
         try:
-            yield frame(r.ResponseCreated(sequence_number=out.next(), response=out.snapshot()))
-            yield frame(r.ResponseInProgress(sequence_number=out.next(), response=out.snapshot()))
+            yield wire(r.ResponseCreated(sequence_number=out.next(), response=out.snapshot()))
+            yield wire(r.ResponseInProgress(sequence_number=out.next(), response=out.snapshot()))
             async for ev in replay(opened.first, events, _is_finished):
                 if isinstance(ev, TextChunk):
                     out.feed(ev)
                 elif isinstance(ev, Finished):
                     finished = ev
-                for ready in out.take():
+                for ready in out.take(wire):
                     yield ready
             response = out.finish(finished)
             error = await self._record(prepared, response, finished)
@@ -387,26 +414,94 @@ class ResponsesServing:
                 "completed": r.ResponseCompleted,
                 "failed": r.ResponseFailed,
             }.get(response.status, r.ResponseIncomplete)
-            for ready in out.take():
+            for ready in out.take(wire):
                 yield ready
-            yield frame(end(sequence_number=out.next(), response=response))
+            yield wire(end(sequence_number=out.next(), response=response))
         finally:
             # reached on completion and on a client disconnect (the stream is cancelled)
             prepared.options.cancel.set()
             if finished is None:
                 log.info("responses_stream_abandoned", response_id=prepared.options.response_id)
             await close_shielded(events)
+            self.in_flight.end(prepared.options.response_id)
+
+    async def _prewarm(
+        self, prepared: Prepared, received: float
+    ) -> r.ResponseObject | EventStream | p.ErrorResponse:
+        """A prewarm (`prewarm`): the cache warmed, then the response, with no output, once its
+        record is stored; streamed as created, in progress and completed."""
+        try:
+            try:
+                result, images, encode_ms = await prewarm(
+                    self.state.require().service, prepared, prepared.owner
+                )
+            finally:
+                prepared.permit.close()
+        except GatewayError as exc:
+            await self._roll_back(prepared)
+            return p.error_response(exc)
+        out = ResponseOutput(prepared)
+        total_ms = (time.perf_counter() - received) * 1000
+        response = prewarm_response(out.snapshot(), prepared, result, images, encode_ms, total_ms)
+        items = prepared.session.items
+        error = await self._record(
+            prepared, response, None, last_item=items[-1].id if items else None
+        )
+        if error is not None:
+            await self._roll_back(prepared)
+            return p.error_response(error)
+        if not prepared.request.stream:
+            return response
+
+        async def events() -> AsyncIterator[bytes]:
+            wire, started = prepared.wire, out.snapshot()
+            yield wire(r.ResponseCreated(sequence_number=out.next(), response=started))
+            yield wire(r.ResponseInProgress(sequence_number=out.next(), response=started))
+            yield wire(r.ResponseCompleted(sequence_number=out.next(), response=response))
+
+        return EventStream(events(), prepared.session.id)
+
+    async def cancel(self, response_id: str, owner: str) -> bytes | p.ErrorResponse:
+        """Cancel `owner`'s response that this process is answering now (streamed or not, over
+        HTTP or WebSocket) and return it as stored once it ended; a response that is not in
+        flight here cannot be cancelled (`response_not_found`, or `invalid_request` when it
+        has ended already)."""
+        if not await self.in_flight.cancel(response_id, owner):
+            open_store_budget(self.state)
+            try:
+                record = await self.state.responses.get(response_id, owner)
+            except GatewayError as exc:
+                return p.error_response(exc)
+            if record is None:
+                return p.error_response(_unknown_response(response_id, "response_id"))
+            return p.error_response(
+                GatewayError(
+                    "invalid_request",
+                    "the response has ended; only a response in progress can be cancelled",
+                    param="response_id",
+                )
+            )
+        log.info("response_cancelled", response_id=response_id)
+        return await self.retrieve(response_id, owner)
 
     async def _record(
-        self, prepared: Prepared, response: r.ResponseObject, finished: Finished | None
+        self,
+        prepared: Prepared,
+        response: r.ResponseObject,
+        finished: Finished | None,
+        *,
+        last_item: str | None = None,
     ) -> GatewayError | None:
         """Keep a stored response's record, so that it can be retrieved and continued; the
         store's error (busy) when a response that did not fail could not be recorded: it must
-        then not be reported as completed."""
+        then not be reported as completed. `last_item`: a prewarm's, the last item it stored
+        (it has no answer)."""
         if not prepared.stored:
             return None
-        answered = finished is not None and finished.status != "failed"
-        if answered:
+        answered = (finished is not None and finished.status != "failed") or prepared.prewarm
+        if prepared.prewarm:
+            last = last_item
+        elif answered:
             last = prepared.options.item_id
         else:
             last = prepared.parsed.items[-1].id if prepared.parsed.items else None
