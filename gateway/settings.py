@@ -340,6 +340,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "embeds needs the upstream's checkpoint as --model-path (its vision tower and "
             "projector make the embeddings)",
         )
+        if self.engine == "openai" and self.upstream_images == "embeds" and self.model_path:
+            from gateway.engine.upstream.embeds_mode import embeds_problem
+
+            problem = embeds_problem(self.model_path, self.pruning)
+            need(problem is None, "pruning", problem or "")
         need(self.upstream_context_tokens >= 0, "upstream_context_tokens", "must be >= 0")
         need(self.upstream_image_tokens >= 0, "upstream_image_tokens", "must be >= 0")
         need(

@@ -32,7 +32,9 @@ image, else a list of parts in order: `{"type": "text", "text": ...}` and, per i
   does (`torch.save` of the tensor, base64): the replica loads it with
   `torch.load(weights_only=True)`. For M-RoPE checkpoints (Qwen2-VL, Qwen2.5-VL) the part is
   the dict form vLLM documents, `"image_embeds": {"image_embeds": B64, "image_grid_thw":
-  B64([[t, h, w]])}`, the grid in patches before the 2x2 merge. vLLM accepts image embeds in
+  B64([t, h, w])}`, the grid in patches before the spatial merge, one 1-D tensor of 3 per
+  image (vLLM stacks the images' grids; a [1, 3] grid is refused with "size_per_item should be
+  a 1-D tensor"). vLLM accepts image embeds in
   one message per request only; the upstream's 400 says so when a conversation has more.
 
 A plain-text prompt (`raw_prompt`) goes to `/v1/completions` with `prompt` instead of

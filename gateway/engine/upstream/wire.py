@@ -218,14 +218,18 @@ def tensor_b64(tensor: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def grid_thw(mrope: tuple[int, ...], rows: int, merge: int = 2) -> list[list[int]] | None:
+def grid_thw(mrope: tuple[int, ...], rows: int, merge: int = 2) -> list[int] | None:
     """The [t, h, w] patch grid of an M-RoPE image from its rows' (t, h, w) positions, which
     are of merged tokens (`merge` x `merge` patches each, the checkpoint's spatial merge size),
-    or None when rows were dropped (the grid would not match the rows)."""
+    or None when rows were dropped (the grid would not match the rows).
+
+    One image's grid is a 1-D tensor of 3: vLLM stacks the items' grids into [images, 3] (its
+    `image_grid_thw` field is batched per item), so a [1, 3] grid per item reaches its model
+    as [1, 1, 3] and is refused ("size_per_item should be a 1-D tensor")."""
     t, h, w = (max(mrope[i::3]) + 1 for i in range(3))
     if t * h * w != rows:
         return None
-    return [[t, h * merge, w * merge]]
+    return [t, h * merge, w * merge]
 
 
 class ImageParts:
