@@ -59,6 +59,7 @@ log = structlog.get_logger("visiongate.key_usage")
 MAX_PENDING = 1000  # writes in flight
 CHARGE_EVERY = 16  # streamed output tokens written to the counters at a time
 RENEW_EVERY_S = 60.0  # a streaming response's slot renewed this often (LIVE_LEASE_S: 300 s)
+GIVE_BACK_WAIT_S = 0.5  # the most an admission waits for its key's give-backs under way
 CONCURRENCY_RETRY_S = 1.0  # Retry-After of a key with every slot taken: one may free any time
 KEY_LABELS = 100  # managed key ids a process labels metrics with; later ones are "other"
 
@@ -96,7 +97,7 @@ class _Background:
             except Exception as exc:
                 log.warning("key_usage_lost", key_id=owner, what=what, error=type(exc).__name__)
 
-        task = asyncio.create_task(guarded())
+        task = asyncio.create_task(guarded(), name=what)
         self._pending.add(task)
         mine = self._by_owner.setdefault(owner, set())
         mine.add(task)
@@ -110,9 +111,10 @@ class _Background:
         task.add_done_callback(done)
         return True
 
-    async def settled(self, owner: str, timeout_s: float = 1.0) -> None:
-        """Wait (at most `timeout_s`) for the writes of `owner` under way now."""
-        tasks = list(self._by_owner.get(owner, ()))
+    async def settled(self, owner: str, timeout_s: float = 1.0, what: str | None = None) -> None:
+        """Wait (at most `timeout_s`) for the writes of `owner` under way now (those of kind
+        `what` only, when given)."""
+        tasks = [t for t in self._by_owner.get(owner, ()) if what is None or t.get_name() == what]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
 
@@ -229,11 +231,12 @@ class TokenMeter:
         output: int,
         since: float | None = None,
         release: str = "",
+        what: str = "tokens",
     ) -> None:
         """Count tokens in the background (`since`: the admission's windows; see
         `TokenLimiter.charge`), giving back the slot of `release` with them. A charge that
         finds too many writes in flight is owed (what raises a count; a slot not given back
-        frees itself when its lease ends)."""
+        frees itself when its lease ends). `what` names it for `_Background.settled`."""
         if limits is None:
             if not release:
                 return
@@ -249,7 +252,7 @@ class TokenMeter:
                 owner, limits, input=input, output=output, since=since, release=release
             )
 
-        if not self._background.run("tokens", owner, work()):
+        if not self._background.run(what, owner, work()):
             self._owed[owner] = (owed_in + max(input, 0), owed_out + max(output, 0))
 
     def renew(self, owner: str, response: str) -> None:
@@ -359,6 +362,9 @@ class Metered:
         limits = self.limits or TokenLimits()
         estimate = max(estimate, 1) if self.limits is not None else 0
         output = max(output, 0) if self.limits is not None else 0
+        # what the key's last responses here give back lands first: a client's next request
+        # after a short answer finds its room (and its slot) again
+        await self.meter._background.settled(self.owner, GIVE_BACK_WAIT_S, what="give_back")
         used = await self.meter.limiter.admit(
             self.owner,
             limits,
@@ -422,6 +428,7 @@ class Metered:
             output=-unused,
             since=self._since,
             release=self.response if self._admitted and self.cap else "",
+            what="give_back",
         )
         self.meter.record(self.owner, usage)
 
