@@ -23,7 +23,8 @@ Failures: before the first text, a refused or dropped connection, a timeout (con
 between chunks) or an HTTP 5xx marks the replica down and tries the next; a 429 tries the next
 without marking it. When every replica answered 429 the engine raises `EngineBusy` (its
 Retry-After passed on), otherwise `EngineError("upstream_error")`. A 400 is the client's:
-"context_length_exceeded" when the upstream says so, else "invalid_request" with its message;
+"context_length_exceeded" when the upstream says so, else "invalid_request" with its message
+(saying so when the request carried an output grammar, which a replica may not take);
 a 413 is "input_too_large"; 401, 403 and 404 mean the gateway's configuration is wrong
 ("upstream_error", logged). After the first text any failure ends the stream with
 `EngineError("upstream_error")`.
@@ -283,12 +284,6 @@ class OpenAIEngine:
         return request_body(request, self._images, self.image_input, salted=self._cache_salt)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
-        if request.sampling.grammar is not None:
-            raise EngineError(
-                "constrained output (a grammar, JSON schema or forced tool call) cannot be "
-                "forwarded to an upstream engine",
-                code="invalid_request",
-            )
         if not self._started or self._client is None:
             raise EngineError("the upstream engine is not started", code="upstream_error")
         run = Run(request)
@@ -424,7 +419,7 @@ class OpenAIEngine:
             outcome = (
                 "busy" if exc.status == 429 else "failover" if retried and not last else "error"
             )
-            self._on_status(replica, exc)
+            self._on_status(replica, exc, grammar=run.constrained)
         except Exception as exc:  # transport errors, a broken stream, bad JSON
             if run.emitted:
                 raise _mid_answer(replica, exc) from None
@@ -458,7 +453,7 @@ class OpenAIEngine:
                     upstream=replica.name, outcome=outcome, ttft_s=ttft_s
                 )
 
-    def _on_status(self, replica: Replica, exc: UpstreamStatus) -> None:
+    def _on_status(self, replica: Replica, exc: UpstreamStatus, grammar: bool = False) -> None:
         """Raise what a non-200 answer means (see the module docstring)."""
         status = exc.status
         if status == 429:
@@ -470,7 +465,12 @@ class OpenAIEngine:
         if status in (400, 422):
             if exc.code == "context_length_exceeded" or _CONTEXT_MESSAGE.search(exc.text):
                 raise EngineError(clip(exc.text, 400), code="context_length_exceeded")
-            raise EngineError(clip(exc.text, 400) or "refused", code="invalid_request")
+            refused = clip(exc.text, 400) or "refused"
+            if grammar:
+                refused = (
+                    f"the upstream replica refused the request with its output grammar: {refused}"
+                )
+            raise EngineError(refused, code="invalid_request")
         if status == 413:
             raise EngineError(clip(exc.text, 400) or "too large", code="input_too_large")
         log.error(

@@ -7,7 +7,8 @@ The request (`POST {base_url}/v1/chat/completions`, Bearer key when the replica 
      "max_tokens": M, "max_completion_tokens": M, "temperature": T, "top_p": P, "n": N,
      "seed": S,                              # when set
      "stop": [...],                          # when set
-     "logprobs": true, "top_logprobs": K}    # when log-probabilities are asked for
+     "logprobs": true, "top_logprobs": K,    # when log-probabilities are asked for
+     "structured_outputs": {"grammar": G}}   # constrained output (tools, response formats)
 
 CONTENT is a string (the message's text parts joined by newlines) when a message has no
 image, else a list of parts in order: `{"type": "text", "text": ...}` and, per image,
@@ -39,6 +40,17 @@ image, else a list of parts in order: `{"type": "text", "text": ...}` and, per i
 
 A plain-text prompt (`raw_prompt`) goes to `/v1/completions` with `prompt` instead of
 `messages` (and `logprobs: K`, the completions form).
+
+Constrained output: tools, `tool_choice` and response formats are planned by the gateway as for
+its own engine (`gateway.chat.output_grammar`): the tools are described in the prompt's text,
+and one grammar G (llguidance's Lark, JSON schemas embedded as `%json`) makes the answer one of
+the allowed shapes; the gateway reads calls back from the streamed text. G goes as vLLM's
+`structured_outputs.grammar`. vLLM's "auto" structured-output backend hands a grammar that
+xgrammar cannot take (any with `%json`) to llguidance; `--structured-outputs-config
+'{"backend": "guidance"}'` sends every one there. No `tools` field is sent, so the replica needs
+no tool-call parser (`--enable-auto-tool-choice`, `--tool-call-parser`): with one, it still
+leaves the text alone. A replica that takes no such grammar (SGLang and TensorRT-LLM name
+theirs differently) answers 400, passed on as `invalid_request` with its words.
 """
 
 from __future__ import annotations
@@ -92,6 +104,8 @@ def request_body(
         else:
             body["logprobs"] = True
             body["top_logprobs"] = s.logprobs
+    if s.grammar is not None:
+        body["structured_outputs"] = {"grammar": s.grammar}
     return path, body
 
 

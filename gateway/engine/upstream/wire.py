@@ -311,6 +311,7 @@ class Run:
     __slots__ = (
         "cancel",
         "chunks",
+        "constrained",
         "ended",
         "finish",
         "first_at",
@@ -329,6 +330,7 @@ class Run:
         n = max(1, request.sampling.n)
         self.n = n
         self.max_tokens = request.sampling.max_output_tokens
+        self.constrained = request.sampling.grammar is not None
         self.cancel = request.cancel
         self.started_at = time.perf_counter()
         self.sent_at: float | None = None

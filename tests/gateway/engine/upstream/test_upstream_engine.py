@@ -316,13 +316,37 @@ async def test_raw_prompt_uses_completions() -> None:
     assert result.text == "Hello, world"
 
 
-async def test_grammar_is_refused_before_any_request() -> None:
+async def test_grammar_goes_as_structured_outputs() -> None:
+    """Tools and response formats reach a replica as the grammar the gateway planned (vLLM's
+    `structured_outputs.grammar`), on chat completions and completions alike."""
+    grammar = 'start: "yes" | "no"'
     with FakeUpstream() as a:
+        async with started(a) as engine:
+            await collect(engine, request(grammar=grammar))
+            await collect(
+                engine,
+                GenerationRequest(
+                    "c1", [], sampling=SamplingParams(grammar=grammar), raw_prompt="Yes or no?"
+                ),
+            )
+            await collect(engine, request())
+    chat, completion, plain = (r.body for r in a.chat_requests())
+    assert chat["structured_outputs"] == {"grammar": grammar}
+    assert completion["structured_outputs"] == {"grammar": grammar}
+    assert "structured_outputs" not in plain
+    assert "tools" not in chat and "response_format" not in chat  # planned into the prompt
+
+
+async def test_a_replica_refusing_the_grammar_is_passed_on() -> None:
+    error = {"error": {"message": "Invalid grammar specification: bad rule", "code": 400}}
+    with FakeUpstream() as a:
+        a.scripts.append(Script(status=400, error=error))
         async with started(a) as engine:
             with pytest.raises(EngineError) as info:
                 await collect(engine, request(grammar='start: "yes" | "no"'))
     assert info.value.code == "invalid_request"
-    assert not a.chat_requests()
+    assert "output grammar" in str(info.value) and "bad rule" in str(info.value)
+    assert len(a.chat_requests()) == 1  # a client's error: not tried elsewhere
 
 
 # ------------------------------------------------------------------ streaming and usage
