@@ -135,6 +135,7 @@ class TokenMeter:
         "_background",
         "_labelled",
         "_owed",
+        "_owed_slots",
         "auth",
         "concurrency",
         "defaults",
@@ -160,6 +161,8 @@ class TokenMeter:
         self._labelled: set[str] = set()
         # owner -> (input, output) tokens whose charge found no room in flight, not yet written
         self._owed: dict[str, tuple[int, int]] = {}
+        # owner -> slots whose release found no room in flight, given back with its next charge
+        self._owed_slots: dict[str, list[str]] = {}
 
     def limits(self, owner: str) -> TokenLimits | None:
         record = self.auth.limits_of(owner)
@@ -235,8 +238,8 @@ class TokenMeter:
     ) -> None:
         """Count tokens in the background (`since`: the admission's windows; see
         `TokenLimiter.charge`), giving back the slot of `release` with them. A charge that
-        finds too many writes in flight is owed (what raises a count; a slot not given back
-        frees itself when its lease ends). `what` names it for `_Background.settled`."""
+        finds too many writes in flight is owed (what raises a count, and the slot) and
+        written with the key's next one. `what` names it for `_Background.settled`."""
         if limits is None:
             if not release:
                 return
@@ -244,16 +247,21 @@ class TokenMeter:
         if not (input or output or release):
             return
         owed_in, owed_out = self._owed.pop(owner, (0, 0))
+        slots = self._owed_slots.pop(owner, [])
 
         async def work() -> None:
             if owed_in or owed_out:  # in the windows of now: it counts late, never less
                 await self.limiter.charge(owner, limits, input=owed_in, output=owed_out)
+            for slot in slots:
+                await self.limiter.charge(owner, limits, release=slot)
             await self.limiter.charge(
                 owner, limits, input=input, output=output, since=since, release=release
             )
 
         if not self._background.run(what, owner, work()):
             self._owed[owner] = (owed_in + max(input, 0), owed_out + max(output, 0))
+            if release or slots:
+                self._owed_slots[owner] = [*slots, *([release] if release else [])]
 
     def renew(self, owner: str, response: str) -> None:
         self._background.run("slot", owner, self.limiter.renew(owner, response))
@@ -427,7 +435,9 @@ class Metered:
             input=usage.input_tokens - self._reserved if counted else 0,
             output=-unused,
             since=self._since,
-            release=self.response if self._admitted and self.cap else "",
+            # also when its admission's answer never came back (cancelled on the way): a slot
+            # it may hold is freed (freeing one not held is no error); nothing else is
+            release=self.response if self.cap else "",
             what="give_back",
         )
         self.meter.record(self.owner, usage)

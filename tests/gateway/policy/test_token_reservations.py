@@ -252,3 +252,55 @@ async def test_the_meter_refuses_past_the_cap_and_a_keys_own_cap_wins() -> None:
         assert meter.cap("anonymous") == 0  # no key, no cap
     finally:
         await meter.aclose()
+
+
+async def test_a_slot_whose_release_found_no_room_is_given_back_with_the_next_charge(
+    monkeypatch,
+) -> None:
+    """With as many writes in flight as the meter allows, the charge that ends a response was
+    owed but its slot was dropped: under a flood a key's slots leaked until their leases ran
+    out. Now the slot is owed too, and the key's next charge gives it back."""
+    import gateway.policy.key_usage as key_usage
+
+    monkeypatch.setattr(key_usage, "MAX_PENDING", 1)
+    store, limiter = MemoryKeyStore(), MemoryTokenLimiter()
+    auth = Authenticator([], store)
+    meter = TokenMeter(limiter, auth, concurrency=1)
+    key = await managed(auth, store, output_tpm=10_000)
+    try:
+        metered = meter.open(key)
+        assert await metered.admit(5, 10) is None
+        meter.charge(key, meter.limits(key), input=0, output=1)  # takes the one slot in flight
+        metered.finish(TokenUsage(input_tokens=5, output_tokens=2))  # its write is owed
+        await meter._background.settled(key)
+        assert limiter._live[key]  # still held
+        meter.charge(key, meter.limits(key), input=0, output=1)
+        await meter._background.settled(key)
+        assert not limiter._live[key]
+    finally:
+        await meter.aclose()
+
+
+class CancelledOnTheWayBack(MemoryTokenLimiter):
+    """A real in-memory limiter whose admission is counted and then cancelled before its
+    answer reaches the caller, as a Redis script that ran while its caller was cancelled."""
+
+    async def admit(self, *args, **kwargs):
+        await super().admit(*args, **kwargs)
+        raise asyncio.CancelledError
+
+
+async def test_a_response_cancelled_during_its_admission_frees_its_slot() -> None:
+    from gateway.chat.metering import admitted
+
+    store, limiter = MemoryKeyStore(), CancelledOnTheWayBack()
+    auth = Authenticator([], store)
+    meter = TokenMeter(limiter, auth, concurrency=1)
+    key = await managed(auth, store)
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await admitted(meter, key, 5, None, 0.0, None, 10)  # type: ignore[arg-type]
+        await meter._background.settled(key)
+        assert not limiter._live[key]
+    finally:
+        await meter.aclose()
