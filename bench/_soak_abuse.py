@@ -8,7 +8,12 @@ Each abusive key (`Abuser`) runs the behaviours it is given, all at once until i
 - `bad_images`: truncated, bit-flipped, decompression-bomb and mislabelled images, over HTTP,
   WebSocket and `POST /v1/images`;
 - `slow_readers`: WebSockets that ask for long answers and never read (a tiny receive buffer,
-  so the gateway's sends back up), reconnecting when the gateway drops them.
+  so the gateway's sends back up), reconnecting when the gateway drops them;
+- `bursts`: `burst_size` streamed requests sent at once, again every `burst_every_s`, each a
+  long answer (the per-key caps and queue shares must refuse the excess, not the others);
+- `slow_clients`: a flood of `slow_clients` connections that send half a request line and wait,
+  with no key, plus a few that send a whole keyed head and trickle the body a byte a second;
+  each reopened as soon as the gateway closes it (counted as `closed:<status>`).
 Every abusive request's outcome is counted by code (`ok`, an error code, `connection:<error>`,
 `unfinished` for a request still running when the phase ended).
 """
@@ -37,7 +42,8 @@ from bench._soak_users import Target, bearer, connect_realtime, error_code
 
 __all__ = ("ABUSE_KINDS", "AbusePayloads", "Abuser", "png_claiming")
 
-ABUSE_KINDS = ("long_prompts", "oversize", "bad_images", "slow_readers")
+ABUSE_KINDS = ("long_prompts", "oversize", "bad_images", "slow_readers", "bursts", "slow_clients")
+TRICKLERS = 4  # of an abuser's slow clients, those trickling a body rather than a head
 
 
 def png_claiming(width: int, height: int) -> bytes:
@@ -183,6 +189,9 @@ class Abuser:
         long_max_tokens: int,
         kinds: Iterable[str] = ABUSE_KINDS,
         pause_s: float = 0.25,
+        burst_size: int = 32,
+        burst_every_s: float = 3.0,
+        slow_clients: int = 150,
     ) -> None:
         self.target = target
         self.key = key
@@ -192,6 +201,9 @@ class Abuser:
         self.long_max_tokens = long_max_tokens
         self.pause_s = pause_s
         self.kinds = frozenset(kinds)
+        self.burst_size = burst_size
+        self.burst_every_s = burst_every_s
+        self.slow_clients = slow_clients
         self.outcomes: dict[str, Counter[str]] = {k: Counter() for k in ABUSE_KINDS}
 
     def count(self, kind: str, code: str) -> None:
@@ -210,6 +222,11 @@ class Abuser:
                 "oversize": [self._oversize(client, stop_at)],
                 "bad_images": [self._bad_images(client, stop_at)],
                 "slow_readers": [self._slow_reader(stop_at) for _ in range(self.slow_readers)],
+                "bursts": [self._bursts(client, stop_at)],
+                "slow_clients": [
+                    self._slow_client(stop_at, trickle=i < TRICKLERS)
+                    for i in range(self.slow_clients)
+                ],
             }
             tasks = []
             for kind, coroutines in jobs.items():
@@ -238,6 +255,80 @@ class Abuser:
             if response.status_code == 200
             else error_code(response.content, response.status_code),
         )
+
+    async def _stream(self, client: httpx.AsyncClient, kind: str) -> str:
+        """One streamed long-prompt request; its outcome's code."""
+        body = {
+            "model": self.target.model,
+            "stream": True,
+            "temperature": 1.0,
+            "max_tokens": self.long_max_tokens,
+            "messages": [{"role": "user", "content": self.payloads.long_prompt()}],
+        }
+        code = "ok"
+        try:
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    return error_code(await response.aread(), response.status_code)
+                async for line in response.aiter_lines():
+                    if line.startswith('data: {"error"'):
+                        code = error_code(line[6:].encode(), 200)
+        except httpx.HTTPError as exc:
+            code = f"connection:{type(exc).__name__}"
+        except asyncio.CancelledError:
+            self.count(kind, "unfinished")  # still running when the phase ended
+            raise
+        return code
+
+    async def _bursts(self, client: httpx.AsyncClient, stop_at: float) -> None:
+        """`burst_size` requests at once, every `burst_every_s`."""
+        loop = asyncio.get_running_loop()
+        while loop.time() < stop_at:
+            started = loop.time()
+            codes = await asyncio.gather(
+                *(self._stream(client, "bursts") for _ in range(self.burst_size))
+            )
+            for code in codes:
+                self.count("bursts", code)
+            await asyncio.sleep(max(0.0, started + self.burst_every_s - loop.time()))
+
+    async def _slow_client(self, stop_at: float, *, trickle: bool) -> None:
+        """Half a request line and a wait (or, `trickle`, a keyed head and a body a byte a
+        second), reopened whenever the gateway closes it; the status it closed with counted."""
+        loop = asyncio.get_running_loop()
+        url = urlsplit(self.target.http_url)
+        host, port = url.hostname or "127.0.0.1", url.port or 80
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
+            f"Authorization: Bearer {self.key}\r\nContent-Type: application/json\r\n"
+            "Content-Length: 100000\r\n\r\n"
+        ).encode()
+        while loop.time() < stop_at:
+            try:
+                reader, writer = await asyncio.open_connection(host, port)
+            except OSError as exc:
+                self.count("slow_clients", f"connect:{type(exc).__name__}")
+                await asyncio.sleep(1.0)
+                continue
+            answer = b""
+            try:
+                writer.write(head if trickle else b"GET /v1/chat/compl")
+                while loop.time() < stop_at:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(1.0):
+                            answer = await reader.read(256)
+                            break
+                    if trickle:
+                        writer.write(b" ")
+                else:
+                    self.count("slow_clients", "unfinished")
+                    continue
+                status = answer.split(b" ", 2)[1].decode() if answer[:5] == b"HTTP/" else ""
+                self.count("slow_clients", f"closed:{status or 'no answer'}")
+            except (OSError, IndexError, UnicodeDecodeError) as exc:
+                self.count("slow_clients", f"closed:{type(exc).__name__}")
+            finally:
+                writer.close()
 
     async def _long_prompts(self, client: httpx.AsyncClient, stop_at: float) -> None:
         loop = asyncio.get_running_loop()

@@ -11,8 +11,9 @@ After a warm-up, two phases of `--duration` seconds each:
 1. baseline: the well-behaved keys alone, each one user alternating multi-turn chats about a
    distinct photo over WebSocket and over HTTP (bench/_soak_users.py);
 2. abuse: the same users again, beside the abusive keys (bench/_soak_abuse.py): many
-   concurrent long prompts, oversize requests, bad images and WebSockets that never read
-   (`--abuse` picks some of them, to see which one hurts).
+   concurrent long prompts, oversize requests, bad images, WebSockets that never read, bursts
+   of parallel requests and a flood of slow connections (`--abuse` picks some of them, to see
+   which one hurts).
 Turns in flight when a phase ends get `--drain-s` more seconds; abusers stop at once.
 
 Printed (and in DIR/soak.json, with every turn): per well-behaved key, its P95 TTFT alone and
@@ -119,6 +120,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="never-reading WebSockets per abusive key (default 2)",
     )
     p.add_argument(
+        "--burst-size",
+        type=int,
+        default=32,
+        help="streamed requests each abusive key sends at once in a burst (default 32)",
+    )
+    p.add_argument(
+        "--burst-every-s",
+        type=float,
+        default=3.0,
+        help="seconds from one burst's start to the next's (default 3)",
+    )
+    p.add_argument(
+        "--slow-clients",
+        type=int,
+        default=150,
+        help="connections per abusive key that send half a request line and wait, or trickle "
+        "a body (default 150)",
+    )
+    p.add_argument(
         "--abuse",
         type=_kinds,
         default=list(ABUSE_KINDS),
@@ -190,7 +210,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.duration <= 0 or args.good_keys < 1 or args.bad_keys < 0 or args.tokens < 1:
         p.error("--duration must be > 0, --good-keys >= 1, --bad-keys >= 0, --tokens >= 1")
     if (
-        min(args.abuse_concurrency, args.slow_readers, args.long_prompt_words) < 0
+        min(
+            args.abuse_concurrency,
+            args.slow_readers,
+            args.long_prompt_words,
+            args.burst_size,
+            args.slow_clients,
+        )
+        < 0
+        or args.burst_every_s <= 0
         or min(args.warmup_s, args.drain_s, args.think_s, args.typing_s) < 0
     ):
         p.error("counts and times must be >= 0")
@@ -310,6 +338,9 @@ class SoakRun:
                     slow_readers=a.slow_readers,
                     long_max_tokens=a.long_max_tokens,
                     kinds=a.abuse,
+                    burst_size=a.burst_size,
+                    burst_every_s=a.burst_every_s,
+                    slow_clients=a.slow_clients,
                 )
                 for name, key in self.bad.items()
             }
@@ -539,6 +570,11 @@ def main(argv: list[str] | None = None) -> int:
                     "(HTTP chat, /v1/images, WebSocket)",
                     "slow_readers": f"{args.slow_readers} WebSockets asking for long answers, "
                     "never reading",
+                    "bursts": f"{args.burst_size} streams of long prompts at once, every "
+                    f"{args.burst_every_s:g} s",
+                    "slow_clients": f"{args.slow_clients} connections: half a request line and "
+                    "a wait, no key (a few: a keyed head, then a body at 1 byte/s); reopened "
+                    "when closed",
                 }.items()
                 if kind in args.abuse
             },

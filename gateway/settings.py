@@ -18,8 +18,12 @@ __all__ = ("Settings", "SettingsError")
 
 ENV_PREFIX = "VISIONGATE_"
 # variables with the prefix that other parts read, not settings: `VISIONGATE_KERNELS` (kernels/)
-# chooses the kernels' implementation in any process
-NOT_SETTINGS = frozenset({"kernels"})
+# chooses the kernels' implementation in any process; the client tools' own (`visiongate
+# client-secret` reads VISIONGATE_API_KEY, the guides export VISIONGATE_KEY, compose reads
+# VISIONGATE_IMAGE, the fuzz tests VISIONGATE_FUZZ_*), so a shell that has them can still serve
+NOT_SETTINGS = frozenset({"kernels", "api_key", "key", "image", "fuzz_cases", "fuzz_seed"})
+# what managed (`vgk-`) and ephemeral (`ek_`) keys start with: an admin key may not
+KEY_PREFIXES = ("vgk-", "ek_")
 # the same rule as encoder_worker.storage.check_deployment (a deployment name enters Redis keys)
 _DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MiB = 1024 * 1024
@@ -38,6 +42,21 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ssl_certfile: str = ""
     ssl_keyfile: str = ""
     log_level: str = "info"
+    # proxies (addresses or CIDRs) whose X-Forwarded-For (or Forwarded) names the client, for
+    # the admin lockout and the logs (gateway/server/client_address.py); empty: every client is
+    # its TCP peer and no forwarding header is believed
+    trusted_proxies: list[str] = []
+    trusted_proxy_header: str = "x-forwarded-for"  # or "forwarded" (RFC 7239)
+    # slow and idle clients (gateway/server/connection_guard.py): a request head must be in
+    # within header_timeout_s; a body must come at body_min_rate bytes/s after a grace of
+    # body_timeout_s; an upgrade must be accepted within ws_handshake_timeout_s; open
+    # connections, and those that presented no API key, are capped
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 10.0
+    body_min_rate: int = 1024
+    ws_handshake_timeout_s: float = 10.0
+    max_connections: int = 1000
+    max_unauthenticated_connections: int = 256
     api_keys: list[str] = []  # empty: no authentication, every caller is "anonymous"
     rate_limit_per_minute: int = 0  # responses per minute per API key; 0: no limit
     # input / output tokens per minute per static API key (all callers together, as one
@@ -158,6 +177,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # sessions and caches
     session_ttl_s: int = 3600
     redis_url: str | None = None  # absent: everything in process
+    # the longest one request (an HTTP request; a Realtime client event with the response it
+    # starts) waits for the session store and stored responses on Redis, all its calls
+    # together, each call within it; past it the request fails with busy (HTTP 503,
+    # Retry-After) and its answer is not reported as completed
+    store_timeout_s: float = 5.0
     vision_cache_bytes: int = 512 * MiB
     vision_cache_ttl_s: int = 86400
     image_store_bytes: int = 256 * MiB
@@ -191,30 +215,6 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "max_output_tokens",
             f"must be 1..{self.max_output_tokens_limit}, got {self.max_output_tokens}",
         )
-        need(self.rate_limit_per_minute >= 0, "rate_limit_per_minute", "must be >= 0")
-        need(self.input_tokens_per_minute >= 0, "input_tokens_per_minute", "must be >= 0")
-        need(self.output_tokens_per_minute >= 0, "output_tokens_per_minute", "must be >= 0")
-        need(
-            self.max_concurrent_responses_per_key >= 0,
-            "max_concurrent_responses_per_key",
-            "must be >= 0",
-        )
-        need(
-            not self.admin_api_key or len(self.admin_api_key) >= 16,
-            "admin_api_key",
-            "must be empty or at least 16 characters",
-        )
-        need(
-            10 <= self.client_secret_max_ttl_s <= 7200,
-            "client_secret_max_ttl_s",
-            f"must be 10..7200, got {self.client_secret_max_ttl_s}",
-        )
-        need(
-            not self.playground_api_key
-            or self.playground_api_key in self.api_keys
-            or (self.playground_api_key.startswith("vgk-") and bool(self.admin_api_key)),
-            "playground_api_key",
-            "must be one of api_keys, or a managed key (vgk-...) with admin_api_key set",
         need(
             _proxies_problem(self.trusted_proxies) is None,
             "trusted_proxies",
@@ -234,6 +234,35 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "max_unauthenticated_connections",
             f"must be 1..max_connections ({self.max_connections})",
         )
+        need(self.rate_limit_per_minute >= 0, "rate_limit_per_minute", "must be >= 0")
+        need(self.input_tokens_per_minute >= 0, "input_tokens_per_minute", "must be >= 0")
+        need(self.output_tokens_per_minute >= 0, "output_tokens_per_minute", "must be >= 0")
+        need(
+            self.max_concurrent_responses_per_key >= 0,
+            "max_concurrent_responses_per_key",
+            "must be >= 0",
+        )
+        need(
+            not self.admin_api_key or len(self.admin_api_key) >= 16,
+            "admin_api_key",
+            "must be empty or at least 16 characters",
+        )
+        need(
+            not self.admin_api_key.startswith(KEY_PREFIXES),
+            "admin_api_key",
+            f"must not start like a managed or ephemeral key ({', '.join(KEY_PREFIXES)})",
+        )
+        need(
+            10 <= self.client_secret_max_ttl_s <= 7200,
+            "client_secret_max_ttl_s",
+            f"must be 10..7200, got {self.client_secret_max_ttl_s}",
+        )
+        need(
+            not self.playground_api_key
+            or self.playground_api_key in self.api_keys
+            or (self.playground_api_key.startswith("vgk-") and bool(self.admin_api_key)),
+            "playground_api_key",
+            "must be one of api_keys, or a managed key (vgk-...) with admin_api_key set",
         )
         need(
             self.lm_dtype in ("auto", "float32", "bfloat16", "float16", "int8"),
@@ -304,6 +333,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "use 1-64 letters, digits, '_', '.' or '-' (starting with a letter or digit)",
         )
         need(self.session_ttl_s >= 1, "session_ttl_s", "must be >= 1 second")
+        need(
+            0.05 <= self.store_timeout_s <= 120.0,
+            "store_timeout_s",
+            f"must be 0.05..120 seconds, got {self.store_timeout_s}",
+        )
         need(self.vision_cache_bytes >= 0, "vision_cache_bytes", "must be >= 0")
         need(self.kv_budget_bytes >= 0, "kv_budget_bytes", "must be >= 0")
         need(0.0 < self.visual_budget_floor <= 1.0, "visual_budget_floor", "must be in (0, 1]")
@@ -412,6 +446,17 @@ def _redis_url_problem(url: str | None) -> str | None:
 
     try:
         parse_redis_url(url)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _proxies_problem(entries: list[str]) -> str | None:
+    """What is wrong with the trusted proxies, or None."""
+    from gateway.server.client_address import parse_networks
+
+    try:
+        parse_networks(entries)
     except ValueError as exc:
         return str(exc)
     return None

@@ -166,10 +166,16 @@ def _load_settings(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.server.app import create_app
-    from gateway.server.runner import serve
+    from gateway.server.runner import ensure_open_files, serve
+    from gateway.settings import SettingsError
     from gateway.telemetry import configure_logging
 
     settings = _load_settings(args)
+    try:
+        ensure_open_files(settings.max_connections)
+    except SettingsError as exc:
+        print(f"visiongate: configuration error: {exc}", file=sys.stderr)
+        return 2
     configure_logging(settings.log_level)
     serve(create_app(settings), settings)
     return 0

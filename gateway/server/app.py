@@ -42,6 +42,7 @@ from gateway.policy.key_usage import CountingLimiter, TokenMeter
 from gateway.policy.rate_headers import RateLimitHeaders
 from gateway.policy.ratelimit import RefusedBytes, make_rate_limiter
 from gateway.policy.token_limits import TokenLimits, make_token_limiter
+from gateway.server.client_address import ClientAddressMiddleware, TrustedProxies
 from gateway.server.readiness import Readiness
 from gateway.server.state import GatewayState, Serving
 from gateway.sessions import make_session_store
@@ -309,7 +310,13 @@ def create_app(
     app.asgi_handler = RateLimitHeaders(app.asgi_handler)
     # managed API keys are read from their store before anything above asks for an owner
     app.asgi_handler = KeyResolver(app.asgi_handler, state.auth)
-    return with_request_ids(app)  # outermost: every response, routed or not, gets its id
+    app = with_request_ids(app)  # every response, routed or not, gets its id
+    # outermost: the one client address the lockout, the logs and the spans read
+    app.asgi_handler = ClientAddressMiddleware(
+        app.asgi_handler,
+        TrustedProxies(settings.trusted_proxies, settings.trusted_proxy_header),
+    )
+    return app
 
 
 def _authenticator(settings: Settings, engine: Engine) -> Authenticator:

@@ -1,31 +1,166 @@
 """Running the app on uvicorn: in the foreground (`visiongate serve`) or on a background thread
-(the demo and the tests, which talk to it over real loopback sockets)."""
+(the demo and the tests, which talk to it over real loopback sockets).
+
+uvicorn's proxy-header handling is off: it would believe `X-Forwarded-For` from any loopback
+peer. The client address is decided once, in the app (gateway/server/client_address.py). The
+server's HTTP and WebSocket protocols report each connection to a `ConnectionGuard`
+(gateway/server/connection_guard.py), which cuts off slow heads and bodies and caps connections.
+"""
 
 from __future__ import annotations
 
 import ssl
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
+import h11
 import uvicorn
 from litestar import Litestar
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
+from gateway.protocol.subprotocols import KEY_SUBPROTOCOL_PREFIX
+from gateway.server.client_address import normalize_address
+from gateway.server.connection_guard import ConnectionGuard, Entry, GuardLimits
 from gateway.settings import Settings
 
-__all__ = ("RealtimeWSProtocol", "ServerThread", "serve", "uvicorn_config")
+if TYPE_CHECKING:
+    import asyncio
+
+__all__ = (
+    "GuardedH11Protocol",
+    "RealtimeWSProtocol",
+    "ServerThread",
+    "connection_guard",
+    "ensure_open_files",
+    "serve",
+    "uvicorn_config",
+)
 
 _BAD_HANDSHAKE = (
     b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: 28\r\n"
     b"Connection: close\r\n\r\ninvalid WebSocket handshake\n"
 )
+_KEY_SUBPROTOCOL = KEY_SUBPROTOCOL_PREFIX.encode()
+_REASONS = {408: b"Request Timeout", 503: b"Service Unavailable"}
+_TEXTS = {408: b"request timed out\n", 503: b"too many connections; retry\n"}
+
+
+def _raw_response(status: int) -> bytes:
+    """A whole response written straight to the socket, for a connection about to close
+    (the HTTP parser may be mid-request, or have seen no request at all)."""
+    body = _TEXTS[status]
+    retry = b"Retry-After: 1\r\n" if status == 503 else b""
+    return (
+        b"HTTP/1.1 %d %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+        b"Connection: close\r\n%s\r\n%s" % (status, _REASONS[status], len(body), retry, body)
+    )
+
+
+def _carries_key(headers: list[tuple[bytes, bytes]]) -> bool:
+    for name, value in headers:
+        if name == b"authorization" and value.strip():
+            return True
+        if name == b"sec-websocket-protocol" and _KEY_SUBPROTOCOL in value:
+            return True
+    return False
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, reporting each connection's phase to `guard` (a subclass per
+    server sets it: `uvicorn_config`): refused at once when over a cap, cut off when a head or
+    a body is too slow."""
+
+    guard: ConnectionGuard | None = None
+    _entry: Entry | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if self.guard is None:
+            return
+        peer = normalize_address(self.client[0]) if self.client else ""
+        self._entry = self.guard.open(transport, self, peer)
+        if self._entry is None:
+            transport.write(_raw_response(503))
+            transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.guard is not None:
+            self.guard.close(self.transport)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        entry = self._entry
+        if self.guard is not None and entry is None:  # refused; closing
+            return
+        if entry is not None:
+            if entry.phase == "head":
+                entry.partial = True
+            elif entry.phase == "body":
+                self.guard.body_received(entry, len(data))  # type: ignore[union-attr]
+        super().data_received(data)
+        self._report()
+
+    def _should_upgrade(self) -> bool:
+        # called once for each request head the parser completes, upgrade or not
+        if self._entry is not None:
+            self.guard.head(self._entry, keyed=_carries_key(self.headers))  # type: ignore[union-attr]
+        return super()._should_upgrade()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._report()
+
+    def _report(self) -> None:
+        entry = self._entry
+        if entry is None or entry.protocol is not self or self.transport.is_closing():
+            return
+        theirs = self.conn.their_state
+        if theirs is h11.SEND_BODY:
+            phase = "body"
+        elif theirs is h11.IDLE and self.conn.our_state is h11.IDLE:
+            phase = "head"
+        else:
+            phase = "busy"
+        self.guard.request_state(entry, phase)  # type: ignore[union-attr]
+
+    @property
+    def reading_paused(self) -> bool:
+        return bool(self.flow is not None and self.flow.read_paused)
+
+    def guard_close(self, status: int | None) -> None:
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        answered = cycle is not None and cycle.response_started and not cycle.response_complete
+        if status is not None and not answered:
+            self.transport.write(_raw_response(status))
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the app's receive() gets http.disconnect
+            cycle.message_event.set()
+        self.transport.close()
 
 
 class RealtimeWSProtocol(WebSocketsSansIOProtocol):
     """uvicorn's websockets-sansio protocol, but an opening handshake that the websockets
     parser refuses (a request line or header over its 8 KiB line limit, a malformed request)
     is answered 400 and closed. The stock protocol never looks at that refusal: the connection
-    stayed open, unanswered, until the client gave up (and held the server's shutdown)."""
+    stayed open, unanswered, until the client gave up (and held the server's shutdown). With a
+    `guard`, an upgrade the app neither accepts nor refuses in time is answered 503."""
+
+    guard: ConnectionGuard | None = None
+    _entry: Entry | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self.guard is not None:
+            self._entry = self.guard.adopt(transport, self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.guard is not None:
+            self.guard.close(self.transport)
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -37,10 +172,43 @@ class RealtimeWSProtocol(WebSocketsSansIOProtocol):
             self.transport.write(_BAD_HANDSHAKE)
             self.transport.close()
 
+    async def send(self, message: Any) -> None:
+        await super().send(message)
+        if self._entry is not None and self.handshake_complete:
+            self.guard.accepted(self._entry)  # type: ignore[union-attr]
+
+    def guard_close(self, status: int | None) -> None:
+        if self.transport.is_closing():
+            return
+        if not self.handshake_complete:
+            self.handshake_complete = True
+            self.close_sent = True
+            self.transport.write(_raw_response(status or 503))
+        self.transport.close()
+
+
+def connection_guard(app: Litestar, settings: Settings) -> ConnectionGuard:
+    """The slow-client defences of one server, counting refusals in the app's metrics."""
+    limits = GuardLimits(
+        header_timeout_s=settings.header_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        body_min_rate=float(settings.body_min_rate),
+        ws_handshake_timeout_s=settings.ws_handshake_timeout_s,
+        max_connections=settings.max_connections,
+        max_unauthenticated_connections=settings.max_unauthenticated_connections,
+        key_required=bool(settings.api_keys or settings.admin_api_key),
+    )
+    state = app.state.get("gateway")
+    metrics = state.telemetry.metrics if state is not None else None
+    return ConnectionGuard(
+        limits, metrics.record_connection_refusal if metrics is not None else lambda _: None
+    )
+
 
 def uvicorn_config(
     app: Litestar, settings: Settings, *, host: str | None = None, port: int | None = None
 ) -> uvicorn.Config:
+    guard = connection_guard(app, settings)
     return uvicorn.Config(
         app,
         host=host or settings.host,
@@ -49,7 +217,11 @@ def uvicorn_config(
         # client) reach the gateway without a proxy in front
         ssl_certfile=settings.ssl_certfile or None,
         ssl_keyfile=settings.ssl_keyfile or None,
-        ws=RealtimeWSProtocol,
+        # a protocol class of this server's own, whatever parser uvicorn would pick
+        http=type("GuardedH11", (GuardedH11Protocol,), {"guard": guard}),
+        ws=type("GuardedRealtimeWS", (RealtimeWSProtocol,), {"guard": guard}),
+        # X-Forwarded-For is believed from `trusted_proxies` only, by the app itself
+        proxy_headers=False,
         ws_max_size=settings.ws_max_frame_bytes,
         ws_ping_interval=20.0,
         ws_ping_timeout=30.0,
@@ -58,6 +230,29 @@ def uvicorn_config(
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
+
+
+# open files a process needs beside its client sockets: models, Redis, logs, upstreams
+SPARE_FILES = 256
+
+
+def ensure_open_files(max_connections: int) -> None:
+    """Raise the soft limit on open files to fit `max_connections` sockets and the process's
+    own; SettingsError (the gateway then refuses to start) when the hard limit is lower."""
+    import resource
+
+    from gateway.settings import SettingsError
+
+    need = max_connections + SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise SettingsError(
+            f"VISIONGATE_MAX_CONNECTIONS: {max_connections} connections need {need} open files, "
+            f"but this process may open {hard} (ulimit -Hn); lower it or raise the limit"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
 
 def serve(app: Litestar, settings: Settings) -> None:

@@ -195,6 +195,12 @@ class GatewayMetrics:
                 name, callbacks=[callback], unit=unit, description=description
             )
 
+    def record_connection_refusal(self, reason: str) -> None:
+        """A connection refused or cut off by gateway/server/connection_guard.py (`reason`:
+        header_timeout, body_timeout, ws_handshake_timeout, max_connections,
+        max_unauthenticated_connections)."""
+        self._add("visiongate.connections.refused", 1, {"reason": reason})
+
     def ws_connection_opened(self) -> None:
         self._i["visiongate.websocket.connections"].add(1)  # type: ignore[attr-defined]
 

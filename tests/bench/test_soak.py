@@ -150,13 +150,23 @@ def test_arguments() -> None:
     real = parse_args(["--duration", "30", "--gateway-setting", "Rate_Limit_Per_Minute=30"])
     assert (real.warmup_s, real.drain_s, real.duration) == (10.0, 15.0, 30.0)
     assert real.gateway_setting == [("rate_limit_per_minute", "30")]
-    assert real.abuse == ["long_prompts", "oversize", "bad_images", "slow_readers"]
+    assert real.abuse == [
+        "long_prompts",
+        "oversize",
+        "bad_images",
+        "slow_readers",
+        "bursts",
+        "slow_clients",
+    ]
+    assert (real.burst_size, real.burst_every_s, real.slow_clients) == (32, 3.0, 150)
     assert parse_args(["--abuse", "oversize, slow_readers"]).abuse == ["oversize", "slow_readers"]
     for bad in (
         ["--duration", "0"],
         ["--good-keys", "0"],
         ["--gateway-setting", "novalue"],
         ["--abuse", "oversize,ddos"],
+        ["--burst-every-s", "0"],
+        ["--slow-clients", "-1"],
     ):
         with pytest.raises(SystemExit):
             parse_args(bad)
@@ -180,6 +190,16 @@ def test_short_run_on_the_fakes(tmp_path: Path) -> None:
             "2",
             "--slow-readers",
             "1",
+            "--burst-size",
+            "4",
+            "--burst-every-s",
+            "1",
+            "--slow-clients",
+            "12",
+            "--gateway-setting",
+            "header_timeout_s=0.5",
+            "--gateway-setting",
+            "body_timeout_s=0.5",
             "--warmup-s",
             "0.5",
             "--drain-s",
@@ -238,6 +258,9 @@ def test_short_run_on_the_fakes(tmp_path: Path) -> None:
     assert outcomes["long_prompts"].get("ok", 0) > 0
     assert set(outcomes["oversize"]) <= {"input_too_large", "image_too_large"}
     assert outcomes["oversize"].get("input_too_large", 0) > 0
+    # bursts went out whole; the slow connections were cut off with 408 and came back
+    assert sum(outcomes["bursts"].values()) >= 4
+    assert outcomes["slow_clients"].get("closed:408", 0) > 12
     assert outcomes["slow_readers"].get("connected", 0) >= 1
     client = report["errors_by_code"]["abuse"]["abusive"]
     server = phases["abuse"]["server_errors_by_code"]
@@ -245,7 +268,9 @@ def test_short_run_on_the_fakes(tmp_path: Path) -> None:
     # end: tests/gateway/api/test_fuzz.py::test_send_to_a_client_gone_is_quiet)
     assert "internal_error" not in client
     for code, n in client.items():  # every refusal the clients saw, the gateway counted
-        if not code.startswith(("connection:", "connect:", "dropped:", "send_blocked", "timeout")):
+        if not code.startswith(
+            ("connection:", "connect:", "dropped:", "send_blocked", "timeout", "closed:")
+        ):  # (connections closed by the server's guard are counted in their own series)
             assert server.get(code, 0) >= n, (code, client, server)
 
     gauges = report["gateway_gauges"]  # the scheduler's series, read at each progress line

@@ -1,4 +1,4 @@
-"""Backoff for wrong admin keys, per client (the peer address of the connection).
+"""Backoff for wrong admin keys, per client (its address: gateway/server/client_address.py).
 
 A client may send `FREE_FAILURES` wrong admin keys in a row; from the last of those on, each
 one locks it out for a delay that doubles, from `FIRST_DELAY_S` to `MAX_DELAY_S`. While locked
@@ -8,16 +8,19 @@ counted before it is compared (`attempt`, one atomic step with the check), so a 
 guesses sent at once gets the free ones and no more; the right key then clears the count
 (`succeeded`), and a valid API key used as the admin key (`permission_denied`, no guess) takes
 its count back (`forgive`). A request with no key guesses nothing and is only checked.
-IPv6 peers count by their /64 (`client_of`).
+IPv6 clients count by their /64, IPv4-mapped IPv6 ones (`::ffff:a.b.c.d`) by their IPv4 address
+(`client_of`).
 
 `AdminLockout` keeps the counts in this process, at most `MAX_CLIENTS` of them, the least
 recently seen dropped first. `RedisAdminLockout` (a gateway with `redis_url`) keeps them on the
 session store's Redis or Redis Cluster, one key a client (`vg:admin-lockout:{<client>}`, a hash
 of the count and the end of the delay, gone `FORGET_S` after the last wrong key), so replicas
 share them: spreading guesses over replicas buys no more of them. While that Redis does not
-answer, it counts in this process instead (and logs it). The peer address is the TCP peer's,
-never a client-sent header (`X-Forwarded-For` is anyone's to forge): behind a proxy all
-clients share one count, which is why the admin API belongs on a private network.
+answer, it counts in this process instead (and logs it). The address is the TCP peer's unless
+that peer is one of `trusted_proxies`; then it is the hop that proxy's forwarding header names
+(the rightmost one that is not itself a trusted proxy). A header from any other peer is not
+read (`X-Forwarded-For` is anyone's to forge), so behind a proxy that is not listed all clients
+share the proxy's count, which is one more reason the admin API belongs on a private network.
 """
 
 from __future__ import annotations
@@ -79,14 +82,19 @@ def locked_out(wait: float) -> GatewayError:
 
 
 def client_of(address: str) -> str:
-    """The count a peer address belongs to: an IPv6 address counts with its /64 (one host
-    holds a whole /64, and would otherwise get a fresh count per address), IPv4 by itself."""
-    if ":" not in address:
-        return address
+    """The count a client address belongs to: an IPv6 address counts with its /64 (one host
+    holds a whole /64, and would otherwise get a fresh count per address), IPv4 by itself, and
+    an IPv4-mapped IPv6 address as the IPv4 address it is (not with every other mapped one in
+    `::ffff:0:0/64`)."""
     try:
-        return str(ipaddress.IPv6Network(f"{address}/64", strict=False))
+        parsed = ipaddress.ip_address(address.partition("%")[0])
     except ValueError:
         return address
+    if isinstance(parsed, ipaddress.IPv4Address):
+        return str(parsed)
+    if parsed.ipv4_mapped is not None:
+        return str(parsed.ipv4_mapped)
+    return str(ipaddress.IPv6Network(f"{parsed}/64", strict=False))
 
 
 class AdminLockout:

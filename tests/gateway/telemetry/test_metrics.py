@@ -63,6 +63,7 @@ def record_one_of_each(m: GatewayMetrics) -> None:
         engine_stats=lambda: SCHEDULER,
     )
     m.record_upstream_attempt(upstream="10.0.0.1:8000", outcome="ok", ttft_s=0.12)
+    m.record_connection_refusal("header_timeout")
     m.observe_upstreams(
         in_flight=lambda: {"10.0.0.1:8000": 2}, healthy=lambda: {"10.0.0.1:8000": True}
     )
