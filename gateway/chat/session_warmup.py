@@ -44,6 +44,7 @@ async def warm_up(
     *,
     pending: dict[str, asyncio.Task[Resolved]] | None = None,
     then_image: str | None = None,
+    options: ResponseOptions | None = None,
 ) -> WarmUpResult | None:
     """Prefill the session's conversation as its next response will render it, through its
     last item (a finished message: the question comes as an item of its own), or with
@@ -51,7 +52,9 @@ async def warm_up(
     that sends the photo and its question together), into the engine's prefix cache,
     pinned for the session. Only images whose tokens are ready are used (pre-encodes that
     finished, or the vision cache): None, without touching the engine, while any is still
-    encoding or the engine cannot warm up. Traced as `llm.warmup` and counted."""
+    encoding or the engine cannot warm up. `options`: the next response's instructions and
+    tools prompt, where the caller knows them (a Responses prewarm); the session's otherwise.
+    Traced as `llm.warmup` and counted."""
 
     warm = getattr(engine, "warm_up", None)
     if warm is None or image_input_of(engine) == "bytes":
@@ -72,7 +75,7 @@ async def warm_up(
         if encoded is None:
             return None
         images[digest] = Resolved(encoded, "memory", 0.0)
-    messages = turn_messages(vision, session, ResponseOptions(), images)
+    messages = turn_messages(vision, session, options or ResponseOptions(), images)
     if then_image is not None:
         # as `_messages` names and places it in the turn that will send it
         image = token_image(vision.fingerprint, then_image, images[then_image].image)

@@ -6,8 +6,9 @@ previous response's session), and the response's record names the last of them, 
 response continues from it with `previous_response_id`. Then every image of the conversation
 is encoded (or found in the vision cache) and the conversation through its last item is
 prefilled into the engine's prefix cache by the session's KV warm-up
-(`gateway.chat.session_warmup`): lowest priority, its blocks pinned for the session until its
-next response, dropped first under KV pressure. The next response's prompt starts with that
+(`gateway.chat.session_warmup`), rendered with this response's instructions and tools: lowest
+priority, its blocks pinned for the session until its next response, dropped first under KV
+pressure. The next response's prompt (with the same instructions and tools) starts with that
 prefix, so it prefills only its own input.
 
 The response has no output; its status is completed once the warm-up ended (warmed, or dropped
@@ -34,6 +35,7 @@ from gateway.api.openai.chat import protocol as p
 from gateway.api.openai.responses import protocol as r
 from gateway.chat.metering import input_estimate
 from gateway.chat.requests import check_cache_salt
+from gateway.chat.session_warmup import warm_up
 from gateway.engine.interface import image_input_of
 from gateway.policy.key_usage import TokenUsage
 from gateway.protocol.errors import GatewayError
@@ -138,7 +140,15 @@ async def prewarm(
             raise
         encode_ms = (time.perf_counter() - t0) * 1000
         images = {digest: task.result() for digest, task in tasks.items()}
-        result = await service.warm_up(session, pending=tasks)
+        result = await warm_up(
+            service.engine,
+            service.vision,
+            service.telemetry,
+            service.max_output_tokens_limit,
+            session,
+            pending=tasks,
+            options=prepared.options,  # its instructions and tools, as the next one's
+        )
         if meter is not None:
             positions = result.positions if result is not None else 0
             computed = result.computed if result is not None else 0
