@@ -76,6 +76,16 @@ class Choice(msgspec.Struct):
 class PromptDetails(msgspec.Struct):
     cached_tokens: int | None = None
     image_tokens: int | None = None
+    # vLLM's count of placeholder tokens by modality ({"image": N}): its `image_tokens` is null
+    multimodal_tokens: Any = None  # read leniently: a field of one server, not of the API
+
+    @property
+    def images(self) -> int:
+        if self.image_tokens:
+            return self.image_tokens
+        by_modality = self.multimodal_tokens
+        count = by_modality.get("image") if isinstance(by_modality, dict) else None
+        return count if isinstance(count, int) and count > 0 else 0
 
 
 class Usage(msgspec.Struct):
@@ -421,7 +431,7 @@ class Run:
                     if cancelled
                     else ("length" if reason in ("length", OVERRUN) else "stop"),
                     input_tokens=(usage.prompt_tokens or 0) if usage is not None else 0,
-                    image_tokens=(details.image_tokens or 0) if details is not None else 0,
+                    image_tokens=details.images if details is not None else 0,
                     output_tokens=output_tokens,
                     cached_tokens=(details.cached_tokens or 0) if details is not None else 0,
                     queue_ms=round((sent - self.started_at) * 1e3, 3),

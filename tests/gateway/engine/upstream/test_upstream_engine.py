@@ -352,6 +352,27 @@ async def test_a_replica_refusing_the_grammar_is_passed_on() -> None:
 # ------------------------------------------------------------------ streaming and usage
 
 
+async def test_image_tokens_from_vllms_multimodal_count() -> None:
+    """vLLM leaves `image_tokens` null and counts placeholders by modality instead."""
+    usage = {
+        "prompt_tokens": 35,
+        "completion_tokens": 3,
+        "prompt_tokens_details": {
+            "cached_tokens": 32,
+            "image_tokens": None,
+            "multimodal_tokens": {"image": 9},
+        },
+    }
+    odd = {**usage, "prompt_tokens_details": {"multimodal_tokens": {"image": None}}}
+    with FakeUpstream() as a:
+        a.scripts += [Script(usage=usage), Script(usage=odd)]
+        async with started(a) as engine:
+            _, (result,) = await collect(engine, request())
+            _, (unread,) = await collect(engine, request())
+    assert (result.input_tokens, result.cached_tokens, result.image_tokens) == (35, 32, 9)
+    assert unread.image_tokens == 0 and unread.text == "Hello, world"
+
+
 async def test_deltas_usage_and_timings() -> None:
     with FakeUpstream() as a:
         a.default = Script(chunks=["The", " sky", " is", " blue"], delay_s=0.01)
