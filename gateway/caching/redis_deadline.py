@@ -13,9 +13,10 @@ not hold a request for as long as its socket timeouts allow, once per call and r
   call took is taken off; once nothing is left, a call fails at once. A request whose store is
   slow therefore ends within the budget plus its own work, instead of once per call.
 
-The budget is set, not entered and left: an HTTP handler that returns a stream, whose body is
-sent after the handler returned, keeps it for the body. Every request runs in a task of its own
-(uvicorn's), and a Realtime connection opens a new budget for each client event.
+The budget is set, not entered and left: every request runs in a task of its own (uvicorn's),
+and a Realtime connection opens a new budget for each client event. A streamed HTTP body may be
+sent from another task than its handler's, so the stream takes its request's budget along
+(`use_request_budget`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = (
     "open_request_budget",
     "redis_deadline",
     "request_budget",
+    "use_request_budget",
 )
 
 
@@ -62,6 +64,12 @@ def open_request_budget(total_s: float) -> RedisBudget:
     budget = RedisBudget(total_s)
     _budget.set(budget)
     return budget
+
+
+def use_request_budget(budget: RedisBudget) -> None:
+    """Carry a request's budget on in the current task: a streamed HTTP body may be sent from
+    a task other than the one its handler ran in."""
+    _budget.set(budget)
 
 
 def request_budget() -> RedisBudget | None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import structlog
 
 from gateway.api.http.event_streams import close_shielded, read_ahead
-from gateway.caching.redis_deadline import open_request_budget
+from gateway.caching.redis_deadline import RedisBudget, open_request_budget
 from gateway.chat.events import Finished
 from gateway.chat.requests import add_inline_images, admit_encodes, resolve_references
 from gateway.protocol.errors import GatewayError
@@ -119,10 +119,11 @@ async def open_answer(
     return Opened(first, events)
 
 
-def open_store_budget(state: GatewayState) -> None:
-    """Bound the time this request (its streamed body included) waits for Redis, all its
-    calls together (`store_timeout_s`; `gateway.caching.redis_deadline`)."""
-    open_request_budget(state.settings.store_timeout_s)
+def open_store_budget(state: GatewayState) -> RedisBudget:
+    """Bound the time this request waits for Redis, all its calls together (`store_timeout_s`;
+    `gateway.caching.redis_deadline`); its streamed body takes the budget along
+    (`use_request_budget`)."""
+    return open_request_budget(state.settings.store_timeout_s)
 
 
 def failure_of(end: object) -> GatewayError:

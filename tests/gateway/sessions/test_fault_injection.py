@@ -260,7 +260,7 @@ class ResponsesChain(Conversation):
                 error = response.error
                 code = None
                 if error is not None:  # the stable code is in `type`, OpenAI's in `code`
-                    code = (error.model_extra or {}).get("type") or f"openai-{error.code}"
+                    code = getattr(error, "type", None) or f"openai-{error.code}"
                 outcome = f"failed:{code or response.status}"
         except Exception as exc:
             outcome = http_outcome(exc)

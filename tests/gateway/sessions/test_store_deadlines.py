@@ -209,7 +209,7 @@ def test_a_streamed_response_not_stored_ends_failed(slow_gateway, stall_redis) -
     assert types[-1] == "response.failed" and "response.completed" not in types
     failed = events[-1].response
     assert failed.status == "failed" and failed.error is not None
-    assert "busy" in (failed.error.message + str(getattr(failed.error, "type", "")))
+    assert (failed.error.code, failed.error.type) == ("server_error", "busy")
     assert failed.model_extra["visiongate"]["stored"] is False
     client.close()
 
@@ -262,3 +262,33 @@ async def test_a_realtime_answer_not_stored_is_done_as_failed(slow_gateway, stal
     items = again.created["session"]["visiongate"]["items"]
     assert all(i.get("status") != "in_progress" for i in items), items
     await again.close()
+
+
+def test_every_store_call_of_a_streamed_answer_is_under_its_requests_bound(
+    make_gateway, monkeypatch
+) -> None:
+    """The stream's body is sent after its handler returned: its writes (the answer's place
+    filled) must still count against the request's bound, not run unbounded."""
+    from gateway.sessions.memory import MemorySessionStore
+
+    seen: list[object] = []
+    update = MemorySessionStore.update
+
+    async def recording(self, session_id, owner, mutate):
+        seen.append(request_budget())
+        return await update(self, session_id, owner, mutate)
+
+    monkeypatch.setattr(MemorySessionStore, "update", recording)
+    gateway = make_gateway(settings=dict(store_timeout_s=0.75))
+    client = gateway.openai_client()
+    messages = [{"role": "user", "content": "hello there"}]
+    chunks = client.chat.completions.create(
+        model="fake-echo", messages=messages, stream=True, extra_body={"session_id": "bound"}
+    )
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    events = list(client.responses.create(model="fake-echo", input="hello", stream=True))
+    assert events[-1].type == "response.completed"
+    client.close()
+    # chat: the session brought in line, the place taken, filled; responses: taken, filled
+    assert len(seen) >= 5
+    assert all(getattr(b, "total_s", None) == 0.75 for b in seen), seen

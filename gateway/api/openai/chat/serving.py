@@ -45,6 +45,7 @@ from gateway.api.openai.serving import (
     open_answer,
     open_store_budget,
 )
+from gateway.caching.redis_deadline import RedisBudget, use_request_budget
 from gateway.chat.events import Finished, ResponseOptions, TextChunk
 from gateway.chat.output_grammar import (
     plain_text_grammar,
@@ -107,15 +108,19 @@ class ChatCompletionServing:
         """The answer to `request` from `owner`'s key; `session_id` (the header's) joins a
         session, as the body's `session_id` does."""
         received = time.perf_counter()
-        open_store_budget(self.state)
+        budget = open_store_budget(self.state)
         try:
             prepared = await self._prepare(request, owner, session_id or request.session_id)
         except GatewayError as exc:
             return p.error_response(exc)
-        return await self._answer(request, prepared, received)
+        return await self._answer(request, prepared, received, budget)
 
     async def _answer(
-        self, request: p.ChatCompletionRequest, prepared: _Prepared, received: float
+        self,
+        request: p.ChatCompletionRequest,
+        prepared: _Prepared,
+        received: float,
+        budget: RedisBudget,
     ) -> p.ChatCompletion | EventStream | p.ErrorResponse:
         events = self.state.require().service.respond(
             prepared.session, prepared.options, received_at=received
@@ -125,9 +130,8 @@ class ChatCompletionServing:
             await self._roll_back(prepared)
             return p.error_response(opened)
         if request.stream:
-            return EventStream(
-                self._sse(prepared, opened), prepared.session.id if prepared.stored else None
-            )
+            frames = self._sse(prepared, opened, budget)
+            return EventStream(frames, prepared.session.id if prepared.stored else None)
         return await self._complete(prepared, opened)
 
     # ------------------------------------------------------------ preparing
@@ -281,7 +285,10 @@ class ChatCompletionServing:
             visiongate=ext,
         )
 
-    async def _sse(self, prepared: _Prepared, opened: Opened[ServiceEvent]) -> AsyncIterator[bytes]:
+    async def _sse(
+        self, prepared: _Prepared, opened: Opened[ServiceEvent], budget: RedisBudget
+    ) -> AsyncIterator[bytes]:
+        use_request_budget(budget)  # the answer is still this request's: so is its bound
         options, events = prepared.options, opened.events
         include_usage = bool(
             prepared.request.stream_options and prepared.request.stream_options.include_usage

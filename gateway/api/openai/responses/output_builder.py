@@ -316,8 +316,11 @@ def mark_failed(response: r.ResponseObject, exc: GatewayError) -> r.ResponseObje
 
 
 def _error(exc: GatewayError) -> r.ResponseError:
+    code = _FAILED_CODES.get(exc.code, "server_error")
+    if exc.code == "busy" and exc.retry_after_s is None:  # not the engine's queue: a store down
+        code = "server_error"
     return r.ResponseError(
-        code=_FAILED_CODES.get(exc.code, "server_error"),
+        code=code,
         message=exc.message,
         param=exc.param,
         type=exc.code,

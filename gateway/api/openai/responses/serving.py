@@ -56,6 +56,7 @@ from gateway.api.openai.serving import (
     open_answer,
     open_store_budget,
 )
+from gateway.caching.redis_deadline import RedisBudget, use_request_budget
 from gateway.chat.events import Finished, TextChunk
 from gateway.chat.output_grammar import (
     plain_text_grammar,
@@ -130,7 +131,7 @@ class ResponsesServing:
     ) -> r.ResponseObject | EventStream | p.ErrorResponse:
         """One response; a stream's events are made bytes by `wire` (SSE frames by default)."""
         received = time.perf_counter()
-        open_store_budget(self.state)
+        budget = open_store_budget(self.state)
         try:
             prepared = await self._prepare(request, owner)
         except GatewayError as exc:
@@ -149,9 +150,8 @@ class ResponsesServing:
             await self._roll_back(prepared)
             return p.error_response(opened)
         if request.stream:
-            return EventStream(
-                self._sse(prepared, opened), prepared.session.id if prepared.stored else None
-            )
+            frames = self._sse(prepared, opened, budget)
+            return EventStream(frames, prepared.session.id if prepared.stored else None)
         return await self._complete(prepared, opened)
 
     async def _prepare(self, request: r.ResponsesRequest, owner: str) -> Prepared:
@@ -391,7 +391,10 @@ class ResponsesServing:
             return p.error_response(error)
         return response
 
-    async def _sse(self, prepared: Prepared, opened: Opened[ServiceEvent]) -> AsyncIterator[bytes]:
+    async def _sse(
+        self, prepared: Prepared, opened: Opened[ServiceEvent], budget: RedisBudget
+    ) -> AsyncIterator[bytes]:
+        use_request_budget(budget)  # the answer is still this request's: so is its bound
         events = opened.events
         out = ResponseOutput(prepared)
         wire = prepared.wire
