@@ -22,8 +22,11 @@ Client events, one JSON object per text message:
   status `cancelled`, its partial answer kept. The SDK sends it with
   `connection.send({"type": "response.cancel"})`. `POST /v1/responses/{id}/cancel`
   (`client.responses.cancel(id)`) cancels it too, from anywhere.
-- `response.steer`: refused with `response.steer.failed`, code `steering_not_supported` (the
-  input comes back, to send in the next `response.create`).
+- `response.steer`: user input (text, images) queued for the continuation of a response on this
+  connection, its images encoding from the moment it is accepted (`steering`):
+  `response.steer.accepted`, then a successor response when the target completes, or
+  `response.steer.pending` when it stopped for its function calls' results (the input then
+  goes before the next `response.create` that continues it), or `response.steer.failed`.
 
 Anything that goes wrong with an event is an `error` event (`{"type": "error", "error":
 {type, code, message, param}, "status"}`, the HTTP status the route would have answered) and
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -42,6 +46,7 @@ import structlog
 from gateway.api.openai.chat import protocol as p
 from gateway.api.openai.responses import protocol as r
 from gateway.api.openai.responses.inputs import decode_request
+from gateway.api.openai.responses.steering import Steer, SteerQueue, SteerRefused
 from gateway.protocol.errors import GatewayError, error_response
 
 if TYPE_CHECKING:
@@ -54,6 +59,7 @@ __all__ = ("MAX_QUEUED", "ResponsesSocket")
 log = structlog.get_logger("visiongate.http")
 
 MAX_QUEUED = 8  # response.create events waiting behind the one in progress
+ENDED_KEPT = 64  # responses of the connection whose end a steer may still name
 _json = msgspec.json.Encoder()
 _object = msgspec.json.Decoder(dict[str, Any])
 # the envelope of `response.create` beside the create parameters
@@ -65,6 +71,8 @@ class _Job(msgspec.Struct):
     stream_id: str | None
     response_id: str | None = None  # known at its response.created
     cancelled: bool = False  # a cancel that came before response.created
+    final: r.ResponseObject | None = None  # as its last event gave it
+    steers: list[Any] = []  # the steers whose input it carries (`Steer`)
 
 
 class ResponsesSocket:
@@ -82,6 +90,11 @@ class ResponsesSocket:
         self._current: _Job | None = None
         self._send_lock = asyncio.Lock()
         self._closed = False
+        self.steers = SteerQueue(serving.state, owner)
+        # response id -> "waiting" (stopped for its calls' results) or "done"
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        self._waiting_calls: dict[str, list[r.FunctionCall]] = {}
+        self._lanes: dict[str, str | None] = {}
 
     async def run(self) -> None:
         worker = asyncio.create_task(self._work())
@@ -124,7 +137,7 @@ class ResponsesSocket:
         elif kind == "response.cancel":
             await self._cancel(event)
         elif kind == "response.steer":
-            await self._refuse_steer(event)
+            await self._steer(event)
         else:
             await self.error(
                 GatewayError(
@@ -188,43 +201,173 @@ class ResponsesSocket:
         if job.response_id is not None:
             self.serving.in_flight.signal(job.response_id, self.owner)
 
-    async def _refuse_steer(self, event: dict[str, Any]) -> None:
-        await self.send(
-            _json.encode(
-                {
-                    "type": "response.steer.failed",
-                    "sequence_number": 0,
-                    "error": {
-                        "type": "invalid_request_error",
-                        "code": "steering_not_supported",
-                        "message": "steering is not supported: send the input in the next "
-                        "response.create, with previous_response_id",
-                    },
-                    "steer": {
-                        "input": event.get("input", ""),
-                        "previous_response_id": str(event.get("previous_response_id", "")),
-                    },
-                }
+    async def _steer(self, event: dict[str, Any]) -> None:
+        target, value = event.get("previous_response_id"), event.get("input", "")
+        if not isinstance(target, str) or not target:
+            await self._steer_failed(
+                "invalid_input", "previous_response_id names the response to steer", value, ""
             )
+            return
+        if not self._active(target) and target not in self._ended:
+            await self._steer_failed(
+                "response_not_found", "no such response on this connection", value, target
+            )
+            return
+        if self._ended.get(target) == "done":
+            await self._steer_failed(
+                "response_already_completed", "the response has ended", value, target
+            )
+            return
+        try:
+            steer = await self.steers.accept(target, value)
+        except SteerRefused as exc:
+            await self._steer_failed(exc.code, exc.message, value, target)
+            return
+        stream_id = self._stream_of(target)
+        await self._steer_event("response.steer.accepted", steer, stream_id)
+        if self._active(target):
+            return  # its end decides (`_on_end`)
+        if self._ended.get(target) == "waiting":
+            calls = self._waiting_calls.get(target, [])
+            await self._steer_pending(steer, calls, stream_id)
+            return
+        self.steers.take(target)  # it ended while the steer was being checked
+        await self._steer_failed(
+            "response_already_completed", "the response has ended", value, target, steer.id
         )
+
+    def _active(self, response_id: str) -> bool:
+        job = self._current
+        return job is not None and job.response_id == response_id and job.final is None
+
+    def _stream_of(self, response_id: str) -> str | None:
+        job = self._current
+        if job is not None and job.response_id == response_id:
+            return job.stream_id
+        return self._lanes.get(response_id)
+
+    async def _on_end(self, job: _Job) -> None:
+        """A response of this connection ended: its steers' fate (see `steering`)."""
+        final = job.final
+        if final is None or job.response_id is None:
+            return
+        target = job.response_id
+        calls = [item for item in final.output if isinstance(item, r.FunctionCall)]
+        waiting = final.status == "completed" and bool(calls)
+        self._remember(target, "waiting" if waiting else "done", calls, job.stream_id)
+        if waiting:
+            for steer in self.steers.queued(target):
+                await self._steer_pending(steer, calls, job.stream_id)
+            return
+        steers = self.steers.take(target)
+        if not steers:
+            return
+        if final.status != "completed":
+            for steer in steers:
+                await self._steer_failed(
+                    "response_not_active",
+                    f"the response ended {final.status}; send the input in a response.create",
+                    steer.input,
+                    target,
+                    steer.id,
+                )
+            return
+        # the successor: the target's settings, continuing it with the queued input
+        request = msgspec.structs.replace(
+            job.request,
+            input=[item for steer in steers for item in steer.items],
+            previous_response_id=target,
+            prompt_cache_options=None,
+        )
+        await self._answer(_Job(request, job.stream_id, steers=steers))
+
+    def _remember(
+        self, response_id: str, how: str, calls: list[r.FunctionCall], stream_id: str | None
+    ) -> None:
+        self._ended[response_id] = how
+        self._waiting_calls[response_id] = calls
+        self._lanes[response_id] = stream_id
+        while len(self._ended) > ENDED_KEPT:
+            gone, _ = self._ended.popitem(last=False)
+            self._waiting_calls.pop(gone, None)
+            self._lanes.pop(gone, None)
+            for steer in self.steers.take(gone):
+                for task in steer.encodes:
+                    task.cancel()
+
+    async def _steer_event(self, kind: str, steer: Steer, stream_id: str | None) -> None:
+        event: dict[str, Any] = {
+            "type": kind,
+            "sequence_number": 0,
+            "steer": {"id": steer.id, "previous_response_id": steer.target},
+        }
+        if stream_id is not None:
+            event["stream_id"] = stream_id
+        await self.send(_json.encode(event))
+
+    async def _steer_pending(
+        self, steer: Steer, calls: list[r.FunctionCall], stream_id: str | None
+    ) -> None:
+        event: dict[str, Any] = {
+            "type": "response.steer.pending",
+            "sequence_number": 0,
+            "reason": "waiting_for_required_input",
+            "required_input": [
+                {"type": "function_call_output", "call_id": call.call_id, "name": call.name}
+                for call in calls
+            ],
+            "steer": {"id": steer.id, "previous_response_id": steer.target},
+        }
+        if stream_id is not None:
+            event["stream_id"] = stream_id
+        await self.send(_json.encode(event))
+
+    async def _steer_failed(
+        self, code: str, message: str, value: Any, target: str, steer_id: str | None = None
+    ) -> None:
+        steer: dict[str, Any] = {"input": value, "previous_response_id": target}
+        if steer_id is not None:
+            steer["id"] = steer_id
+        event: dict[str, Any] = {
+            "type": "response.steer.failed",
+            "sequence_number": 0,
+            "error": {"type": "invalid_request_error", "code": code, "message": message},
+            "steer": steer,
+        }
+        stream_id = self._stream_of(target) if target else None
+        if stream_id is not None:
+            event["stream_id"] = stream_id
+        await self.send(_json.encode(event))
 
     # ------------------------------------------------------------ answering
 
     async def _work(self) -> None:
         while True:
             job = await self._queue.get()
-            self._current = job
             try:
                 await self._answer(job)
             finally:
                 self._current = None
 
     async def _answer(self, job: _Job) -> None:
+        self._current = job
+        previous = job.request.previous_response_id
+        if not job.steers and previous is not None and self._ended.get(previous) == "waiting":
+            # input steered while its results were due goes first, in the order it came
+            job.steers = self.steers.take(previous)
+            if job.steers:
+                own = job.request.input
+                own = [{"role": "user", "content": own}] if isinstance(own, str) else own
+                queued = [item for steer in job.steers for item in steer.items]
+                job.request = msgspec.structs.replace(job.request, input=[*queued, *own])
+
         def wire(event: r.ResponseEvent) -> bytes:
             if isinstance(event, r.ResponseCreated):
                 job.response_id = event.response.id
                 if job.cancelled:
                     self.serving.in_flight.signal(job.response_id, self.owner)
+            elif isinstance(event, r.ResponseCompleted | r.ResponseIncomplete | r.ResponseFailed):
+                job.final = event.response
             data = _json.encode(event)
             if job.stream_id is None:
                 return data
@@ -233,12 +376,21 @@ class ResponsesSocket:
         answer = await self.serving.create(job.request, owner=self.owner, wire=wire)
         if isinstance(answer, p.ErrorResponse):
             await self._send_error(answer, job.stream_id)
+            for steer in job.steers:  # their input was not committed
+                await self._steer_failed(
+                    "successor_creation_failed",
+                    answer.error.message,
+                    steer.input,
+                    steer.target,
+                    steer.id,
+                )
             return
         if isinstance(answer, r.ResponseObject):  # not streamed: never, stream is set above
             return
         async with contextlib.aclosing(answer.frames) as frames:
             async for data in frames:
                 await self.send(data)
+        await self._on_end(job)
 
     # ------------------------------------------------------------ sending
 

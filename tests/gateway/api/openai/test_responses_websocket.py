@@ -9,6 +9,7 @@ records what it was asked to prefill (the embedded engine's real one is tested i
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import threading
 from collections.abc import AsyncIterator
@@ -65,6 +66,7 @@ class WarmingEngine(FakeEngine):
         input_tokens, image_tokens = self._prompt_tokens(request)
         pieces = [PARIS[i : i + 5] for i in range(0, len(PARIS), 5)]
         for piece in pieces:
+            await asyncio.sleep(self.delay_s)
             yield TextDelta(piece)
         yield GenerationResult(PARIS, "stop", input_tokens, image_tokens, len(pieces))
 
@@ -216,13 +218,13 @@ def test_async_stream_cancelled_mid_answer_and_errors_keep_the_connection(
                 assert 3 <= deltas < 25
                 cancelled = event.response
 
-                # steering is refused with its own code; the input comes back
+                # an ended response takes no steer; the input comes back
                 await connection.response.steer(
                     input="look left", previous_response_id=cancelled.id
                 )
                 steer = await connection.recv()
                 assert steer.type == "response.steer.failed"
-                assert steer.error.code == "steering_not_supported"
+                assert steer.error.code == "response_already_completed"
                 assert steer.steer.input == "look left"
 
                 # and the connection still answers, continuing the cancelled response
@@ -400,3 +402,112 @@ def test_prewarm_refusals(client: openai.OpenAI, make_gateway: GatewayFactory) -
                 warming.responses.create(model=MODEL, input="x", extra_body=body)
             assert info.value.body["param"] == param, extra
     assert gateway.engine.warm_ups == []  # type: ignore[attr-defined]
+
+
+def steer(connection: Any, target: str, value: Any) -> Any:
+    connection.response.steer(input=value, previous_response_id=target)
+    return connection
+
+
+def test_a_steered_photo_encodes_at_once_and_its_successor_follows(
+    make_gateway: GatewayFactory,
+) -> None:
+    gateway = make_gateway(engine=WarmingEngine(delay_s=0.05))
+    words = " ".join(f"w{i}" for i in range(20))
+    photo = unique_photo("chelsea")
+    with gateway.openai_client() as client, client.responses.connect() as connection:
+        connection.response.create(
+            model=MODEL, input=words, max_output_tokens=25, stream_id="main", temperature=0
+        )
+        created = connection.recv()
+        target = created.response.id
+        steer(connection, target, photo_message("and this one", photo))
+        events: list[Any] = []
+        for event in connection:
+            events.append(event)
+            if event.type == "response.steer.accepted":
+                assert event.steer.previous_response_id == target and event.stream_id == "main"
+                accepted_at = len(events)
+            if event.type == "response.completed" and event.response.id != target:
+                break
+        kinds = [e.type for e in events]
+        # accepted while the target streamed; its photo was encoding before the target ended
+        assert kinds.index("response.steer.accepted") < kinds.index("response.completed")
+        assert "response.output_text.delta" in kinds[accepted_at:]
+        assert hashlib.sha256(photo).hexdigest() in gateway.encoder.encoded
+        # the successor: created after the target completed, continuing it with the input
+        ends = [e for e in events if e.type == "response.completed"]
+        assert ends[0].response.id == target and ends[0].response.output_text.startswith("w0")
+        successor = ends[1].response
+        assert successor.previous_response_id == target
+        assert successor.output_text == "and this one [1 images]"
+        assert successor.temperature == 0 and successor.max_output_tokens == 25  # inherited
+        assert {e.stream_id for e in events} == {"main"}
+        assert successor.visiongate["cache"]["vision"] == "hit"  # encoded while it waited
+
+        # a response that has ended takes no steer, nor an unknown one
+        for target_id, value, code in (
+            (target, "more", "response_already_completed"),
+            ("resp_nope", "more", "response_not_found"),
+        ):
+            failed = steer(connection, target_id, value).recv()
+            assert (failed.type, failed.error.code) == ("response.steer.failed", code)
+            assert failed.steer.input == value
+
+
+def test_steering_a_response_that_calls_a_tool_waits_for_its_result(
+    make_gateway: GatewayFactory,
+) -> None:
+    gateway = make_gateway(engine=WarmingEngine(delay_s=0.05))
+    engine: WarmingEngine = gateway.engine  # type: ignore[assignment]
+    with gateway.openai_client() as client, client.responses.connect() as connection:
+        connection.response.create(model=MODEL, input=WEATHER_PLEASE, tools=[WEATHER])
+        target = connection.recv().response.id
+        steer(connection, target, "in Celsius please")
+        bad = steer(connection, target, [{"role": "user", "content": "x", "id": "m1"}])
+        events = []
+        for event in bad:
+            events.append(event)
+            if event.type == "response.steer.pending":
+                break
+        kinds = [e.type for e in events]
+        failed = next(e for e in events if e.type == "response.steer.failed")
+        assert failed.error.code == "invalid_input"
+        assert kinds.index("response.completed") < kinds.index("response.steer.pending")
+        pending = events[-1]
+        done = next(e for e in events if e.type == "response.completed").response
+        (call,) = done.output
+        assert pending.reason == "waiting_for_required_input"
+        assert [(i.type, i.call_id) for i in pending.required_input] == [
+            ("function_call_output", call.call_id)
+        ]
+        # the result goes back; the steered words go before it, in the same request
+        connection.response.create(
+            model=MODEL,
+            input=[{"type": "function_call_output", "call_id": call.call_id, "output": "20 C"}],
+            previous_response_id=target,
+            tools=[WEATHER],
+        )
+        answered = until_end(connection)[-1]
+        assert answered.type == "response.completed"
+        texts = [p for m in engine.requests[-1].messages for p in m.content if isinstance(p, str)]
+        assert any("in Celsius please" in t for t in texts)
+        assert any("20 C" in t for t in texts)
+
+
+def test_a_steer_of_a_cancelled_response_comes_back(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(engine=FakeEngine(delay_s=0.05))
+    words = " ".join(f"w{i}" for i in range(25))
+    with gateway.openai_client() as client, client.responses.connect() as connection:
+        connection.response.create(model=MODEL, input=words, max_output_tokens=30)
+        target = connection.recv().response.id
+        steer(connection, target, "then this")
+        connection.send({"type": "response.cancel"})
+        events = []
+        for event in connection:
+            events.append(event)
+            if event.type == "response.steer.failed":
+                break
+        assert "response.steer.accepted" in [e.type for e in events]
+        assert events[-1].error.code == "response_not_active"
+        assert events[-1].steer.input == "then this" and events[-1].steer.id is not None
