@@ -18,8 +18,9 @@ and it closes what overstays:
 - `ws_handshake_timeout_s`: a WebSocket upgrade must be accepted or refused this long after its
   head; past it, 503 and close.
 - `max_connections`: open connections (HTTP and WebSocket). A new one beyond it first takes the
-  place of the oldest connection still sending a head or a body without a key; with none, it is
-  refused (503, close).
+  place of another still sending: the oldest sending a head or a body without a key, else the
+  oldest sending a body its request was already answered for (a 401 before the body came),
+  else the one sending a body at the lowest rate so far; with none, it is refused (503, close).
 - `max_unauthenticated_connections`: connections whose latest request head carried no API key
   (`Authorization`, or the Realtime key subprotocol), or that sent no head yet; on a gateway
   without keys a head of any kind counts as identified. A new connection beyond it takes the
@@ -154,9 +155,7 @@ class ConnectionGuard:
         """A new connection: its entry, or None when it is refused (the caller answers 503
         and closes). Past a cap, the oldest connection still reading takes the refusal."""
         limits = self.limits
-        if len(self._entries) >= limits.max_connections and not self._evict(
-            "max_connections", lambda e: e.reading and not (e.phase == "body" and e.keyed)
-        ):
+        if len(self._entries) >= limits.max_connections and not self._make_room():
             self.refused("max_connections", client)
             return None
         if self._unkeyed >= limits.max_unauthenticated_connections and not self._evict(
@@ -244,6 +243,25 @@ class ConnectionGuard:
         self.refused(reason, entry.client)
         entry.phase = "closing"  # not cut twice while the transport closes
         entry.protocol.guard_close(status)
+
+    def _make_room(self) -> bool:
+        """Close a connection still sending to let a new one in (see the module)."""
+        if self._evict(
+            "max_connections", lambda e: e.reading and not (e.phase == "body" and e.keyed)
+        ):
+            return True
+        if self._evict(
+            "max_connections",
+            lambda e: e.phase == "body" and getattr(e.protocol, "answered", False),
+        ):
+            return True
+        now = self._clock()
+        bodies = [e for e in self._entries.values() if e.phase == "body"]
+        if not bodies:
+            return False
+        slowest = min(bodies, key=lambda e: e.body_bytes / max(now - e.since, 1e-3))
+        self._cut(slowest, "max_connections", 408)
+        return True
 
     def _evict(self, reason: str, eligible: Callable[[Entry], bool]) -> bool:
         """Close the oldest eligible connection to make room; False when none is."""

@@ -127,7 +127,16 @@ class GuardedH11Protocol(H11Protocol):
 
     @property
     def reading_paused(self) -> bool:
+        """The server, not the client, holds the body up: it stopped reading (the app has not
+        taken what came), or the client waits for its `100 Continue`."""
+        if self.cycle is not None and self.cycle.waiting_for_100_continue:
+            return True
         return bool(self.flow is not None and self.flow.read_paused)
+
+    @property
+    def answered(self) -> bool:
+        """The request being read was already answered (refused before its body came)."""
+        return self.cycle is not None and self.cycle.response_started
 
     def guard_close(self, status: int | None) -> None:
         if self.transport.is_closing():

@@ -226,7 +226,6 @@ def test_the_guard_settings_are_validated() -> None:
         {"ws_handshake_timeout_s": 4000},
         {"body_min_rate": -1},
         {"max_connections": 0},
-        {"max_connections": 10, "max_unauthenticated_connections": 11},
         {"max_unauthenticated_connections": 0},
     ):
         with pytest.raises(SettingsError):
@@ -258,3 +257,21 @@ def test_a_flood_from_many_threads_leaves_the_books_balanced(make_gateway) -> No
         time.sleep(0.05)
     assert guard.open_connections == 0 and guard.unauthenticated == 0
     assert httpx.get(f"{gw.http_url}/v1/models", headers=AUTH, timeout=5).status_code == 200
+
+
+def test_slow_bodies_behind_made_up_keys_do_not_fill_the_connections(make_gateway) -> None:
+    """A key is not checked by the guard, so a flood that sends any `Authorization` and then
+    trickles its bodies counts as identified: past `max_connections` the slowest of those
+    bodies gives way to the new connection."""
+    gw = make_gateway(settings=dict(api_keys=[KEY], max_connections=12))
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer made-up\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
+    )
+    with sockets(gw, 12, head):
+        time.sleep(0.2)
+        for _ in range(3):
+            t0 = time.monotonic()
+            r = httpx.get(f"{gw.http_url}/v1/models", headers=AUTH, timeout=5)
+            assert r.status_code == 200 and time.monotonic() - t0 < 1.0
+    assert refused(gw, "max_connections") == 1  # one gave way; the room stayed
