@@ -41,6 +41,8 @@ ERROR_CODES: dict[str, tuple[str, int]] = {
     "concurrency_limited": ("rate_limit_error", 429),
     # a client that sent too many wrong admin keys in a row, for a doubling delay (Retry-After)
     "auth_locked_out": ("rate_limit_error", 429),
+    # a request head or body that did not arrive in time (gateway/server/connection_guard.py)
+    "request_timeout": ("invalid_request_error", 408),
     "busy": ("server_error", 503),
     "answer_not_stored": ("server_error", 503),
     "engine_error": ("server_error", 500),

@@ -15,11 +15,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import h11
+import msgspec
 import uvicorn
 from litestar import Litestar
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
+from gateway.protocol.errors import ERROR_CODES, ErrorBody, ErrorResponse
 from gateway.protocol.subprotocols import KEY_SUBPROTOCOL_PREFIX
 from gateway.server.client_address import normalize_address
 from gateway.server.connection_guard import ConnectionGuard, Entry, GuardLimits
@@ -44,18 +46,33 @@ _BAD_HANDSHAKE = (
 )
 _KEY_SUBPROTOCOL = KEY_SUBPROTOCOL_PREFIX.encode()
 _REASONS = {408: b"Request Timeout", 503: b"Service Unavailable"}
-_TEXTS = {408: b"request timed out\n", 503: b"too many connections; retry\n"}
+# the OpenAI-shaped error bodies of what the guard answers itself (gateway/protocol/errors.py)
+_MESSAGES = {
+    408: ("request_timeout", "the request did not arrive in time"),
+    503: ("busy", "too many connections; retry"),
+    0: ("busy", "the WebSocket handshake was not answered in time; retry"),
+}
+_BODIES = {
+    key: msgspec.json.encode(
+        ErrorResponse(ErrorBody(message=message, type=ERROR_CODES[code][0], param=None, code=code))
+    )
+    for key, (code, message) in _MESSAGES.items()
+}
+_HANDSHAKE_TIMEOUT = 0  # the 503 of an upgrade the app did not answer in time
 
 
 def _raw_response(status: int) -> bytes:
     """A whole response written straight to the socket, for a connection about to close
-    (the HTTP parser may be mid-request, or have seen no request at all)."""
-    body = _TEXTS[status]
+    (the HTTP parser may be mid-request, or have seen no request at all); `_HANDSHAKE_TIMEOUT`
+    is a 503 saying so."""
+    body = _BODIES[status]
+    status = status or 503
     retry = b"Retry-After: 1\r\n" if status == 503 else b""
-    return (
-        b"HTTP/1.1 %d %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
-        b"Connection: close\r\n%s\r\n%s" % (status, _REASONS[status], len(body), retry, body)
-    )
+    return b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" % (
+        status,
+        _REASONS[status],
+        len(body),
+    ) + b"Connection: close\r\n%s\r\n%s" % (retry, body)
 
 
 def _carries_key(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -192,7 +209,7 @@ class RealtimeWSProtocol(WebSocketsSansIOProtocol):
         if not self.handshake_complete:
             self.handshake_complete = True
             self.close_sent = True
-            self.transport.write(_raw_response(status or 503))
+            self.transport.write(_raw_response(_HANDSHAKE_TIMEOUT))
         self.transport.close()
 
 

@@ -109,6 +109,7 @@ def test_a_body_trickled_at_1_byte_a_second_is_cut_off_with_408(make_gateway) ->
             time.sleep(0.95)
         took = time.monotonic() - t0
     assert data.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), data
+    assert data.endswith(b'"code":"request_timeout"}}')  # the OpenAI-shaped error body
     assert 1.0 <= took < 4.0
     assert refused(gw, "body_timeout") == 1
     # a body sent at once is unaffected
@@ -178,7 +179,7 @@ def test_connections_busy_with_requests_are_never_evicted(make_gateway) -> None:
         with sockets(gw, 1, b"") as (late,):
             data, _ = read_until_closed(late, 2)
             assert data.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
-            assert b"retry-after: 1" in data.lower()
+            assert b"retry-after: 1" in data.lower() and data.endswith(b'"code":"busy"}}')
         for s in busy:  # each of the four still gets its answer
             s.settimeout(5)
             assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
