@@ -11,8 +11,7 @@ from gateway.api.openai.replies import ERRORS, owner_of, reply, session_body_lim
 from gateway.api.openai.responses import protocol as r
 from gateway.api.openai.responses.inputs import decode_request
 from gateway.api.openai.responses.serving import ResponsesServing
-from gateway.api.openai.responses.websocket import ResponsesSocket
-from gateway.api.realtime.channel import CLOSE_POLICY
+from gateway.api.openai.responses.websocket import CLOSE_POLICY, ResponsesSocket
 from gateway.policy.key_guard import watch_key
 from gateway.protocol.errors import GatewayError
 

@@ -54,10 +54,11 @@ if TYPE_CHECKING:
 
     from gateway.api.openai.responses.serving import ResponsesServing
 
-__all__ = ("MAX_QUEUED", "ResponsesSocket")
+__all__ = ("CLOSE_POLICY", "MAX_QUEUED", "ResponsesSocket")
 
 log = structlog.get_logger("visiongate.http")
 
+CLOSE_POLICY = 1008  # WebSocket close code: the key is refused (policy violation)
 MAX_QUEUED = 8  # response.create events waiting behind the one in progress
 ENDED_KEPT = 64  # responses of the connection whose end a steer may still name
 _json = msgspec.json.Encoder()
