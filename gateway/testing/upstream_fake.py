@@ -1,14 +1,17 @@
 """A scripted OpenAI-compatible server on a loopback port, standing in for vLLM or SGLang.
 
-vLLM and SGLang need a GPU and a model download, so they cannot run here; this server speaks
-the part of their HTTP API the upstream engine uses, over real sockets (HTTP/1.1 with
-keep-alive, chunked server-sent events), and lets each test script what it does:
+It speaks the part of their HTTP API the upstream engine uses, over real sockets (HTTP/1.1
+with keep-alive, chunked server-sent events), and lets each test script what it does: the
+failures, delays and odd answers a real server gives only by accident. (SGLang needs a GPU; a
+real vLLM, the CPU build, runs in `tests/gateway/engine/upstream/test_real_vllm.py` through
+`gateway.testing.vllm_server`.)
 
 - `GET /v1/models`: `models` (vLLM-shaped entries: id, root, max_model_len), or `models_status`;
 - `GET /health`: `health_status` (404 when `has_health` is false, as a server without it);
 - `POST /v1/chat/completions` and `/v1/completions`: the next `Script` of `scripts` (else
   `default`): an error status with a JSON body, or a stream of text chunks with delays, a
-  usage chunk (with cached tokens), and optionally a dropped connection mid-stream;
+  usage chunk (with cached tokens), and optionally a dropped connection mid-stream (a request
+  without `stream: true` gets the chunks joined, as one JSON answer);
 - `set_listening(False)`: stops accepting and closes every open connection (a replica that
   went away); `True` listens on the same port again.
 
@@ -196,6 +199,9 @@ class FakeUpstream:
             error = script.error or {"object": "error", "message": "scripted failure"}
             await self._send(writer, script.status, error, script.headers)
             return True
+        if not (isinstance(body, dict) and body.get("stream")):
+            await self._send(writer, 200, _whole_answer(script, path))
+            return True
         return await self._stream(script, path, body, reader, writer)
 
     async def _stream(
@@ -294,3 +300,15 @@ class FakeUpstream:
         self.disconnects.append(path)
         self.disconnected.set()
         return False
+
+
+def _whole_answer(script: Script, path: str) -> dict[str, Any]:
+    """A request without `stream: true`: the script's chunks joined into one JSON answer."""
+    text = "".join(script.chunks)
+    if path.endswith("chat/completions"):
+        choice: dict[str, Any] = {"message": {"role": "assistant", "content": text}}
+    else:
+        choice = {"text": text}
+    finish = script.finish_reason
+    choices = [{"index": i, "finish_reason": finish, **choice} for i in range(script.n)]
+    return {"object": "text_completion", "choices": choices, "usage": script.usage}

@@ -61,6 +61,7 @@ from gateway.engine.interface import (
     TextDelta,
 )
 from gateway.engine.upstream.endpoints import Upstream, parse_upstreams
+from gateway.engine.upstream.grammar_probe import GrammarSupport, probe_grammar
 from gateway.engine.upstream.replicas import (
     ReplicaPool,
     failure_reason,
@@ -158,6 +159,10 @@ class OpenAIEngine:
         self._runs: set[Run] = set()
         self._draining: set[asyncio.Task[None]] = set()  # readers finishing a complete body
         self._images = ImageParts()
+        # whether each replica applies output grammars (`grammar_probe`), by name; and the
+        # probes in flight, so concurrent constrained requests ask a replica once
+        self._grammars: dict[str, GrammarSupport] = {}
+        self._grammar_probes: dict[str, asyncio.Task[GrammarSupport]] = {}
         self._started = False
         self._tracer: Tracer = trace.get_tracer("visiongate.upstream")
         self._metrics: Any = None
@@ -292,6 +297,8 @@ class OpenAIEngine:
         else:
             path, body = self._body(request)
         order = self._pool.candidates(request)
+        if request.sampling.grammar is not None:
+            order = await self._applying_grammars(order)
         failures: list[str] = []
         busy_after: list[float] = []
         self._runs.add(run)
@@ -350,6 +357,52 @@ class OpenAIEngine:
                 yield result
         finally:
             self._runs.discard(run)
+
+    async def _applying_grammars(self, order: list[Replica]) -> list[Replica]:
+        """`order` less the replicas known not to apply output grammars (each asked once,
+        `grammar_probe`); `invalid_request` when that leaves none."""
+        unknown = [r for r in order if self._grammars.get(r.name, "unknown") == "unknown"]
+        if unknown:
+            await asyncio.gather(*(self._grammar_support(r) for r in unknown))
+        able = [r for r in order if self._grammars.get(r.name) != "no"]
+        if order and not able:
+            raise EngineError(
+                "no upstream replica applies the output grammars that tools and response "
+                "formats need (vLLM does with --structured-outputs-config "
+                '\'{"backend": "guidance"}\')',
+                code="invalid_request",
+            )
+        return able
+
+    async def _grammar_support(self, replica: Replica) -> GrammarSupport:
+        task = self._grammar_probes.get(replica.name)
+        if task is None:
+            task = asyncio.create_task(self._probe_grammar(replica))
+            self._grammar_probes[replica.name] = task
+            task.add_done_callback(lambda _: self._grammar_probes.pop(replica.name, None))
+        return await asyncio.shield(task)
+
+    async def _probe_grammar(self, replica: Replica) -> GrammarSupport:
+        assert self._client is not None
+        support, why = await probe_grammar(
+            self._client,
+            replica,
+            replica.model or self.model_id,
+            self._pool.headers(replica),
+            httpx.Timeout(self._timeout.connect or 5.0, read=30.0),
+        )
+        self._grammars[replica.name] = support
+        if support == "no":
+            log.error(
+                "upstream.grammar_unsupported",
+                upstream=replica.name,
+                reason=why,
+                why="tools and response formats are not sent to this replica; vLLM applies "
+                'them with --structured-outputs-config \'{"backend": "guidance"}\'',
+            )
+        else:
+            log.info("upstream.grammar_probe", upstream=replica.name, support=support, reason=why)
+        return support
 
     async def _attempt(
         self,

@@ -318,9 +318,13 @@ async def test_raw_prompt_uses_completions() -> None:
 
 async def test_grammar_goes_as_structured_outputs() -> None:
     """Tools and response formats reach a replica as the grammar the gateway planned (vLLM's
-    `structured_outputs.grammar`), on chat completions and completions alike."""
+    `structured_outputs.grammar`), on chat completions and completions alike, once the replica
+    showed that it applies such grammars (asked once)."""
+    from gateway.engine.upstream.grammar_probe import PROBE_ANSWER, PROBE_GRAMMAR
+
     grammar = 'start: "yes" | "no"'
     with FakeUpstream() as a:
+        a.scripts.append(Script(chunks=[PROBE_ANSWER]))  # as vLLM with llguidance answers
         async with started(a) as engine:
             await collect(engine, request(grammar=grammar))
             await collect(
@@ -330,23 +334,51 @@ async def test_grammar_goes_as_structured_outputs() -> None:
                 ),
             )
             await collect(engine, request())
-    chat, completion, plain = (r.body for r in a.chat_requests())
+    probe, chat, completion, plain = (r.body for r in a.chat_requests())
+    assert probe["structured_outputs"] == {"grammar": PROBE_GRAMMAR}
+    assert not probe.get("stream")
     assert chat["structured_outputs"] == {"grammar": grammar}
     assert completion["structured_outputs"] == {"grammar": grammar}
     assert "structured_outputs" not in plain
     assert "tools" not in chat and "response_format" not in chat  # planned into the prompt
 
 
+async def test_a_replica_that_ignores_grammars_gets_none() -> None:
+    """A replica that answers the probe freely (a server that ignores the field) or fails it
+    (vLLM's xgrammar backend: HTTP 500) gets no constrained request: they go to a replica that
+    applies grammars, and are refused when there is none."""
+    from gateway.engine.upstream.grammar_probe import PROBE_ANSWER
+
+    with FakeUpstream() as free, FakeUpstream() as failing, FakeUpstream() as able:
+        failing.scripts.append(Script(status=500))
+        able.scripts.append(Script(chunks=[PROBE_ANSWER]))
+        async with started(free, failing, able) as engine:
+            for _ in range(3):
+                await collect(engine, request(grammar='start: "yes"', kv_key=None))
+        async with started(free, failing) as engine:
+            with pytest.raises(EngineError) as info:
+                await collect(engine, request(grammar='start: "yes"'))
+            await collect(engine, request())  # unconstrained requests are not affected
+    assert len(able.chat_requests()) == 4  # the probe, then every constrained request
+    assert info.value.code == "invalid_request" and "guidance" in str(info.value)
+    assert all(
+        "structured_outputs" not in r.body or not r.body.get("stream")
+        for r in (*free.chat_requests(), *failing.chat_requests())
+    )
+
+
 async def test_a_replica_refusing_the_grammar_is_passed_on() -> None:
+    from gateway.engine.upstream.grammar_probe import PROBE_ANSWER
+
     error = {"error": {"message": "Invalid grammar specification: bad rule", "code": 400}}
     with FakeUpstream() as a:
-        a.scripts.append(Script(status=400, error=error))
+        a.scripts += [Script(chunks=[PROBE_ANSWER]), Script(status=400, error=error)]
         async with started(a) as engine:
             with pytest.raises(EngineError) as info:
                 await collect(engine, request(grammar='start: "yes" | "no"'))
     assert info.value.code == "invalid_request"
     assert "output grammar" in str(info.value) and "bad rule" in str(info.value)
-    assert len(a.chat_requests()) == 1  # a client's error: not tried elsewhere
+    assert len(a.chat_requests()) == 2  # the probe; then a client's error, not tried elsewhere
 
 
 # ------------------------------------------------------------------ streaming and usage
