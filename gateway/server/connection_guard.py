@@ -24,7 +24,12 @@ and it closes what overstays:
 - `max_unauthenticated_connections`: connections whose latest request head carried no API key
   (`Authorization`, or the Realtime key subprotocol), or that sent no head yet; on a gateway
   without keys a head of any kind counts as identified. A new connection beyond it takes the
-  place of the oldest such connection still sending its head or body, or is refused.
+  place of the oldest such connection still sending its head or body that has had
+  `HEAD_GRACE_S` to send it; when all of them are younger, it is let in beyond this cap (up to
+  `max_connections`). So every client gets that long to send its head, however fast a flood
+  reconnects: evicting the oldest alone gave a new connection only (cap / the flood's
+  reconnects a second), 0.8 s against 300 reconnecting clients, and well-behaved clients on a
+  loaded machine lost their first turns.
 
 A key that was presented is not checked here (the app does that, and answers 401 at once), so a
 made-up key moves a connection out of the unauthenticated count only into the total one, which
@@ -63,6 +68,7 @@ REASONS = (
     "max_unauthenticated_connections",
 )
 LOG_EVERY_S = 1.0
+HEAD_GRACE_S = 2.0  # a new connection's time to send its head before a cap may close it
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +102,7 @@ class Entry:
         "body_bytes",
         "client",
         "keyed",
+        "opened",
         "partial",
         "paused_s",
         "phase",
@@ -110,7 +117,7 @@ class Entry:
         # busy: the request is in, the app answers; handshake: a WebSocket upgrade not yet
         # accepted; open: an accepted WebSocket
         self.phase = "head"
-        self.since = now
+        self.since = self.opened = now
         self.keyed = False
         self.partial = False  # bytes of the head came
         self.body_bytes = 0
@@ -138,6 +145,7 @@ class ConnectionGuard:
         # id(transport) -> entry, the oldest first
         self._entries: OrderedDict[int, Entry] = OrderedDict()
         self._unkeyed = 0
+        self._closing_unkeyed = 0  # of those, cut and not yet gone
         self._sweeping: asyncio.TimerHandle | None = None
         self._logged: dict[str, tuple[float, int]] = {}  # reason -> (last line at, since then)
 
@@ -158,12 +166,17 @@ class ConnectionGuard:
         if len(self._entries) >= limits.max_connections and not self._make_room():
             self.refused("max_connections", client)
             return None
-        if self._unkeyed >= limits.max_unauthenticated_connections and not self._evict(
-            "max_unauthenticated_connections", lambda e: e.reading and not e.keyed
-        ):
-            self.refused("max_unauthenticated_connections", client)
-            return None
-        entry = Entry(protocol, client, self._clock())
+        now = self._clock()
+        grace = min(HEAD_GRACE_S, limits.header_timeout_s)
+        # as many as it takes to bring the count (closing ones aside) under the cap; none old
+        # enough: this one is let in beyond it
+        while self._unkeyed - self._closing_unkeyed >= limits.max_unauthenticated_connections:
+            if not self._evict(
+                "max_unauthenticated_connections",
+                lambda e: e.reading and not e.keyed and now - e.opened >= grace,
+            ):
+                break
+        entry = Entry(protocol, client, now)
         self._entries[id(transport)] = entry
         self._unkeyed += 1
         self._arm()
@@ -179,6 +192,8 @@ class ConnectionGuard:
 
     def head(self, entry: Entry, *, keyed: bool) -> None:
         """A request head came; `keyed`: it carried an API key. Its body, if any, comes next."""
+        if entry.phase == "closing":
+            return
         keyed = keyed or not self.limits.key_required
         if keyed != entry.keyed:
             self._unkeyed += -1 if keyed else 1
@@ -207,6 +222,8 @@ class ConnectionGuard:
         entry = self._entries.pop(id(transport), None)
         if entry is not None and not entry.keyed:
             self._unkeyed -= 1
+            if entry.phase == "closing":
+                self._closing_unkeyed -= 1
 
     # ------------------------------------------------------------ deadlines
 
@@ -242,6 +259,8 @@ class ConnectionGuard:
     def _cut(self, entry: Entry, reason: str, status: int | None) -> None:
         self.refused(reason, entry.client)
         entry.phase = "closing"  # not cut twice while the transport closes
+        if not entry.keyed:
+            self._closing_unkeyed += 1
         entry.protocol.guard_close(status)
 
     def _make_room(self) -> bool:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from litestar import Litestar, WebSocket, websocket
 
+from gateway.server.connection_guard import HEAD_GRACE_S
 from gateway.server.runner import ServerThread
 from gateway.settings import Settings
 from gateway.testing.fake_gateway import FakeGateway, unit_settings
@@ -73,10 +74,36 @@ def test_300_half_request_lines_do_not_stop_a_normal_client(make_gateway) -> Non
             r = httpx.get(f"{gw.http_url}/v1/models", headers=AUTH, timeout=5)
             assert r.status_code == 200
             assert time.monotonic() - t0 < 1.0
-        # the oldest of them made room for the rest: they were closed with 408
-        data, _ = read_until_closed(flood[0], 2)
-        assert data.startswith(b"HTTP/1.1 408 ")
-    assert refused(gw, "max_unauthenticated_connections") >= 300 - 256
+        time.sleep(HEAD_GRACE_S + 0.1)  # past their grace, newcomers take their places
+        with sockets(gw, 100, b"GET /v1/mod"):
+            for _ in range(3):
+                t0 = time.monotonic()
+                r = httpx.get(f"{gw.http_url}/v1/models", headers=AUTH, timeout=5)
+                assert r.status_code == 200
+                assert time.monotonic() - t0 < 1.0
+            # the oldest of the flood made room for the rest: closed with 408
+            data, _ = read_until_closed(flood[0], 2)
+            assert data.startswith(b"HTTP/1.1 408 ")
+    # each newcomer closed as many of the old as it took to be back under the cap
+    assert refused(gw, "max_unauthenticated_connections") >= 300 + 100 - 256
+
+
+def test_a_new_connection_has_its_grace_to_send_a_head(make_gateway) -> None:
+    """A flood reconnecting as fast as it can does not close a connection younger than
+    HEAD_GRACE_S: a client that takes a moment between connecting and sending is served."""
+    gw = make_gateway(settings=dict(api_keys=[KEY], max_unauthenticated_connections=8))
+    with sockets(gw, 8, b"GET /v1/mod"):
+        time.sleep(HEAD_GRACE_S + 0.1)
+        # then 40 more, each over the cap
+        with sockets(gw, 1, b"") as (slow_starter,), sockets(gw, 40, b"GET /v1/mod"):
+            time.sleep(0.5)
+            slow_starter.sendall(
+                f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}"
+                "\r\nConnection: close\r\n\r\n".encode()
+            )
+            data, _ = read_until_closed(slow_starter, 3)
+            assert data.startswith(b"HTTP/1.1 200 "), data[:100]
+    assert refused(gw, "max_unauthenticated_connections") >= 8
 
 
 def test_a_head_that_never_ends_is_cut_off(make_gateway) -> None:
