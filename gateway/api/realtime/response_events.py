@@ -181,7 +181,13 @@ class ResponseEvents(Channel):
         except Exception as exc:  # never leave a client waiting for a response.done
             log.exception("response_failed", response_id=rid)
             if not finished:
-                error = GatewayError("internal_error", f"the response failed: {type(exc).__name__}")
+                error = (  # a store down is busy here too, never internal_error
+                    exc
+                    if isinstance(exc, GatewayError)
+                    else GatewayError(
+                        "internal_error", f"the response failed: {type(exc).__name__}"
+                    )
+                )
                 try:
                     await self._finish(
                         Finished(rid, iid, "failed", "", error=error), output, event_id
