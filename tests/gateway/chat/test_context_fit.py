@@ -198,3 +198,24 @@ async def test_a_place_that_cannot_be_taken_fails_the_response_as_busy_not_inter
     assert done.status == "failed" and done.error is not None
     assert (done.error.code, done.error.http_status) == ("busy", 503)
     assert engine.requests == []  # nothing was generated for an answer with no place
+
+
+async def test_an_answer_whose_place_was_taken_over_is_appended_not_lost() -> None:
+    from gateway.chat.answer_place import fill_place, take_place
+
+    sessions = MemorySessionStore(3600)
+    session = Session.new(OWNER, instructions="", max_output_tokens=16)
+    session.items.append(turn("user", "hello there", 0))
+    await sessions.save(session)
+    first, second = ResponseOptions(), ResponseOptions()
+    await take_place(sessions, session, first)
+    await take_place(sessions, session, second)  # removes the first one's place
+    places = [i.id for i in (await sessions.load(session.id, OWNER)).items[1:]]
+    assert places == [second.item_id]
+    await fill_place(sessions, session, second, "the second", "completed")
+    await fill_place(sessions, session, first, "the first", "completed")  # still running
+    stored = (await sessions.load(session.id, OWNER)).items
+    assert [(i.id, i.status, i.parts[0].text) for i in stored[1:]] == [
+        (second.item_id, "completed", "the second"),
+        (first.item_id, "completed", "the first"),
+    ]
