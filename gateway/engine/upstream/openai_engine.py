@@ -41,6 +41,7 @@ import contextlib
 import math
 import os
 import re
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -57,8 +58,11 @@ from gateway.engine.interface import (
     EngineError,
     EngineStats,
     GenerationRequest,
+    GenerationResult,
     ImageInputKind,
+    SamplingParams,
     TextDelta,
+    WarmUpResult,
 )
 from gateway.engine.upstream.endpoints import Upstream, parse_upstreams
 from gateway.engine.upstream.grammar_probe import GrammarSupport, probe_grammar
@@ -163,6 +167,7 @@ class OpenAIEngine:
         # probes in flight, so concurrent constrained requests ask a replica once
         self._grammars: dict[str, GrammarSupport] = {}
         self._grammar_probes: dict[str, asyncio.Task[GrammarSupport]] = {}
+        self._warming: set[str] = set()  # replicas running a KV warm-up now
         self._started = False
         self._tracer: Tracer = trace.get_tracer("visiongate.upstream")
         self._metrics: Any = None
@@ -275,6 +280,60 @@ class OpenAIEngine:
     def stats(self) -> EngineStats:
         return EngineStats(running=self._router.in_flight())
 
+    # -- KV warm-up --------------------------------------------------------------------------
+
+    async def warm_up(self, request: GenerationRequest) -> WarmUpResult:
+        """Prefill a session's conversation into the prefix cache of the replica its next turn
+        goes to: the prompt as a one-token request, routed and salted as that turn will be
+        (the session's `kv_key`, the key's `cache_salt`), its token discarded. The replica
+        then finds the conversation's whole blocks cached when the question comes.
+
+        Lowest priority, as far as the gateway can tell: a warm-up goes only to a replica with
+        nothing of this gateway's in flight, one at a time per replica, never to another
+        replica, and is dropped otherwise ("dropped", with the reason); the replica itself has
+        no priority to give it (vLLM's needs `--scheduling-policy priority`). Images must be
+        embeds (the session warm-up calls this in embeds mode only)."""
+        if not self._started or self._client is None:
+            return WarmUpResult("failed", reason="engine not started")
+        if request.kv_key is None:
+            return WarmUpResult("failed", reason="a warm-up needs the session's kv_key")
+        order = self._pool.candidates(request)
+        if not order:
+            return WarmUpResult("dropped", reason="no replica is up")
+        replica = order[0]
+        if replica.in_flight or replica.name in self._warming:
+            return WarmUpResult("dropped", reason=f"{replica.name} is busy")
+        one_token = GenerationRequest(
+            request_id=request.request_id,
+            messages=request.messages,
+            sampling=SamplingParams(max_output_tokens=1),
+            kv_key=request.kv_key,
+            cancel=request.cancel,
+            cache_salt=request.cache_salt,
+            owner=request.owner,
+        )
+        started = time.perf_counter()
+        self._warming.add(replica.name)
+        try:
+            results = [d async for d in self.generate(one_token, only=replica)]
+        except EngineBusy:
+            return WarmUpResult("dropped", reason=f"{replica.name} is busy (HTTP 429)")
+        except EngineError as exc:
+            return WarmUpResult("failed", reason=str(exc))
+        finally:
+            self._warming.discard(replica.name)
+        ended = [r for r in results if isinstance(r, GenerationResult)]
+        if not ended or ended[0].finish_reason == "cancelled":
+            return WarmUpResult("dropped", reason="cancelled")
+        result = ended[0]
+        return WarmUpResult(
+            "warmed",
+            positions=result.input_tokens,
+            computed=max(result.input_tokens - result.cached_tokens, 0),
+            queue_ms=result.queue_ms,
+            prefill_ms=round((time.perf_counter() - started) * 1e3 - result.queue_ms, 3),
+        )
+
     async def _watch_cancels(self) -> None:
         """Wakes a request waiting for a chunk when its cancel event is set."""
         while True:
@@ -288,7 +347,10 @@ class OpenAIEngine:
     def _body(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
         return request_body(request, self._images, self.image_input, salted=self._cache_salt)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    async def generate(
+        self, request: GenerationRequest, *, only: Replica | None = None
+    ) -> AsyncIterator[Delta]:
+        """The `Engine` protocol's; `only`: on that replica alone, no failover (a warm-up)."""
         if not self._started or self._client is None:
             raise EngineError("the upstream engine is not started", code="upstream_error")
         run = Run(request)
@@ -296,7 +358,7 @@ class OpenAIEngine:
             path, body = await asyncio.to_thread(self._body, request)  # base64 of megabytes
         else:
             path, body = self._body(request)
-        order = self._pool.candidates(request)
+        order = [only] if only is not None else self._pool.candidates(request)
         if request.sampling.grammar is not None:
             order = await self._applying_grammars(order)
         failures: list[str] = []

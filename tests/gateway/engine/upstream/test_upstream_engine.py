@@ -381,6 +381,42 @@ async def test_a_replica_refusing_the_grammar_is_passed_on() -> None:
     assert len(a.chat_requests()) == 2  # the probe; then a client's error, not tried elsewhere
 
 
+async def test_warm_up_prefills_on_the_replica_of_the_next_turn() -> None:
+    """A KV warm-up is the conversation as a one-token request on the replica the session's
+    next turn goes to, with its cache salt; nothing goes to a replica that is busy."""
+    with FakeUpstream() as a, FakeUpstream() as b:
+        fakes = [a, b]
+        warm = request(kv_key="session-7")
+        first = ranked(fakes, warm)[0]
+        first.default = Script(chunks=["x"], first_delay_s=0.5)
+        async with started(a, b) as engine:
+            result = await engine.warm_up(warm)
+            turn = asyncio.create_task(collect(engine, request("Next?", kv_key="session-7")))
+            await wait_until_async(lambda: len(first.chat_requests()) == 2)
+            busy = await engine.warm_up(request(kv_key="session-7"))
+            await turn
+            unkeyed = await engine.warm_up(request(kv_key=None))
+    assert (result.outcome, result.positions, result.computed) == ("warmed", 21, 5)
+    sent, then = (r.body for r in first.chat_requests()[:2])
+    assert sent["max_tokens"] == 1 and sent["messages"] == warm_body_messages(warm)
+    assert sent["cache_salt"] == then["cache_salt"]
+    assert busy.outcome == "dropped" and "busy" in busy.reason
+    assert unkeyed.outcome == "failed"
+    assert len(first.chat_requests()) == 2
+    assert not next(f for f in fakes if f is not first).chat_requests()
+
+
+def warm_body_messages(req: GenerationRequest) -> list[dict]:
+    return [{"role": m.role, "content": "\n".join(m.content)} for m in req.messages]
+
+
+async def wait_until_async(check, timeout_s: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 # ------------------------------------------------------------------ streaming and usage
 
 
