@@ -152,9 +152,13 @@ class FakeEngine:
         pending: list[TokenLogprob] = []  # logprobs of words not sent yet
 
         def delta(piece: str) -> TextDelta:
+            if not pending:
+                return TextDelta(piece, index)
             sent_logprobs = tuple(pending)
             pending.clear()
             return TextDelta(piece, index=index, logprobs=sent_logprobs)
+
+        stops = sampling.stop  # without any, nothing is held back or searched for
 
         self.running += 1
         try:
@@ -170,17 +174,21 @@ class FakeEngine:
                 emitted += 1
                 if sampling.logprobs is not None:
                     pending.append(_fake_logprob(piece, sampling.logprobs))
-                stop_at = min((text.find(s) for s in sampling.stop if s in text), default=-1)
-                if stop_at >= 0:
-                    text = text[:stop_at]
-                    if len(text) > sent:
-                        yield delta(text[sent:])
+                if not stops:
+                    yield delta(piece)
                     sent = len(text)
-                    break
-                end = len(text) - _held_back(text, sampling.stop)
-                if end > sent:
-                    yield delta(text[sent:end])
-                    sent = end
+                else:
+                    stop_at = min((text.find(s) for s in stops if s in text), default=-1)
+                    if stop_at >= 0:
+                        text = text[:stop_at]
+                        if len(text) > sent:
+                            yield delta(text[sent:])
+                        sent = len(text)
+                        break
+                    end = len(text) - _held_back(text, stops)
+                    if end > sent:
+                        yield delta(text[sent:end])
+                        sent = end
                 if self.fail_after is not None and emitted >= self.fail_after:
                     raise EngineError("the fake engine failed as asked", code="engine_error")
                 await asyncio.sleep(self.delay_s)

@@ -106,12 +106,15 @@ class Channel:
         if self.conn_state is not ConnState.OPEN:
             return
         data = self.codec.encode(event)
+        # the ASGI message itself, handed to the socket's send: every event of a response
+        # passes here, and Litestar's send_text / send_data only build this same message
+        if self.codec.binary:
+            message = {"type": "websocket.send", "bytes": data, "text": None}
+        else:
+            message = {"type": "websocket.send", "bytes": None, "text": data.decode()}
         async with self._send_lock:
             try:
-                if self.codec.binary:
-                    await self.socket.send_bytes(data)
-                else:
-                    await self.socket.send_text(data.decode())
+                await self.socket.send(message)  # type: ignore[arg-type]
             except Exception:  # the peer went away; the receive loop will see the disconnect
                 log.debug("send_failed", event_type=type(event).__name__)
 

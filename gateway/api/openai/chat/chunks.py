@@ -109,10 +109,26 @@ class StreamedAnswer:
         return deltas
 
 
-class Frames:
-    """SSE frames of one completion's chunks."""
+# stands for a delta's text in a frame encoded once, then cut there (`Frames._text_frame`)
+_TEXT_MARK = "\x00\x01text\x01\x00"
+_TEXT_MARK_JSON = _json.encode(_TEXT_MARK)
 
-    __slots__ = ("completion_id", "created", "fingerprint", "include_usage", "model")
+
+class Frames:
+    """SSE frames of one completion's chunks.
+
+    Most frames of a stream are a choice's next piece of text and nothing else: those are the
+    bytes of one such frame encoded once per choice (`_text_frame`), around the text's own JSON
+    string, identical to what encoding the whole chunk would give."""
+
+    __slots__ = (
+        "_text_frames",
+        "completion_id",
+        "created",
+        "fingerprint",
+        "include_usage",
+        "model",
+    )
 
     def __init__(
         self, completion_id: str, created: int, model: str, fingerprint: str, include_usage: bool
@@ -120,6 +136,7 @@ class Frames:
         self.completion_id, self.created, self.model = completion_id, created, model
         self.fingerprint = fingerprint
         self.include_usage = include_usage
+        self._text_frames: dict[int, tuple[bytes, bytes] | None] = {}
 
     def __call__(
         self,
@@ -130,8 +147,28 @@ class Frames:
         logprobs: p.ChoiceLogprobs | None = None,
         extension: p.CompletionExtension | None = None,
     ) -> bytes:
+        if (
+            finish_reason is None
+            and logprobs is None
+            and extension is None
+            and delta.role is msgspec.UNSET
+            and delta.tool_calls is msgspec.UNSET
+            and type(delta.content) is str
+        ):
+            around = self._text_frames.get(index, False)
+            if around is False:
+                around = self._text_frames[index] = self._text_frame(index)
+            if around is not None:
+                return around[0] + _json.encode(delta.content) + around[1]
         choice = p.ChunkChoice(index, delta, finish_reason=finish_reason, logprobs=logprobs)
         return self._encode([choice], None, extension)
+
+    def _text_frame(self, index: int) -> tuple[bytes, bytes] | None:
+        """The bytes before and after the text in a text-only frame of choice `index`; None
+        where the mark's JSON is found more than once (a model name holding it)."""
+        choice = p.ChunkChoice(index, p.Delta(content=_TEXT_MARK))
+        before, *after = self._encode([choice], None, None).split(_TEXT_MARK_JSON)
+        return (before, after[0]) if len(after) == 1 else None
 
     def usage(self, usage: p.Usage) -> bytes:
         return self._encode([], usage, None)
