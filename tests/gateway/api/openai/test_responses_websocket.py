@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import json
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -511,3 +512,26 @@ def test_a_steer_of_a_cancelled_response_comes_back(make_gateway: GatewayFactory
         assert "response.steer.accepted" in [e.type for e in events]
         assert events[-1].error.code == "response_not_active"
         assert events[-1].steer.input == "then this" and events[-1].steer.id is not None
+
+
+def test_prewarms_count_against_the_token_limits(make_gateway: GatewayFactory) -> None:
+    gateway = make_gateway(engine=WarmingEngine(), settings=dict(input_tokens_per_minute=40))
+    left = 60.0 - time.time() % 60.0  # one window for the whole test
+    if left < 10:
+        time.sleep(left + 0.05)
+    codes = []
+    with gateway.openai_client() as client:
+        for i in range(8):
+            try:
+                warmed = client.responses.create(
+                    model=MODEL,
+                    input=photo_message(f"photo number {i} of a few", unique_photo()),
+                    prompt_cache_options={"prewarm": True},
+                )
+                assert warmed.usage.input_tokens > 0
+                codes.append(200)
+            except openai.RateLimitError as exc:
+                assert exc.body["code"] == "rate_limited"
+                codes.append(429)
+    assert codes[0] == 200 and 429 in codes, codes
+    assert len(gateway.engine.warm_ups) == codes.count(200)  # type: ignore[attr-defined]
