@@ -50,8 +50,9 @@ OWNER = "anonymous"  # every caller of a gateway without API keys
 MODEL = "fake-echo"
 BOUND_S = 1.0  # the gateways' store_timeout_s
 # what a request may take beyond the bound: the fake engine's answer (~0.1 s) and its share of
-# two cores running two gateways, Redis and this test
-SLACK_S = 1.5
+# two cores running two gateways, Redis, this test and maybe other suites (an answer given with
+# no fault at all was seen taking 2.4 s at a load of 10); a stall is 4 s, a stalled call 15 s
+SLACK_S = 2.0
 CLIENT_TIMEOUT_S = 15.0
 STALL_S = 4.0  # much longer than the bound, short enough for the suite
 
