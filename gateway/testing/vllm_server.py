@@ -27,7 +27,7 @@ or `server = VllmServer(...).start()`, `server.wait_ready()`, ..., `server.stop(
 - `tool_parser="hermes"`: `--enable-auto-tool-choice --tool-call-parser hermes`;
 - `structured_backend`: `--structured-outputs-config '{"backend": ...}'` ("guidance" takes the
   Lark grammars visiongate sends for tools and response formats);
-- `kv_cache_gib`: `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache; 1 by default);
+- `kv_cache_gib`: `VLLM_CPU_KVCACHE_SPACE` (whole GiB of KV cache; 1 by default);
 - `block_size` (32 by default): `--block-size`. vLLM's CPU backend defaults to 128-token
   blocks, and its prefix cache reuses whole blocks only, so a prompt shorter than 128 tokens
   never hits and a longer one reuses a multiple of 128 (its log reads "Prefix cache hit rate:
@@ -65,6 +65,7 @@ from gateway.testing.ports import free_port
 __all__ = (
     "VLLM_START_TIMEOUT_S",
     "VllmServer",
+    "add_video_processor_config",
     "default_model_dir",
     "vllm_missing",
     "vllm_python",
@@ -107,6 +108,20 @@ def default_model_dir() -> Path:
     return Path(ensure_default_converted())
 
 
+def add_video_processor_config(checkpoint: str | os.PathLike[str]) -> Path:
+    """Make a Qwen2-VL-family checkpoint saved with an images-only processor loadable by vLLM,
+    which builds the processor with its video half: writes video_preprocessor_config.json from
+    the image processor's settings (a published checkpoint's preprocessor_config.json serves
+    both). Returns the directory."""
+    path = Path(checkpoint)
+    saved = json.loads((path / "processor_config.json").read_text())
+    image = dict(saved.get("image_processor") or {})
+    image.pop("image_processor_type", None)
+    video = {**image, "video_processor_type": "Qwen2VLVideoProcessor"}
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    return path
+
+
 class VllmServer:
     """One vLLM API server process (see the module docstring)."""
 
@@ -122,7 +137,7 @@ class VllmServer:
         prompt_tokens_details: bool = True,
         tool_parser: str | None = None,
         structured_backend: str | None = None,
-        kv_cache_gib: float = 1.0,
+        kv_cache_gib: int = 1,
         block_size: int | None = 32,
         eager: bool = True,
         args: Sequence[str] = (),
@@ -168,7 +183,7 @@ class VllmServer:
         }
         self.env.update(
             {
-                "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+                "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
                 "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1",
                 "HF_HUB_OFFLINE": "1",

@@ -16,7 +16,7 @@ for other work: the prewarm is then only a stored turn, and its notes say why). 
 the prompt positions the cache holds for the session as `input_tokens`, those this prewarm
 computed as `cache_write_tokens` and the rest (already cached) as `cached_tokens`, with no output
 tokens; the key's token limits count them as input. What is refused here (`check_prewarm`): an
-engine that cannot warm up (an upstream engine), `store: false` (nothing would be kept), and
+engine that cannot warm up (an upstream engine in data-URL mode), `store: false` (nothing would be kept), and
 prompt-cache diagnostics (`comparison_response_id`). `ttl`, `mode`, `prompt_cache_key` and
 explicit breakpoints are accepted and said in the response's notes (`cache_notes`): the engine
 caches every full KV block of every prompt by content, so breakpoints add nothing, and warmed
@@ -76,7 +76,7 @@ def check_prewarm(request: r.ResponsesRequest, engine: Engine) -> None:
         raise GatewayError(
             "invalid_request",
             "prewarm needs an engine whose prompt cache the gateway can warm up; the served "
-            "engine has none (the upstream engine has none yet)",
+            "engine has none (an upstream engine warms up in embeds mode only)",
             param=PARAM,
         )
     if request.store is False:
