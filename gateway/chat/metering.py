@@ -5,8 +5,10 @@
 `raw_output_reservation`: what the engine will be told is the most it may write, for every
 answer) before the answer takes its place in the conversation (`admitted`: a refused response
 leaves nothing stored), and reads its events through `counted`, which hands each to `observe`
-and closes the meter when the response is over; the service closes it again once its events
-are over, in case they never started (closing twice gives nothing back twice). The estimates
+and closes the meter when the response is over (its end goes on once what the response gives
+back is written, so that the client's next request, on any replica, finds its room); the
+service closes it again once its events are over, in case they never started (closing twice
+gives nothing back twice). The estimates
 are cheap (no tokenizer, `text_tokens_estimate`: characters / 3, but never fewer than the
 text's words plus its digits, and a token for every byte past the first of a character beyond
 ASCII; then a per message and per image allowance) and err high for the text of a byte-level
@@ -164,6 +166,8 @@ async def counted(events: AsyncIterator[E], meter: Metered | None) -> AsyncItera
         async for event in events:
             if meter is not None:
                 observe(meter, event)
+                if isinstance(event, Finished):  # what it gives back lands before its client
+                    await meter.settled()  # hears of its end (and sends its next request)
             yield event
     finally:
         await events.aclose()  # type: ignore[attr-defined]

@@ -372,7 +372,7 @@ class Metered:
         output = max(output, 0) if self.limits is not None else 0
         # what the key's last responses here give back lands first: a client's next request
         # after a short answer finds its room (and its slot) again
-        await self.meter._background.settled(self.owner, GIVE_BACK_WAIT_S, what="give_back")
+        await self.settled()
         used = await self.meter.limiter.admit(
             self.owner,
             limits,
@@ -441,6 +441,11 @@ class Metered:
             what="give_back",
         )
         self.meter.record(self.owner, usage)
+
+    async def settled(self) -> None:
+        """Wait (at most `GIVE_BACK_WAIT_S`) until what the key's ended responses give back
+        here is written."""
+        await self.meter._background.settled(self.owner, GIVE_BACK_WAIT_S, what="give_back")
 
     def close(self) -> None:
         """The response is over; one that never finished counts what it streamed."""

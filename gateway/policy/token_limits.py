@@ -119,19 +119,26 @@ class Used(msgspec.Struct, frozen=True):
     at: float = 0.0  # the clock's reading when it was read (unix s): the admission's windows
     live: int = 0  # the key's responses in flight after it (with a cap asked for)
     busy: bool = False  # refused for the cap on responses in flight, not for tokens
+    # which counters were written in their current window (1: input, 2: output, 4: budget);
+    # one that was not holds only the debt it carries
+    written: int = 7
 
     def allowances(self, limits: TokenLimits) -> dict[Kind, Allowance]:
-        """Each limit's room; its reset is when a response is let in again: the window's end,
-        or, with a debt of whole limits carried, as many windows later (a month as 31 days)."""
+        """Each limit's room; its reset is when a response is let in again, if every
+        reservation in flight is used: the window's end, or, with a debt, the start of the
+        first window whose debt is under the limit (`_read`: a window written with `used` is
+        owed used - limit * (j + 1) by the j-th window after it, one that only carries a debt
+        `used` owes used - limit * j; a month as 31 days)."""
         out: dict[Kind, Allowance] = {}
         period_s = _period_s(limits)
-        for kind, limit, used, reset, length in (
-            ("input_tpm", limits.input_tpm, self.input, self.minute_reset_s, 60.0),
-            ("output_tpm", limits.output_tpm, self.output, self.minute_reset_s, 60.0),
-            ("budget", limits.budget_tokens, self.budget, self.period_reset_s, period_s),
+        for bit, kind, limit, used, reset, length in (
+            (1, "input_tpm", limits.input_tpm, self.input, self.minute_reset_s, 60.0),
+            (2, "output_tpm", limits.output_tpm, self.output, self.minute_reset_s, 60.0),
+            (4, "budget", limits.budget_tokens, self.budget, self.period_reset_s, period_s),
         ):
             if limit is not None:
-                owed = max(used // limit - 1, 0) if limit > 0 else 0
+                later = 2 if self.written & bit else 1
+                owed = max(used // limit - later, 0) if limit > 0 else 0
                 allowance = Allowance(limit, max(limit - used, 0), reset + length * owed)
                 out[kind] = allowance  # type: ignore[index]
         return out
@@ -338,7 +345,12 @@ class MemoryTokenLimiter:
             _read(fields, "out", wo),
             _read(fields, "b", wb),
         )
-        used = Used(i, o, b, m_reset, p_reset, at=now)
+        written = sum(
+            bit
+            for bit, name, w in ((1, "in", wi), (2, "out", wo), (4, "b", wb))
+            if fields.get(f"{name}:w") == w.id
+        )
+        used = Used(i, o, b, m_reset, p_reset, at=now, written=written)
         if used.refused_by(limits):
             return msgspec.structs.replace(used, admitted=False)
         live = self._slots(owner, now) if concurrency > 0 else {}
@@ -346,7 +358,7 @@ class MemoryTokenLimiter:
             return msgspec.structs.replace(used, admitted=False, busy=True, live=len(live))
         if add or output:
             i, o, b = i + add, o + output, b + add + output
-            used = msgspec.structs.replace(used, input=i, output=o, budget=b)
+            used = msgspec.structs.replace(used, input=i, output=o, budget=b, written=7)
             _store(fields, "in", wi, i, ic)
             _store(fields, "out", wo, o, oc)
             _store(fields, "b", wb, b, bc)
@@ -446,7 +458,7 @@ end
 # ask), ARGV[15..17]: `_KEEP`'s, ARGV[18]: the response ('' : none), ARGV[19]: the cap on
 # responses in flight (0: none), ARGV[20]: now (s), ARGV[21]: a slot's lease (s).
 # Returns {1 admitted | 0 refused for tokens | 2 refused for the cap, input, output, budget,
-# responses in flight}.
+# responses in flight, the counters written in their current window (`Used.written`)}.
 _ADMIT = (
     _STEPS
     + _KEEP
@@ -457,16 +469,22 @@ local b, bc = read('b', 9)
 local li, lo, lb = tonumber(ARGV[3]), tonumber(ARGV[7]), tonumber(ARGV[11])
 local add, reserve = tonumber(ARGV[13]), tonumber(ARGV[14])
 local cap, now = tonumber(ARGV[19]), tonumber(ARGV[20])
+local w = redis.call('HMGET', KEYS[1], 'in:w', 'out:w', 'b:w')
+local written = 0
+if w[1] == ARGV[1] then written = written + 1 end
+if w[2] == ARGV[5] then written = written + 2 end
+if w[3] == ARGV[9] then written = written + 4 end
 if (li > 0 and i >= li) or (lo > 0 and o >= lo) or (lb > 0 and b >= lb) then
-  return {0, i, o, b, 0}
+  return {0, i, o, b, 0, written}
 end
 local live = 0
 if cap > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
   live = redis.call('ZCARD', KEYS[2])
-  if live >= cap then return {2, i, o, b, live} end
+  if live >= cap then return {2, i, o, b, live, written} end
 end
 if add ~= 0 or reserve ~= 0 then
+  written = 7
   i = i + add
   o = o + reserve
   b = b + add + reserve
@@ -481,7 +499,7 @@ if cap > 0 and ARGV[18] ~= '' then
   redis.call('EXPIRE', KEYS[2], math.ceil(lease) + 60)
   live = live + 1
 end
-return {1, i, o, b, live}
+return {1, i, o, b, live, written}
 """
 )
 
@@ -565,7 +583,7 @@ class RedisTokenLimiter:
         keys = [self.key(owner), self.live_key(owner)]
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
-                ok, i, o, b, live = await self._admit(keys=keys, args=args)
+                ok, i, o, b, live, written = await self._admit(keys=keys, args=args)
         except Exception as exc:  # Redis down: serve rather than refuse everyone
             log.warning("token_limit_unavailable", error=type(exc).__name__)
             return None
@@ -580,6 +598,7 @@ class RedisTokenLimiter:
             at=now,
             live=int(live),
             busy=int(ok) == 2,
+            written=int(written),
         )
 
     async def charge(

@@ -304,3 +304,26 @@ async def test_a_response_cancelled_during_its_admission_frees_its_slot() -> Non
         assert not limiter._live[key]
     finally:
         await meter.aclose()
+
+
+@pytest.mark.parametrize("reserved", [150, 250, 300, 1000])
+async def test_retry_after_names_the_first_window_that_lets_a_response_in(
+    limiter_of, reserved
+) -> None:
+    """A reservation of `reserved` output tokens against 100 a minute, used in full: the
+    refusals' Retry-After, read in its own minute and in each later one, is when the key is
+    let in again (it named a window too late once a window held two limits or more)."""
+    clock = ManualClock(EARLY - 10.0)  # a minute's start
+    limiter = limiter_of(clock)
+    limits = TokenLimits(output_tpm=100)
+    assert (await limiter.admit("key_w", limits, 0, output=reserved)).admitted
+    let_in = None
+    while True:
+        used = await limiter.admit("key_w", limits, 0)
+        if used.admitted:
+            break
+        retry = refusal(limits, used).retry_after_s
+        assert let_in is None or clock.now + retry == pytest.approx(let_in)
+        let_in = clock.now + retry
+        clock.now += 60.0
+    assert clock.now == pytest.approx(let_in)

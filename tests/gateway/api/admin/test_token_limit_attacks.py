@@ -239,7 +239,8 @@ def test_a_response_refused_after_admission_gives_its_estimate_back(
 def test_one_huge_prompt_is_owed_by_the_minutes_after_it(gateway) -> None:
     """A 3,000-token prompt against 1,000 input tokens a minute is let in (its minute had
     room) and owed by the minutes after it: the next request's Retry-After names when the key
-    may send again, minutes away, not the end of this minute."""
+    may send again, the start of the minute after next (the next one still owes more than a
+    limit), not the end of this minute."""
     fresh_minute(5.0)
     made = create(gateway.http_url, input_tpm=1000)
     headers = {"Authorization": f"Bearer {made['secret']}"}
@@ -250,9 +251,9 @@ def test_one_huge_prompt_is_owed_by_the_minutes_after_it(gateway) -> None:
     assert huge.status_code == 200 and huge.json()["usage"]["prompt_tokens"] > 3000
     r = httpx.post(url, json=chat_body("hi"), headers=headers)
     assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limited"
-    assert int(r.headers["retry-after"]) > 120
+    assert 60 < int(r.headers["retry-after"]) <= 120
     reset = r.headers["x-ratelimit-reset-tokens"]
-    assert reset.startswith(("2m", "3m")), reset
+    assert reset.startswith("1m") or reset == "2m0s", reset
 
 
 async def test_realtime_clients_on_two_replicas_stay_within_the_limit_plus_one(
