@@ -107,7 +107,10 @@ class ResponsesSocket:
                 data = message.get("text")
                 if data is None:
                     data = message.get("bytes") or b""
-                await self._on_message(data)
+                try:
+                    await self._on_message(data)
+                except GatewayError as exc:  # e.g. busy while the model loads
+                    await self.error(exc)
         except Exception as exc:  # the socket failed: nothing left to answer
             log.info("responses_socket_ended", error=type(exc).__name__)
         finally:
@@ -347,6 +350,12 @@ class ResponsesSocket:
             job = await self._queue.get()
             try:
                 await self._answer(job)
+            except GatewayError as exc:
+                await self.error(exc, job.stream_id)
+            except Exception:  # a fault of this response's: the connection goes on
+                log.exception("responses_socket_fault", response_id=job.response_id)
+                fault = GatewayError("internal_error", "the response failed; see the logs")
+                await self.error(fault, job.stream_id)
             finally:
                 self._current = None
 

@@ -535,3 +535,24 @@ def test_prewarms_count_against_the_token_limits(make_gateway: GatewayFactory) -
                 codes.append(429)
     assert codes[0] == 200 and 429 in codes, codes
     assert len(gateway.engine.warm_ups) == codes.count(200)  # type: ignore[attr-defined]
+
+
+def test_a_model_still_loading_is_an_error_event_and_the_connection_stays(
+    make_gateway: GatewayFactory,
+) -> None:
+    loaded = threading.Event()
+    gateway = make_gateway(engine=FakeEngine(loaded=loaded), wait=False)
+    try:
+        with gateway.openai_client() as client, client.responses.connect() as connection:
+            connection.response.create(model=MODEL, input="too early")
+            busy = connection.recv()
+            assert (busy.type, busy.error.code, busy.status) == ("error", "busy", 503)
+            connection.response.steer(input="x", previous_response_id="resp_1")
+            failed = connection.recv()
+            assert failed.type == "response.steer.failed"
+            loaded.set()
+            gateway.server.wait_ready(timeout=TIMEOUT)
+            connection.response.create(model=MODEL, input="now then")
+            assert until_end(connection)[-1].response.output_text == "now then [0 images]"
+    finally:
+        loaded.set()
