@@ -24,6 +24,12 @@ session and its record is written, so that every completed response can be retri
 continued. When the store does not take either, a non-streamed response is answered 503 `busy`
 (Retry-After; no response id is given) and its chain is left as it was, best-effort; a streamed
 one, whose text went out already, ends with `response.failed` carrying that error.
+
+A prewarm (`prompt_cache_options.prewarm`, `prewarm`) stores its input like any response and
+warms the conversation's KV instead of answering: a completed response with no output. Every
+response in progress is listed in `in_flight`, so that `cancel` (`POST
+/v1/responses/{id}/cancel`, and the WebSocket's `response.cancel`) can stop it. A stream's
+events are SSE frames, or the WebSocket's messages (`wire`; see `responses.websocket`).
 """
 
 from __future__ import annotations
