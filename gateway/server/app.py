@@ -30,6 +30,7 @@ from gateway.api.http.body_guard import BodyGuard
 from gateway.api.openai import http_route_handlers
 from gateway.api.openai.routes import routing_error_handler
 from gateway.api.realtime.router import realtime_route
+from gateway.api.realtime.server_send import ServerSend
 from gateway.caching import make_image_store, make_vision_cache
 from gateway.chat.service import ChatService
 from gateway.chat.vision_resolver import VisionResolver
@@ -316,6 +317,8 @@ def create_app(
         app.asgi_handler,
         TrustedProxies(settings.trusted_proxies, settings.trusted_proxy_header),
     )
+    # outside all of them: a WebSocket's frames go straight to the server (server_send.py)
+    app.asgi_handler = ServerSend(app.asgi_handler)
     return app
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from gateway.api.realtime import protocol as rt
+from gateway.api.realtime.server_send import server_send
 from gateway.chat.requests import RequestLimits
 from gateway.chat.vision_resolver import EncodeQuota
 
@@ -83,6 +84,7 @@ class Channel:
         # item watchers -> the encodes they wait for
         self.watchers: dict[asyncio.Task[None], list[asyncio.Task[Resolved]]] = {}
         self._send_lock = asyncio.Lock()
+        self._server_send = server_send(socket.scope)
         self._event_seq = 0
         self._warming: asyncio.Task[Any] | None = None  # this connection's KV warm-up
         self._warm_again = False  # items arrived while it ran
@@ -106,15 +108,17 @@ class Channel:
         if self.conn_state is not ConnState.OPEN:
             return
         data = self.codec.encode(event)
-        # the ASGI message itself, handed to the socket's send: every event of a response
-        # passes here, and Litestar's send_text / send_data only build this same message
+        # the ASGI message itself, to the server's own send once the socket is accepted
+        # (`server_send`: every event of a response passes here, and the wrappers between
+        # only act on the accept), else through Litestar's
         if self.codec.binary:
             message = {"type": "websocket.send", "bytes": data, "text": None}
         else:
             message = {"type": "websocket.send", "bytes": None, "text": data.decode()}
+        send = self._server_send or self.socket.send
         async with self._send_lock:
             try:
-                await self.socket.send(message)  # type: ignore[arg-type]
+                await send(message)  # type: ignore[arg-type]
             except Exception:  # the peer went away; the receive loop will see the disconnect
                 log.debug("send_failed", event_type=type(event).__name__)
 

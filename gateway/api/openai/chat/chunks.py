@@ -68,7 +68,7 @@ class StreamedAnswer:
     """One answer of a stream: its text read into content and tool-call deltas, and the
     log-probabilities not sent yet (they go with the next frame of this answer)."""
 
-    __slots__ = ("calls", "logprobs", "reader", "wants_logprobs")
+    __slots__ = ("calls", "logprobs", "plain", "reader", "wants_logprobs")
 
     def __init__(self, options: ResponseOptions, index: int) -> None:
         self.reader = (
@@ -77,6 +77,8 @@ class StreamedAnswer:
         self.calls = 0
         self.logprobs: list[TokenLogprob] = []
         self.wants_logprobs = options.logprobs is not None
+        # no tools to read and no log-probabilities: each piece of text is a frame as it came
+        self.plain = self.reader is None and not self.wants_logprobs
 
     def feed(self, text: str) -> list[p.Delta]:
         if self.reader is None:
@@ -155,13 +157,19 @@ class Frames:
             and delta.tool_calls is msgspec.UNSET
             and type(delta.content) is str
         ):
-            around = self._text_frames.get(index, False)
-            if around is False:
-                around = self._text_frames[index] = self._text_frame(index)
-            if around is not None:
-                return around[0] + _json.encode(delta.content) + around[1]
+            return self.text(index, delta.content)
         choice = p.ChunkChoice(index, delta, finish_reason=finish_reason, logprobs=logprobs)
         return self._encode([choice], None, extension)
+
+    def text(self, index: int, text: str) -> bytes:
+        """The frame of choice `index`'s next piece of text, and nothing else."""
+        around = self._text_frames.get(index, False)
+        if around is False:
+            around = self._text_frames[index] = self._text_frame(index)
+        if around is None:
+            choice = p.ChunkChoice(index, p.Delta(content=text))
+            return self._encode([choice], None, None)
+        return around[0] + _json.encode(text) + around[1]
 
     def _text_frame(self, index: int) -> tuple[bytes, bytes] | None:
         """The bytes before and after the text in a text-only frame of choice `index`; None

@@ -308,6 +308,10 @@ class ChatCompletionServing:
             async for ev in replay(opened.first, events, _is_finished):
                 if isinstance(ev, TextChunk):
                     answer = answers[ev.index]
+                    if answer.plain:  # most frames: the text as it came, nothing else
+                        if ev.text:
+                            yield frame.text(ev.index, ev.text)
+                        continue
                     answer.logprobs.extend(ev.logprobs)
                     for delta in answer.feed(ev.text):
                         yield frame(ev.index, delta, logprobs=answer.take_logprobs())
