@@ -15,12 +15,14 @@ The response has no output; its status is completed once the warm-up ended (warm
 for other work: the prewarm is then only a stored turn, and its notes say why). Its usage counts
 the prompt positions the cache holds for the session as `input_tokens`, those this prewarm
 computed as `cache_write_tokens` and the rest (already cached) as `cached_tokens`, with no output
-tokens; the key's token limits count them as input. What is refused here (`check_prewarm`): an
-engine that cannot warm up (an upstream engine in data-URL mode), `store: false` (nothing would be kept), and
-prompt-cache diagnostics (`comparison_response_id`). `ttl`, `mode`, `prompt_cache_key` and
-explicit breakpoints are accepted and said in the response's notes (`cache_notes`): the engine
-caches every full KV block of every prompt by content, so breakpoints add nothing, and warmed
-blocks stay pinned until the session's next response, KV pressure or the session's expiry.
+tokens; the key's token limits count them as input. Over upstream replicas sent visual tokens
+(embeds mode) the warm-up is the upstream engine's. What is refused here (`check_prewarm`): an
+engine that cannot warm up (an upstream engine in data-URL mode), `store: false` (nothing would
+be kept), and prompt-cache diagnostics (`comparison_response_id`). `ttl`, `mode`,
+`prompt_cache_key` and explicit breakpoints are accepted and said in the response's notes
+(`cache_notes`): the engine caches every full KV block of every prompt by content, so
+breakpoints add nothing, and warmed blocks stay pinned until the session's next response, KV
+pressure or the session's expiry.
 """
 
 from __future__ import annotations

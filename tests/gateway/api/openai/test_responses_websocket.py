@@ -556,3 +556,29 @@ def test_a_model_still_loading_is_an_error_event_and_the_connection_stays(
             assert until_end(connection)[-1].response.output_text == "now then [0 images]"
     finally:
         loaded.set()
+
+
+def test_prewarm_is_refused_over_upstream_replicas_sent_data_urls() -> None:
+    """The upstream engine warms replicas in embeds mode only: with images sent as data URLs
+    a prewarm is refused before anything is stored or sent to a replica."""
+    from gateway.server.app import create_app
+    from gateway.server.runner import ServerThread
+    from gateway.settings import Settings
+    from gateway.testing.upstream_fake import FakeUpstream
+    from tests.conftest import free_port
+
+    with FakeUpstream("org/Upstream-VLM") as upstream:
+        settings = Settings(engine="openai", upstreams=[upstream.url], port=free_port())
+        with ServerThread(create_app(settings), settings, port=settings.port) as server:
+            server.wait_ready(timeout=60)
+            with openai.OpenAI(
+                base_url=f"{server.http_url}/v1", api_key="none", max_retries=0
+            ) as client, pytest.raises(openai.BadRequestError) as info:
+                client.responses.create(
+                    model="org/Upstream-VLM",
+                    input=photo_message("a photo", unique_photo()),
+                    prompt_cache_options={"prewarm": True},
+                )
+        assert info.value.body["param"] == "prompt_cache_options.prewarm"
+        assert "embeds" in info.value.body["message"]
+        assert upstream.chat_requests() == []
