@@ -36,6 +36,7 @@ _FAILED_CODES = {
     "image_fetch_failed": "failed_to_download_image",
     "image_not_found": "image_file_not_found",
     "rate_limited": "rate_limit_exceeded",
+    "concurrency_limited": "rate_limit_exceeded",
     "busy": "rate_limit_exceeded",
     "context_length_exceeded": "invalid_prompt",
     "input_too_large": "invalid_prompt",
