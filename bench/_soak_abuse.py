@@ -13,7 +13,8 @@ Each abusive key (`Abuser`) runs the behaviours it is given, all at once until i
   long answer (the per-key caps and queue shares must refuse the excess, not the others);
 - `slow_clients`: a flood of `slow_clients` connections that send half a request line and wait,
   with no key, plus a few that send a whole keyed head and trickle the body a byte a second;
-  each reopened as soon as the gateway closes it (counted as `closed:<status>`).
+  each reopened as soon as the gateway closes it (counted as `closed:<status>`), run by a
+  process of its own (bench/_soak_flood.py).
 Every abusive request's outcome is counted by code (`ok`, an error code, `connection:<error>`,
 `unfinished` for a request still running when the phase ended).
 """
@@ -25,10 +26,12 @@ import base64
 import contextlib
 import io
 import json
+import os
 import random
 import secrets
 import socket
 import struct
+import sys
 import zlib
 from collections import Counter
 from collections.abc import Iterable
@@ -43,7 +46,6 @@ from bench._soak_users import Target, bearer, connect_realtime, error_code
 __all__ = ("ABUSE_KINDS", "AbusePayloads", "Abuser", "png_claiming")
 
 ABUSE_KINDS = ("long_prompts", "oversize", "bad_images", "slow_readers", "bursts", "slow_clients")
-TRICKLERS = 4  # of an abuser's slow clients, those trickling a body rather than a head
 
 
 def png_claiming(width: int, height: int) -> bytes:
@@ -223,10 +225,7 @@ class Abuser:
                 "bad_images": [self._bad_images(client, stop_at)],
                 "slow_readers": [self._slow_reader(stop_at) for _ in range(self.slow_readers)],
                 "bursts": [self._bursts(client, stop_at)],
-                "slow_clients": [
-                    self._slow_client(stop_at, trickle=i < TRICKLERS)
-                    for i in range(self.slow_clients)
-                ],
+                "slow_clients": [self._flood(stop_at)] if self.slow_clients else [],
             }
             tasks = []
             for kind, coroutines in jobs.items():
@@ -292,43 +291,35 @@ class Abuser:
                 self.count("bursts", code)
             await asyncio.sleep(max(0.0, started + self.burst_every_s - loop.time()))
 
-    async def _slow_client(self, stop_at: float, *, trickle: bool) -> None:
-        """Half a request line and a wait (or, `trickle`, a keyed head and a body a byte a
-        second), reopened whenever the gateway closes it; the status it closed with counted."""
+    async def _flood(self, stop_at: float) -> None:
+        """The slow-client flood, in a process of its own (bench/_soak_flood.py)."""
         loop = asyncio.get_running_loop()
-        url = urlsplit(self.target.http_url)
-        host, port = url.hostname or "127.0.0.1", url.port or 80
-        head = (
-            f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\n"
-            f"Authorization: Bearer {self.key}\r\nContent-Type: application/json\r\n"
-            "Content-Length: 100000\r\n\r\n"
-        ).encode()
-        while loop.time() < stop_at:
-            try:
-                reader, writer = await asyncio.open_connection(host, port)
-            except OSError as exc:
-                self.count("slow_clients", f"connect:{type(exc).__name__}")
-                await asyncio.sleep(1.0)
-                continue
-            answer = b""
-            try:
-                writer.write(head if trickle else b"GET /v1/chat/compl")
-                while loop.time() < stop_at:
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(1.0):
-                            answer = await reader.read(256)
-                            break
-                    if trickle:
-                        writer.write(b" ")
-                else:
-                    self.count("slow_clients", "unfinished")
-                    continue
-                status = answer.split(b" ", 2)[1].decode() if answer[:5] == b"HTTP/" else ""
-                self.count("slow_clients", f"closed:{status or 'no answer'}")
-            except (OSError, IndexError, UnicodeDecodeError) as exc:
-                self.count("slow_clients", f"closed:{type(exc).__name__}")
-            finally:
-                writer.close()
+        seconds = max(0.0, stop_at - loop.time())
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "bench._soak_flood",
+            self.target.http_url,
+            f"{seconds:.3f}",
+            str(self.slow_clients),
+            stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "SOAK_FLOOD_KEY": self.key},
+        )
+        try:
+            out, _ = await proc.communicate()
+        except asyncio.CancelledError:  # the phase ended first: its counts, then stop
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            out = b""
+            with contextlib.suppress(TimeoutError, ValueError):
+                out, _ = await asyncio.wait_for(proc.communicate(), timeout=10)
+            self._count_flood(out)
+            raise
+        self._count_flood(out)
+
+    def _count_flood(self, out: bytes) -> None:
+        for code, n in json.loads(out or b"{}").items():
+            self.outcomes["slow_clients"][code] += n
 
     async def _long_prompts(self, client: httpx.AsyncClient, stop_at: float) -> None:
         loop = asyncio.get_running_loop()
