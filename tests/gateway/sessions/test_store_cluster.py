@@ -146,14 +146,16 @@ async def test_owner_isolation(cluster_store) -> None:
 
 
 async def test_count_drops_expired_entries(cluster_store, raw_cluster) -> None:
-    store = cluster_store(ttl_s=0.3)
+    # a TTL long enough for 13 writes on a busy machine (0.3 s was not, at a load of 9 on 2
+    # cores), short enough to wait out
+    store = cluster_store(ttl_s=1.5)
     kept = cluster_store(ttl_s=60)
     for _ in range(12):
         await store.save(conversation())
     long_lived = conversation(BOB)
     await kept.save(long_lived)
     assert await store.count() == 13 and indexed(raw_cluster, store) == 13
-    await asyncio.sleep(0.45)
+    await asyncio.sleep(1.7)
     assert await store.count() == 1
     assert indexed(raw_cluster, store) == 1  # pruned, not just filtered
     assert (await kept.load(long_lived.id, BOB)).id == long_lived.id
