@@ -354,9 +354,12 @@ class Scheduler(Admission, WarmUps):
         constrained = [row for row, s in enumerate(wanting) if s.matcher is not None]
         if constrained:  # the masks are computed on a worker thread while the forward runs
             self._masks.start([wanting[row].matcher for row in constrained])
-        logits = run_step(
-            self.w.decoder, self.w.lm_head, slices, mrope=self.w.mrope, cache_arg=self.cache_arg
-        )
+        if self.w.fused is not None:
+            logits = self.w.fused.run(slices)
+        else:
+            logits = run_step(
+                self.w.decoder, self.w.lm_head, slices, mrope=self.w.mrope, cache_arg=self.cache_arg
+            )
         self._last_batch, self._last_tokens = len(plan), sum(n for _, _, n in plan)
         now = time.perf_counter()
         # NaN (or +inf) logits mean the sequence's KV is NaN too: it fails and is never cached

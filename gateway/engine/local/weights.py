@@ -34,6 +34,9 @@ from typing import Any
 import structlog
 import torch
 
+from gateway.engine.local.fused_step import FUSED_PRECISIONS, FusedDecoder
+from gateway.engine.local.fused_step import supported as fused_supported
+
 __all__ = (
     "CHATML_TEMPLATE",
     "DEFAULT_MODEL_ID",
@@ -85,6 +88,9 @@ class LoadedModel:
     # 3-D multimodal RoPE (Qwen2.5-VL): position_ids are [3, 1, T] (t, h, w) instead of [1, T]
     mrope: bool = False
     family: str = "causal-lm"  # causal-lm | llava | idefics3 | qwen2_5_vl
+    # the step of the non-exact precisions on a Llama (`gateway.engine.local.fused_step`);
+    # None: the scheduler runs the checkpoint's own modules (`batch.run_step`)
+    fused: FusedDecoder | None = None
 
     def __post_init__(self) -> None:
         if self.decoder is None:
@@ -251,19 +257,31 @@ def load_weights(
         tokenizer.chat_template = CHATML_TEMPLATE
     model = AutoModelForCausalLM.from_pretrained(path, dtype=act_dtype)
     model.to(dev).eval()
-    if weights == "int8":
-        # int8 weights, activations quantized per call: ~3x faster decode on CPU (memory bound)
+    text_config = model.config.get_text_config()
+    fused = None
+    if weights in FUSED_PRECISIONS and fused_supported(text_config) is None:
+        # the fused step holds its own copy of the weights in this precision (int8: packed
+        # per output channel); the model keeps its embeddings for the inputs
+        fused = FusedDecoder(
+            model.get_decoder(), model.get_output_embeddings(), text_config, weights
+        )
+        act_dtype = fused.dtype  # of the KV too (int8 weights: bfloat16 activations)
+    elif weights == "int8":
+        # int8 weights, activations quantized per call (a model the fused step does not take)
         model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
-    hidden = int(model.config.get_text_config().hidden_size)
+    hidden = int(text_config.hidden_size)
     log.info(
         "model.loaded",
         model_id=model_id,
         path=str(path),
         device=str(dev),
         weights=weights,
+        step="fused" if fused is not None else "transformers",
         seconds=round(time.perf_counter() - started, 2),
     )
-    return LoadedModel(model, tokenizer, model_id, path, dev, act_dtype, hidden, weights)
+    return LoadedModel(
+        model, tokenizer, model_id, path, dev, act_dtype, hidden, weights, fused=fused
+    )
 
 
 # -- the language half of a VLM checkpoint ------------------------------------------------------

@@ -1,0 +1,216 @@
+"""A Llama decoder step in a few fused ops per layer: the fast path of the non-exact precisions.
+
+`run_step` (`gateway.engine.local.batch`) runs the checkpoint's own transformers modules, which
+is what the exact mode needs (float32, token-identical to transformers). On a CPU a small
+model's decode step is then mostly not arithmetic: a 30-layer, 135M-parameter model spends more
+time in the modules' Python (seven linear calls, a dozen small tensor ops, keyword plumbing and
+a cache callback per layer) than in reading its weights. `FusedDecoder` runs the same
+computation over the same packed slices with the weights rearranged once at load:
+
+- q, k and v are one matrix (one linear call), gate and up are one matrix, so a layer makes
+  four linear calls instead of seven;
+- rotary embedding of q and k together (one view), RMSNorm as torch's fused `rms_norm`;
+- each slice's new keys and values go into its `SeqKV` buffer with one copy;
+- a decoding slice (one query) attends with its query heads grouped under their key/value
+  head (`[1, Hkv, groups, D]` against `[1, Hkv, L, D]`), so no key or value is repeated;
+- `int8`: every linear layer, the output head included, holds int8 weights with one scale per
+  output channel, multiplied with bfloat16 activations (`torch._weight_int8pack_mm`): a
+  quarter of float32's bytes to read per token. Only the weights are quantized: quantizing the
+  activations too (fbgemm's dynamic quantization, one scale per call) was measured to raise the
+  default model's perplexity 1.6x (`bench.precision`), weights alone by under 1%;
+  `bfloat16` / `float16`: the fused matrices in that dtype. A step of `WIDE_ROWS` rows or more
+  (prefill) multiplies in float32 on a CPU, from the same weights widened for the call: there
+  the arithmetic, not the memory, bounds the step, and CPUs without bfloat16 instructions
+  compute bfloat16 products slower than float32 ones.
+
+It takes Llama-architecture language models (`supported` says why another is refused, and the
+engine then runs `run_step`), which is what the embedded default is. The results match
+`run_step` in the same precision to within rounding (tests compare the two), not bit for bit,
+which is why the exact mode never uses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from gateway.engine.local.batch import Slice
+
+__all__ = ("FUSED_PRECISIONS", "FusedDecoder", "supported")
+
+# the precisions the engine runs through the fused step (float32 stays on the exact path;
+# the fused step takes it too, which is how tests compare the two paths)
+FUSED_PRECISIONS = ("bfloat16", "float16", "int8")
+# from this many rows a step on the CPU multiplies in float32 (see `_Linear.__call__`)
+WIDE_ROWS = 32
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int8": torch.bfloat16,  # int8 weights, bfloat16 activations
+}
+
+
+def supported(config: Any) -> str | None:
+    """None when `config` (a text config) is a Llama the fused step computes exactly as
+    transformers' modules do; else why not."""
+    if getattr(config, "model_type", None) != "llama":
+        return f"model_type {getattr(config, 'model_type', None)!r} is not llama"
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return "biased projections"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    if getattr(config, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    return None
+
+
+class _Linear:
+    """One weight matrix as the CPU's kernels take it: float (F.linear), or int8 with one scale
+    per output channel, multiplied with bfloat16 activations (weight-only quantization)."""
+
+    __slots__ = ("_scale", "_weight")
+
+    def __init__(self, weight: torch.Tensor, precision: str) -> None:  # weight [N, K], float
+        self._scale: torch.Tensor | None = None
+        if precision == "int8":
+            self._weight, self._scale = quantize_int8(weight)
+        else:
+            self._weight = weight.to(_DTYPES[precision]).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if x.shape[0] >= WIDE_ROWS and x.device.type == "cpu":
+            # many rows (a prefill chunk): the product is bound by arithmetic, not by reading
+            # the weights, and float32 is the CPU's fast arithmetic; widening the weights once
+            # costs 1/T of the product
+            w = self._weight.float()
+            if self._scale is not None:
+                w = w * self._scale.float()[:, None]
+            return F.linear(x.float(), w).to(x.dtype)
+        if self._scale is not None:
+            return torch.ops.aten._weight_int8pack_mm(x, self._weight, self._scale)
+        return F.linear(x, self._weight)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: (q [N, K] int8, scale [N] bfloat16), weight ~= q *
+    scale. The scale is rounded to bfloat16 first (the kernel takes it so) and the weight
+    quantized with the rounded scale, so the rounding costs no accuracy of its own."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1).clamp_min(1e-12) / 127.0).to(torch.bfloat16)  # [N]
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+class _Layer:
+    __slots__ = ("down", "gate_up", "ln1", "ln2", "o", "qkv")
+
+    def __init__(self, layer: Any, precision: str, dtype: torch.dtype) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        self.qkv = _Linear(qkv.detach(), precision)  # [(Hq + 2 Hkv) D, H]
+        self.o = _Linear(attn.o_proj.weight.detach(), precision)
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        self.gate_up = _Linear(gate_up.detach(), precision)  # [2 I, H]
+        self.down = _Linear(mlp.down_proj.weight.detach(), precision)
+        self.ln1 = layer.input_layernorm.weight.detach().to(dtype)
+        self.ln2 = layer.post_attention_layernorm.weight.detach().to(dtype)
+
+
+class FusedDecoder:
+    """The decoder layers, final norm and output head of a Llama, rearranged for one call per
+    step: `run(slices)` is `run_step(decoder, lm_head, slices, mrope=False)`."""
+
+    def __init__(self, decoder: Any, lm_head: Any, config: Any, precision: str) -> None:
+        if precision not in _DTYPES:
+            raise ValueError(f"the fused step holds {', '.join(_DTYPES)}, not {precision!r}")
+        reason = supported(config)
+        if reason is not None:
+            raise ValueError(f"the fused step does not take this model: {reason}")
+        self.precision = precision
+        self.dtype = _DTYPES[precision]  # of the activations and the KV
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads or config.num_attention_heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.groups = self.heads // self.kv_heads
+        self.hidden = int(config.hidden_size)
+        self.eps = float(config.rms_norm_eps)
+        self.scale = self.head_dim**-0.5
+        self.rotary = decoder.rotary_emb
+        self.layers = [_Layer(layer, precision, self.dtype) for layer in decoder.layers]
+        self.norm = decoder.norm.weight.detach().to(self.dtype)
+        self.head = _Linear(lm_head.weight.detach(), precision)
+
+    def run(self, slices: Sequence[Slice], *, every_row: bool = False) -> torch.Tensor:
+        """One packed forward; next-token logits [n, vocab] (float32) of the slices that want
+        them, in order (`every_row`: of every position fed, [T, vocab], for perplexity)."""
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        x = torch.cat([s.embeds for s in slices]).to(self.dtype)  # [T, H]
+        t = x.shape[0]
+        pos = torch.cat([s.positions for s in slices])  # [T]
+        cos, sin = self.rotary(x[None], pos[None])  # [1, T, D] each
+        cos, sin = cos[0, :, None].to(self.dtype), sin[0, :, None].to(self.dtype)  # [T, 1, D]
+        offsets, runs, off = [], [], 0
+        for s in slices:
+            offsets.append(off)
+            runs.append((off, s))
+            off += s.length
+        norm = (self.hidden,)
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, norm, layer.ln1, self.eps)
+            qkv = layer.qkv(h).view(t, hq + 2 * hkv, d)  # [T, Hq + 2 Hkv, D]
+            qk = qkv[:, : hq + hkv]
+            half = d // 2
+            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = qk * cos + rotated * sin  # [T, Hq + Hkv, D]
+            q = qk[:, :hq]
+            kv_new = torch.stack((qk[:, hq:], qkv[:, hq + hkv :]))  # [2, T, Hkv, D]
+            outs = []
+            for o, s in runs:
+                end = s.start + s.length
+                buf = s.kv.layers[i]  # [2, Hkv, cap, D]
+                buf[:, :, s.start : end] = kv_new[:, o : o + s.length].transpose(1, 2)
+                outs.append(self._attend(q[o : o + s.length], buf, s.start, end))
+            a = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, Hq D]
+            x = x + layer.o(a)
+            h = F.rms_norm(x, norm, layer.ln2, self.eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        for s in slices:
+            s.kv.length = max(s.kv.length, s.start + s.length)
+        if every_row:
+            return self.head(F.rms_norm(x, norm, self.norm, self.eps)).float()  # [T, V]
+        rows = [o + s.length - 1 for o, s in runs if s.want_logits]
+        if not rows:
+            return x.new_empty(0, 0)
+        picked = x[torch.tensor(rows, device=x.device)]  # [n, H]
+        return self.head(F.rms_norm(picked, norm, self.norm, self.eps)).float()  # [n, V]
+
+    def _attend(self, q: torch.Tensor, buf: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Causal attention of one slice's queries q [n, Hq, D] at positions [start, end) over
+        its buffer's keys [0, end); returns [n, Hq D]."""
+        n = q.shape[0]
+        k = buf[0, :, :end].unsqueeze(0)  # [1, Hkv, end, D]
+        v = buf[1, :, :end].unsqueeze(0)
+        if n == 1:  # one query: its heads grouped under their key/value head, no mask needed
+            qg = q.view(1, self.kv_heads, self.groups, self.head_dim)  # [1, Hkv, G, D]
+            o = F.scaled_dot_product_attention(qg, k, v, scale=self.scale)
+            return o.reshape(1, self.heads * self.head_dim)
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if start == 0:
+            o = F.scaled_dot_product_attention(
+                qh, k, v, is_causal=True, scale=self.scale, enable_gqa=self.groups > 1
+            )
+        else:  # query i sits at position start + i and sees keys 0..start + i
+            cols = torch.arange(end, device=q.device)
+            mask = cols[None, :] <= torch.arange(start, end, device=q.device)[:, None]  # [n, end]
+            o = F.scaled_dot_product_attention(
+                qh, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.groups > 1
+            )
+        return o[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
