@@ -52,8 +52,12 @@ def build(
     feature_layer: int | list[int] = -2,
     select_strategy: str = "default",
     key_layout: str = "saved",
+    text_overrides: dict | None = None,
 ) -> Path:
     """Save a tiny LLaVA checkpoint into `target` and return it.
+
+    `text_overrides` replaces entries of the Llama text config below (e.g. `num_attention_heads`
+    for wider heads).
 
     `key_layout` names the weights as "saved" (what `save_pretrained` writes: `vision_tower.*`,
     `multi_modal_projector.*`, `language_model.model.*`), "model" (the transformers-5 module
@@ -88,19 +92,22 @@ def build(
         hidden_act="quick_gelu",
     )
     text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        initializer_range=0.3,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **{
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 2048,
+            "initializer_range": 0.3,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+            **(text_overrides or {}),
+        }
     )
     config = LlavaConfig(
         vision_config=vision,
