@@ -150,7 +150,10 @@ class ChatService:
                 cost = SessionUsage(
                     responses=1, input_tokens=estimate, output_tokens=len(ending.partial)
                 )
-                await fill_place(self.sessions, session, options, partial, "incomplete", cost)
+                try:
+                    await fill_place(self.sessions, session, options, partial, "incomplete", cost)
+                except GatewayError:  # logged; its place is left out and removed later
+                    pass
             else:
                 await drop_place(self.sessions, session, options)
 
@@ -322,20 +325,42 @@ class ChatService:
             )
         choices = [choice_end(i, results[i]) for i in range(sampling.n)] if sampling.n > 1 else []
 
-        # 4. the answer fills its place in the conversation (a cancelled one too, as incomplete)
-        store_error = await fill_place(
-            self.sessions,
-            session,
-            options,
-            result.text,
-            "completed" if status == "completed" else "incomplete",
-            SessionUsage(
-                responses=1,
+        # 4. the answer fills its place in the conversation (a cancelled one too, as incomplete);
+        # only once it is written does the response end as given
+        try:
+            await fill_place(
+                self.sessions,
+                session,
+                options,
+                result.text,
+                "completed" if status == "completed" else "incomplete",
+                SessionUsage(
+                    responses=1,
+                    input_tokens=result.input_tokens,
+                    cached_tokens=result.cached_tokens,
+                    image_tokens=result.image_tokens,
+                    output_tokens=sum(r.output_tokens for r in results.values()),
+                ),
+            )
+        except GatewayError as exc:  # not stored: failed, with what it cost (it was computed)
+            failed = await self._unanswered(
+                session,
+                options,
+                t0,
+                "failed",
+                text=result.text,
+                error=exc,
                 input_tokens=result.input_tokens,
                 image_tokens=result.image_tokens,
+                image_tokens_total=image_tokens_total,
+                text_tokens=result.input_tokens - result.image_tokens,
                 output_tokens=sum(r.output_tokens for r in results.values()),
-            ),
-        )
+                cached_tokens=result.cached_tokens,
+                timings=timings,
+                **vision,
+            )
+            yield ending.finish(failed, gen.first_ns)
+            return
         done = Finished(
             options.response_id,
             options.item_id,
@@ -353,7 +378,6 @@ class ChatService:
             visual_budget=_budget_in_force(self.vision),
             timings=timings,
             truncated_items=dropped,
-            store_error=store_error,
             choices=choices,
             logprobs=result.logprobs,
             **vision,
