@@ -202,6 +202,7 @@ class RealtimeWSProtocol(WebSocketsSansIOProtocol):
         await super().send(message)
         if self._entry is not None and self.handshake_complete:
             self.guard.accepted(self._entry)  # type: ignore[union-attr]
+            self._entry = None  # told once: a frame after the accept has nothing to add
 
     def guard_close(self, status: int | None) -> None:
         if self.transport.is_closing():
