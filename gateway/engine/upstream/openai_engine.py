@@ -29,6 +29,11 @@ a 413 is "input_too_large"; 401, 403 and 404 mean the gateway's configuration is
 ("upstream_error", logged). After the first text any failure ends the stream with
 `EngineError("upstream_error")`.
 
+Constrained output (`sampling.grammar`: tools, response formats) goes only to replicas that
+showed they apply the gateway's grammars (`gateway.engine.upstream.grammar_probe`, asked once
+per replica); `warm_up` prefills a session's conversation on the replica of its next turn with
+a one-token request (embeds mode: the session warm-up passes no image bytes).
+
 Cancellation (`request.cancel`, or closing the iterator) closes the upstream response at once,
 which makes the replica abort the request: the event is checked at every chunk and, while no
 chunk arrives, by one watcher that polls every in-flight request's event every 20 ms.
