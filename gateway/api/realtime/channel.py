@@ -7,9 +7,10 @@ started and its session tools, and the one way out (`_send`, `_send_error`). The
 writing only these attributes, so each kind of client event reads in one module.
 
 Invariants: the connection moves CONNECTING -> OPEN -> CLOSED, never back (`_transition`
-asserts it); nothing is sent unless it is OPEN; sends are serialised by one lock, and a send to
-a peer that went away is dropped quietly (the receive loop sees the disconnect). Event ids are
-`event_000001`, `event_000002`, ... per connection.
+asserts it); nothing is sent unless it is OPEN; sends go out in the order they were made (one
+that finds another still under way, a socket draining, waits behind it on a lock; the others
+take none), and a send to a peer that went away is dropped quietly (the receive loop sees the
+disconnect). Event ids are `event_000001`, `event_000002`, ... per connection.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Channel:
         # item watchers -> the encodes they wait for
         self.watchers: dict[asyncio.Task[None], list[asyncio.Task[Resolved]]] = {}
         self._send_lock = asyncio.Lock()
+        self._sending = False  # a send is under way outside the lock
         self._server_send = server_send(socket.scope)
         self._event_seq = 0
         self._warming: asyncio.Task[Any] | None = None  # this connection's KV warm-up
@@ -116,11 +118,22 @@ class Channel:
         else:
             message = {"type": "websocket.send", "bytes": None, "text": data.decode()}
         send = self._server_send or self.socket.send
-        async with self._send_lock:
-            try:
-                await send(message)  # type: ignore[arg-type]
-            except Exception:  # the peer went away; the receive loop will see the disconnect
-                log.debug("send_failed", event_type=type(event).__name__)
+        if self._sending or self._send_lock.locked():
+            # another send waits for the socket to drain: queue behind it, in order
+            async with self._send_lock:
+                await self._deliver(send, message, event)
+            return
+        self._sending = True  # a send that never suspends (nearly all) takes no lock
+        try:
+            await self._deliver(send, message, event)
+        finally:
+            self._sending = False
+
+    async def _deliver(self, send: Any, message: dict[str, Any], event: rt.ServerEvent) -> None:
+        try:
+            await send(message)
+        except Exception:  # the peer went away; the receive loop will see the disconnect
+            log.debug("send_failed", event_type=type(event).__name__)
 
     async def _send_error(self, exc: GatewayError, event_id: str | None) -> None:
         self.state.metrics.record_error(code=exc.code, api="realtime")

@@ -9,6 +9,8 @@ from typing import Any
 
 from websockets.sync.client import connect
 
+from gateway.api.realtime import protocol as rt
+from gateway.api.realtime.channel import Channel, ConnState
 from gateway.api.realtime.server_send import SCOPE_KEY, ServerSend, server_send
 from gateway.testing.fake_gateway import FakeGateway
 
@@ -58,3 +60,32 @@ def test_a_response_streams_whole_through_the_server_send(fake_gateway: FakeGate
     ids = [int(e["event_id"].removeprefix("event_")) for e in events]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)  # in order, none lost
     assert events[-1]["response"]["status"] == "completed"
+
+
+def test_sends_stay_in_order_while_the_socket_drains() -> None:
+    """A send that suspends (a full write buffer) holds the ones made meanwhile behind it."""
+    sent: list[str] = []
+    drained = asyncio.Event()
+
+    async def server(message: dict[str, Any]) -> None:
+        if not sent and not drained.is_set():
+            await drained.wait()  # the first frame waits for the socket to drain
+        sent.append(message["text"])
+
+    async def run() -> None:
+        # a channel's sending half alone: no app, no socket but the server's send
+        channel = Channel.__new__(Channel)
+        channel.codec = rt.WireCodec()
+        channel.conn_state = ConnState.OPEN
+        channel._send_lock = asyncio.Lock()
+        channel._sending = False
+        channel._server_send = server
+        events = [rt.OutputTextDelta(f"e{i}", "r", "i", 0, 0, str(i)) for i in range(4)]
+        tasks = [asyncio.ensure_future(channel._send(e)) for e in events]
+        await asyncio.sleep(0.01)
+        assert sent == []  # all held behind the first
+        drained.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    assert [json.loads(t)["delta"] for t in sent] == ["0", "1", "2", "3"]
