@@ -19,6 +19,7 @@ from gateway.api.admin.lockout import client_of, make_lockout
 from gateway.api.admin.serving import AdminServing
 from gateway.api.http.error_replies import error_handler
 from gateway.policy.auth import key_of
+from gateway.policy.client_secrets import is_ephemeral
 from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:
@@ -44,7 +45,8 @@ def admin_route_handlers(state: GatewayState) -> list[Any]:
 
     async def check_admin(request: Request) -> None:
         client = client_of(request.client.host if request.client is not None else "")
-        presented = bool(key_of(request.headers))
+        key = key_of(request.headers)
+        presented = bool(key)
         if not presented:  # guesses nothing: only checked
             await lockout.check(client)
         else:  # counted before it is compared
@@ -52,7 +54,9 @@ def admin_route_handlers(state: GatewayState) -> list[Any]:
         try:
             await admin.check_admin(request.headers)
         except GatewayError as exc:
-            if presented and exc.code != "unauthorized":  # a valid API key: not a guess
+            # a valid API key is no guess; a key shaped like an ephemeral one (refused
+            # permission_denied, valid or not: anyone may get one from the playground) is
+            if presented and exc.code != "unauthorized" and not is_ephemeral(key):
                 await lockout.forgive(client)
             raise
         if presented:
