@@ -159,9 +159,9 @@ def photo_turn(text: str = QUESTION) -> list[dict]:
     ]
 
 
-def greedy(client: openai.OpenAI, messages: list[dict], **extra: object):
+def greedy(client: openai.OpenAI, messages: list[dict], model: str = SERVED, **extra: object):
     return client.chat.completions.create(
-        model=SERVED, messages=messages, max_tokens=MAX_TOKENS, temperature=0, **extra
+        model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, **extra
     )
 
 
