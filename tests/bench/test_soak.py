@@ -190,6 +190,8 @@ def test_short_run_on_the_fakes(tmp_path: Path) -> None:
             "2",
             "--slow-readers",
             "1",
+            "--long-max-tokens",
+            "32",
             "--burst-size",
             "2",
             "--burst-every-s",
