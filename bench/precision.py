@@ -120,7 +120,7 @@ def perplexities(
         }
     for row in out.values():
         row["ratio"] = row["perplexity"] / out["float32"]["perplexity"]
-    out["_corpus"] = {"windows": len(texts), "tokens": scored + len(texts)}  # type: ignore[assignment]
+    out["_corpus"] = {"windows": len(texts), "corpus_tokens": scored + len(texts)}  # type: ignore[assignment]
     return out
 
 
