@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, InternalServerException, ValidationException
 
 from gateway.protocol.errors import ErrorResponse, GatewayError, error_response
 
@@ -27,6 +27,10 @@ __all__ = ("as_gateway_error", "error_handler", "error_reply")
 log = structlog.get_logger("visiongate.http")
 
 RETRY_AFTER_S = 1  # the Retry-After of a 503 that names none
+# what Litestar's body reader (`Request.stream`) raises when the server reports the connection
+# gone before the whole body came: the client left, or the connection guard cut a slow body off
+# (gateway/server/connection_guard.py). Not a fault of the gateway's: nobody reads the answer.
+_BODY_CUT_OFF = "client disconnected prematurely"
 
 
 def error_reply(
@@ -57,6 +61,11 @@ def as_gateway_error(exc: Exception) -> GatewayError:
         return exc
     if isinstance(exc, RecursionError) or isinstance(exc.__cause__, RecursionError):
         return GatewayError("invalid_json", "the body is nested too deeply")
+    if isinstance(exc, InternalServerException) and exc.detail == _BODY_CUT_OFF:
+        # the same code as a client gone before its answer (gateway/api/http/disconnect.py)
+        return GatewayError(
+            "invalid_request", "the connection closed before the request body arrived"
+        )
     if isinstance(exc, ValidationException):
         problems = exc.extra if isinstance(exc.extra, list) else []
         if problems and isinstance(problems[0], dict):

@@ -149,6 +149,39 @@ def test_a_body_trickled_at_1_byte_a_second_is_cut_off_with_408(make_gateway) ->
     assert r.status_code == 200
 
 
+def errors(gw: FakeGateway, code: str) -> float:
+    text = httpx.get(f"{gw.http_url}/metrics", timeout=5).text
+    return sample_sum(prometheus_samples(text), "visiongate_errors_total", code=code)
+
+
+def test_a_body_that_never_arrives_is_not_an_internal_error(make_gateway) -> None:
+    """The app's read of a body the guard cut off (or the client gave up on) ends in a
+    disconnect: counted as the client's (`invalid_request`, as a client gone before its
+    answer), never as the gateway's own `internal_error`."""
+    gw = make_gateway(settings=dict(api_keys=[KEY], body_timeout_s=0.5))
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        + f"Authorization: Bearer {KEY}\r\n".encode()
+        + b"Content-Type: application/json\r\nContent-Length: 200\r\n\r\n"
+    )
+    with sockets(gw, 2, head) as (cut, quitter):
+        cut.sendall(b'{"model": ')  # then nothing: cut off with 408
+        quitter.sendall(b'{"model": ')
+        time.sleep(0.2)
+        quitter.close()  # the client gives up before its body is in
+        data, _ = read_until_closed(cut, 5)
+    assert data.startswith(b"HTTP/1.1 408 "), data[:100]
+    assert refused(gw, "body_timeout") == 1
+    deadline = time.monotonic() + 3  # the app's side of a request ends after its socket's
+    while (
+        errors(gw, "invalid_request") + errors(gw, "internal_error") < 2
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert errors(gw, "internal_error") == 0
+    assert errors(gw, "invalid_request") == 2
+
+
 def test_a_large_body_at_a_fair_rate_is_not_cut_off(make_gateway) -> None:
     gw = make_gateway(settings=dict(api_keys=[KEY], body_timeout_s=0.5, body_min_rate=20_000))
     body = (
