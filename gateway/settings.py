@@ -104,8 +104,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     device: str = "auto"
     # language-model weights: auto (float32 on CPU, the exact mode: token-identical to
     # transformers, cached and uncached answers agree; bfloat16 on CUDA), float32, bfloat16,
-    # float16, or int8 (int8 weights per output channel, bfloat16 activations; CPU). On a Llama
-    # (the default model) the non-float32 precisions run the fused step; bench.precision
+    # float16, or int8 (int8 weights per output channel, bfloat16 activations; CPU). On a CPU, a
+    # Llama (the default model) runs the non-float32 precisions in the fused step; bench.precision
     # measures their quality against float32, bench.engines their speed
     lm_dtype: str = "auto"
     max_output_tokens: int = 256  # default per response; clients may ask for less

@@ -259,9 +259,10 @@ def load_weights(
     model.to(dev).eval()
     text_config = model.config.get_text_config()
     fused = None
-    if weights in FUSED_PRECISIONS and fused_supported(text_config) is None:
+    if weights in FUSED_PRECISIONS and dev.type == "cpu" and fused_supported(text_config) is None:
         # the fused step holds its own copy of the weights in this precision (int8: packed
-        # per output channel); the model keeps its embeddings for the inputs
+        # per output channel); the model keeps its embeddings for the inputs. On an
+        # accelerator the modules' path stays (the fused step is measured on CPUs only)
         fused = FusedDecoder(
             model.get_decoder(), model.get_output_embeddings(), text_config, weights
         )
