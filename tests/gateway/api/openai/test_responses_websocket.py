@@ -571,9 +571,12 @@ def test_prewarm_is_refused_over_upstream_replicas_sent_data_urls() -> None:
         settings = Settings(engine="openai", upstreams=[upstream.url], port=free_port())
         with ServerThread(create_app(settings), settings, port=settings.port) as server:
             server.wait_ready(timeout=60)
-            with openai.OpenAI(
-                base_url=f"{server.http_url}/v1", api_key="none", max_retries=0
-            ) as client, pytest.raises(openai.BadRequestError) as info:
+            with (
+                openai.OpenAI(
+                    base_url=f"{server.http_url}/v1", api_key="none", max_retries=0
+                ) as client,
+                pytest.raises(openai.BadRequestError) as info,
+            ):
                 client.responses.create(
                     model="org/Upstream-VLM",
                     input=photo_message("a photo", unique_photo()),
