@@ -105,6 +105,7 @@ def photo(name: str, n: int) -> bytes:
 
 def stream(client: Any, messages: list[dict], max_tokens: int, **extra: Any) -> dict[str, Any]:
     """One streamed chat completion: TTFT, total time, text and output tokens."""
+    sent_at = time.time()  # wall clock, to line up with the gateway's log
     sent = time.perf_counter()
     first = None
     parts: list[str] = []
@@ -128,6 +129,7 @@ def stream(client: Any, messages: list[dict], max_tokens: int, **extra: Any) -> 
     end = time.perf_counter()
     details = getattr(usage, "prompt_tokens_details", None)
     return {
+        "sent_at": sent_at,
         "ttft_ms": round(((first or end) - sent) * 1e3, 2),
         "total_ms": round((end - sent) * 1e3, 2),
         "text": "".join(parts),
@@ -280,12 +282,82 @@ def main(argv: list[str] | None = None) -> int:
                     tokens = sum(t["output_tokens"] for turns in done for t in turns)
                     throughput.setdefault(str(concurrency), {})[mode] = round(tokens / wall, 2)
             results["throughput_tokens_per_s"] = throughput
+            results["breakdown"] = {
+                mode: breakdown(mode, latency[mode], proc.log_path)
+                for mode, proc in (("data_url", gw_bytes), ("embeds+ahead", gw_embeds))
+            }
     summary = summarize(results)
     results["summary"] = summary
     (args.out / "vllm_front.json").write_text(json.dumps(results, indent=2))
     print(table(summary))
+    print(breakdown_table(results["breakdown"]))
     print(f"bench.vllm_front: wrote {args.out / 'vllm_front.json'}")
     return 0
+
+
+def responses_logged(log_path: Path) -> dict[str, list[dict[str, Any]]]:
+    """The gateway's access-log `response` lines by session id, in order."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for line in log_path.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "response":
+            out.setdefault(str(event.get("session_id")), []).append(event)
+    return out
+
+
+TIMINGS = ("total_ms", "ttft_ms", "prefill_ms")  # what `breakdown` reads of a response line
+
+
+def breakdown(mode: str, sessions: list[list[dict[str, Any]]], log_path: Path) -> dict[str, Any]:
+    """Where each latency turn's TTFT went, from the gateway's access log: `before_ms` from
+    the client's send to the gateway's receipt (the hop, the request's parsing and the
+    session's preparation), `gateway_ms` the gateway's own time after it (the answer's TTFT
+    less the replica's), `replica_ms` the replica's time from the request sent to its first
+    text, as the gateway saw it. Medians by turn (first, follow-up)."""
+    from datetime import datetime
+
+    logged = responses_logged(log_path)
+    rows: list[list[dict[str, float]]] = [[], []]
+    for i, turns in enumerate(sessions):
+        events = logged.get(f"lat-{mode}-{i}", [])
+        if len(events) != len(turns) or any(
+            not isinstance(e.get(k), (int, float)) for e in events for k in TIMINGS
+        ):
+            continue  # a turn the log does not show, or shows without timings: left out
+        for turn, (measured, event) in enumerate(zip(turns, events, strict=True)):
+            ended = datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+            received = ended - float(event["total_ms"]) / 1e3
+            replica = float(event["prefill_ms"])
+            rows[turn].append(
+                {
+                    "before_ms": round((received - measured["sent_at"]) * 1e3, 2),
+                    "gateway_ms": round(float(event["ttft_ms"]) - replica, 2),
+                    "replica_ms": replica,
+                    "client_ttft_ms": measured["ttft_ms"],
+                }
+            )
+    return {
+        name: {k: statistics.median(r[k] for r in turn_rows) for k in turn_rows[0]}
+        for name, turn_rows in zip(("first", "follow_up"), rows, strict=True)
+        if turn_rows
+    }
+
+
+def breakdown_table(by_mode: dict[str, Any]) -> str:
+    rows = [
+        f"{'mode / turn':<24}{'client TTFT':>12}{'before ms':>11}{'gateway ms':>12}"
+        f"{'replica ms':>12}"
+    ]
+    for mode, turns in by_mode.items():
+        for turn, m in turns.items():
+            rows.append(
+                f"{mode + ' ' + turn:<24}{m['client_ttft_ms']:>12.1f}{m['before_ms']:>11.1f}"
+                f"{m['gateway_ms']:>12.1f}{m['replica_ms']:>12.1f}"
+            )
+    return "\n".join(rows)
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:

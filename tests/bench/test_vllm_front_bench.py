@@ -31,3 +31,46 @@ def test_summary_and_ratios() -> None:
     assert "0.23" in embeds  # 25 ms first turn / 110 ms
     assert "1.10" in embeds  # 22 / 20 tokens/s at 8 sessions
     assert lines[-1].endswith("1.00x")  # photo-ahead first turn 25 ms / vLLM's follow-up 25 ms
+
+
+def test_breakdown_lines_turns_up_with_the_gateway_log(tmp_path) -> None:
+    import json
+
+    from bench.vllm_front import breakdown, breakdown_table
+
+    log = tmp_path / "gw.log"
+
+    def response(sid: str, end: str, total: float, ttft: float, prefill: float) -> str:
+        return json.dumps(
+            {
+                "event": "response",
+                "session_id": sid,
+                "timestamp": end,
+                "total_ms": total,
+                "ttft_ms": ttft,
+                "prefill_ms": prefill,
+            }
+        )
+
+    # 2026-12-06T10:00:01Z is 1796551201 s; each answer took 1 s from its receipt
+    log.write_text(
+        "\n".join(
+            [
+                "not json",
+                json.dumps({"event": "http_session_turn", "session_id": "lat-m-0"}),
+                response("lat-m-0", "2026-12-06T10:00:01.000000Z", 1000.0, 100.0, 80.0),
+                response("lat-m-0", "2026-12-06T10:00:03.000000Z", 1000.0, 300.0, 60.0),
+                response("lat-other-0", "2026-12-06T10:00:03.000000Z", 1000.0, 1.0, 1.0),
+            ]
+        )
+    )
+    first = {"sent_at": 1796551200.0 - 0.010, "ttft_ms": 115.0}  # received 10 ms later
+    follow = {"sent_at": 1796551202.0 - 0.250, "ttft_ms": 560.0}  # received 250 ms later
+    lone = [{"sent_at": 0.0, "ttft_ms": 1.0}] * 2  # session 1: not in the log, left out
+    out = breakdown("m", [[first, follow], lone], log)
+    assert out["first"]["before_ms"] == 10.0
+    assert out["first"]["gateway_ms"] == 20.0 and out["first"]["replica_ms"] == 80.0
+    assert out["follow_up"]["before_ms"] == 250.0
+    assert out["follow_up"]["gateway_ms"] == 240.0 and out["follow_up"]["replica_ms"] == 60.0
+    lines = breakdown_table({"m": out}).splitlines()
+    assert lines[2].split() == ["m", "follow_up", "560.0", "250.0", "240.0", "60.0"]
