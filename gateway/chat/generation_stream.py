@@ -46,12 +46,12 @@ __all__ = (
     "MAX_PROMPTS_AT_ONCE",
     "Ending",
     "Generation",
+    "Guard",
     "RawEvent",
     "background",
     "choice_end",
     "engine_failure",
     "generate_all",
-    "guarded",
     "ms_since",
     "raw_events",
     "status_of",
@@ -117,26 +117,52 @@ class Generation:
         if self.observe is not None:  # an adaptive visual budget follows the TTFT objective
             self.observe(self.ttft_ms)
 
-    async def run(self, engine: Engine, request: GenerationRequest) -> AsyncIterator[TextDelta]:
-        """The request's text deltas; its results go to `results`, a refusal to `error`."""
+    def start(self, engine: Engine, request: GenerationRequest) -> AsyncIterator[Delta]:
+        """The engine's stream for `request`. Its reader hands each delta to `take`, a refusal
+        to `refused`, and ends it with `end` whatever happens (a cancel or the reader gone:
+        `abandon` first)."""
         self.generate_ns = time.time_ns()
-        stream = engine.generate(request)
+        return engine.generate(request)
+
+    def take(self, delta: Delta) -> TextDelta | None:
+        """A text delta as it is (its first token noted); a choice's result kept, None."""
+        if isinstance(delta, TextDelta):
+            if self.first_ns is None:
+                self.text_arrived()
+            return delta
+        self.results[delta.index] = delta
+        return None
+
+    def refused(self, exc: EngineError) -> None:
+        self.error = engine_failure(exc)
+
+    @staticmethod
+    def abandon(request: GenerationRequest) -> None:
+        """The reader is cancelled or gone: the engine frees the slot at once."""
+        request.cancel.set()
+
+    async def end(self, stream: AsyncIterator[Delta], request: GenerationRequest) -> None:
+        """Close the engine's stream; a request without every result is cancelled first."""
+        if len(self.results) < request.sampling.n:
+            request.cancel.set()
+        await stream.aclose()  # type: ignore[attr-defined]
+
+    async def run(self, engine: Engine, request: GenerationRequest) -> AsyncIterator[TextDelta]:
+        """The request's text deltas; its results go to `results`, a refusal to `error`.
+        (`ChatService` reads the stream itself, with `start`, `take` and `end`, so that a delta
+        costs one generator less.)"""
+        stream = self.start(engine, request)
         try:
             async for delta in stream:
-                if isinstance(delta, TextDelta):
-                    self.text_arrived()
-                    yield delta
-                else:
-                    self.results[delta.index] = delta
+                if (text := self.take(delta)) is not None:
+                    yield text
         except EngineError as exc:
-            self.error = engine_failure(exc)
+            self.refused(exc)
         except (asyncio.CancelledError, GeneratorExit):
-            request.cancel.set()
+            self.abandon(request)
             raise
         finally:
-            if len(self.results) < request.sampling.n:
-                request.cancel.set()
-            await stream.aclose()  # type: ignore[attr-defined]
+            await self.end(stream, request)
 
 
 class Ending:
@@ -156,61 +182,79 @@ class Ending:
         return done
 
 
-async def guarded(
-    inner: AsyncIterator[Any],
-    ending: Ending,
-    options: ResponseOptions,
-    t0: float,
-    failed: Callable[[GatewayError], Awaitable[Finished]],
-    keep: Callable[[str], Awaitable[None]] | None,
-) -> AsyncIterator[Any]:
-    """`inner`'s events, ended once whatever happens: a fault ends the response as failed
-    (`failed` makes its end), with the code of a `GatewayError` raised inside (the session
-    store unavailable is `busy`) and `internal_error` for anything else; a consumer gone
-    before the end cancels it, finishes its trace as cancelled (`client_disconnected`, with
-    the text sent so far) and runs `keep` with that text in the background (a write that must
-    outlive the response)."""
-    try:
-        async for event in inner:
-            yield event
-    except GatewayError as exc:  # a refusal with its own code: a store down is busy (503)
-        log.warning(
-            "response_failed", response_id=options.response_id, code=exc.code, error=exc.message
-        )
-        if not ending.finished:
-            yield ending.finish(await failed(exc))
-    except Exception as exc:  # any other fault ends the response as failed, never silently
-        log.exception("response_failed", response_id=options.response_id)
-        if not ending.finished:
-            error = GatewayError("internal_error", f"the response failed: {type(exc).__name__}")
-            yield ending.finish(await failed(error))
-    finally:
-        if not ending.finished:  # the consumer went away before the end
-            ending.trace.root.set_attribute("visiongate.abandoned", True)
-            options.cancel.set()
-            # logged and counted as a cancelled response (an HTTP stream whose client left,
-            # a gateway in front closing its upstream stream), with the text sent so far
-            partial = "".join(ending.partial)
-            gone = Finished(
-                options.response_id,
-                options.item_id,
-                "cancelled",
-                partial,
-                reason="client_disconnected",
-                timings={"total_ms": ms_since(t0)},
+class Guard:
+    """Ends a response once whatever happens, for the loop that reads its events (`inner`):
+    `failure` makes the end of a fault raised inside (`failed` makes it), with the code of a
+    `GatewayError` (the session store unavailable is `busy`) and `internal_error` for anything
+    else, and nothing when the response has already ended; `release`, in the loop's `finally`,
+    handles a consumer gone before the end: it cancels the response, finishes its trace as
+    cancelled (`client_disconnected`, with the text sent so far), closes `inner` and runs
+    `keep` with that text in the background (a write that must outlive the response).
+
+    It is an object the reading loop calls, not a generator around the events, so that a
+    delta passes through no generator of its own here."""
+
+    __slots__ = ("ending", "failed", "inner", "keep", "options", "t0")
+
+    def __init__(
+        self,
+        inner: AsyncIterator[Any],
+        ending: Ending,
+        options: ResponseOptions,
+        t0: float,
+        failed: Callable[[GatewayError], Awaitable[Finished]],
+        keep: Callable[[str], Awaitable[None]] | None,
+    ) -> None:
+        self.inner, self.ending, self.options = inner, ending, options
+        self.t0, self.failed, self.keep = t0, failed, keep
+
+    async def failure(self, exc: Exception) -> Finished | None:
+        """The response's end after `exc` (logged), or None when it has already ended."""
+        if isinstance(exc, GatewayError):  # a refusal with its own code: a store down is busy
+            log.warning(
+                "response_failed",
+                response_id=self.options.response_id,
+                code=exc.code,
+                error=exc.message,
             )
-            try:
-                ending.trace.finish(gone)
-            except Exception:
-                log.exception("abandoned_trace_failed", response_id=options.response_id)
-                ending.trace.root.end()
-            # close the engine's stream now, not when the generator is collected
-            with contextlib.suppress(BaseException):
-                await inner.aclose()  # type: ignore[attr-defined]
-            if keep is not None:  # runs to its end even though the caller is being cancelled
-                task = asyncio.ensure_future(keep(partial))
-                background.add(task)
-                task.add_done_callback(background.discard)
+            error = exc
+        else:  # any other fault ends the response as failed, never silently
+            log.exception("response_failed", response_id=self.options.response_id, exc_info=exc)
+            error = GatewayError("internal_error", f"the response failed: {type(exc).__name__}")
+        if self.ending.finished:
+            return None
+        return self.ending.finish(await self.failed(error))
+
+    async def release(self) -> None:
+        """After the loop, however it left: a response not ended is abandoned (see above)."""
+        ending, options = self.ending, self.options
+        if ending.finished:
+            return
+        ending.trace.root.set_attribute("visiongate.abandoned", True)
+        options.cancel.set()
+        # logged and counted as a cancelled response (an HTTP stream whose client left, a
+        # gateway in front closing its upstream stream), with the text sent so far
+        partial = "".join(ending.partial)
+        gone = Finished(
+            options.response_id,
+            options.item_id,
+            "cancelled",
+            partial,
+            reason="client_disconnected",
+            timings={"total_ms": ms_since(self.t0)},
+        )
+        try:
+            ending.trace.finish(gone)
+        except Exception:
+            log.exception("abandoned_trace_failed", response_id=options.response_id)
+            ending.trace.root.end()
+        # close the engine's stream now, not when the generator is collected
+        with contextlib.suppress(BaseException):
+            await self.inner.aclose()  # type: ignore[attr-defined]
+        if self.keep is not None:  # runs to its end even though the caller is being cancelled
+            task = asyncio.ensure_future(self.keep(partial))
+            background.add(task)
+            task.add_done_callback(background.discard)
 
 
 def choice_end(index: int, result: GenerationResult) -> ChoiceEnd:

@@ -4,11 +4,10 @@
 `input_estimate` / `raw_input_estimate` and the output it may write (`output_reservation` /
 `raw_output_reservation`: what the engine will be told is the most it may write, for every
 answer) before the answer takes its place in the conversation (`admitted`: a refused response
-leaves nothing stored), and reads its events through `counted`, which hands each to `observe`
-and closes the meter when the response is over (its end goes on once what the response gives
-back is written, so that the client's next request, on any replica, finds its room); the
-service closes it again once its events are over, in case they never started (closing twice
-gives nothing back twice). The estimates
+leaves nothing stored), hands each of its events to `count` (`observe`; at the end, the wait
+until what the response gives back is written, so that the client's next request, on any
+replica, finds its room) as it reads them, and closes the meter once they are over (closing
+twice gives nothing back twice). The estimates
 are cheap (no tokenizer, `text_tokens_estimate`: characters / 3, but never fewer than the
 text's words plus its digits, and a token for every byte past the first of a character beyond
 ASCII; then a per message and per image allowance) and err high for the text of a byte-level
@@ -20,8 +19,7 @@ response ends.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -41,7 +39,7 @@ if TYPE_CHECKING:
 __all__ = (
     "IMAGE_TOKENS_ESTIMATE",
     "admitted",
-    "counted",
+    "count",
     "image_tokens_estimate",
     "input_estimate",
     "observe",
@@ -51,7 +49,6 @@ __all__ = (
     "text_tokens_estimate",
 )
 
-E = TypeVar("E")
 log = structlog.get_logger("visiongate.metering")
 CHARS_PER_TOKEN = 3
 # visual tokens counted for an image before it is resolved when neither the engine nor the
@@ -159,20 +156,13 @@ async def admitted(
     return None, ending.finish(refused)
 
 
-async def counted(events: AsyncIterator[E], meter: Metered | None) -> AsyncIterator[E]:
-    """`events` as they come, each one `observe`d; once they are over (or their consumer is
-    gone), the stream is closed and the meter with it."""
-    try:
-        async for event in events:
-            if meter is not None:
-                observe(meter, event)
-                if isinstance(event, Finished):  # what it gives back lands before its client
-                    await meter.settled()  # hears of its end (and sends its next request)
-            yield event
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]
-        if meter is not None:
-            meter.close()
+async def count(meter: Metered, event: object) -> None:
+    """`observe` one event of the response; at its end, wait until what it gives back is
+    written, so that it lands before its client hears of the end (and sends its next
+    request)."""
+    observe(meter, event)
+    if isinstance(event, Finished):
+        await meter.settled()
 
 
 def observe(meter: Metered, event: object) -> None:

@@ -45,17 +45,17 @@ from gateway.chat.events import (
 from gateway.chat.generation_stream import (
     Ending,
     Generation,
+    Guard,
     RawEvent,
     background,
     choice_end,
-    guarded,
     ms_since,
     raw_events,
     status_of,
 )
 from gateway.chat.metering import (
     admitted,
-    counted,
+    count,
     image_tokens_estimate,
     input_estimate,
     output_reservation,
@@ -73,6 +73,7 @@ from gateway.chat.turn_prompt import (
 from gateway.chat.vision_resolver import Resolved, VisionResolver
 from gateway.engine.interface import (
     Engine,
+    EngineError,
     GenerationRequest,
     Message,
     WarmUpResult,
@@ -165,14 +166,25 @@ class ChatService:
         if refused is not None:
             yield refused
             return
+        # one loop reads the events, counts them and guards their end (no generator between
+        # the turn's and the consumer: each would be resumed for every delta)
         inner = self._respond(session, options, pending or {}, t0, ending)
-        events = counted(guarded(inner, ending, options, t0, failed, keep), metered)
+        guard = Guard(inner, ending, options, t0, failed, keep)
         try:
-            async for event in events:
-                yield event
+            try:
+                async for event in inner:
+                    if metered is not None:
+                        await count(metered, event)
+                    yield event
+            except Exception as exc:
+                end = await guard.failure(exc)
+                if end is not None:
+                    if metered is not None:
+                        await count(metered, end)
+                    yield end
         finally:  # a consumer gone: the guard's ending runs now, not when it is collected
-            await events.aclose()
-            if metered is not None:  # events that never started did not close it
+            await guard.release()
+            if metered is not None:
                 metered.close()
 
     async def respond_raw(
@@ -207,12 +219,21 @@ class ChatService:
         inner = raw_events(
             self.engine, self.max_output_tokens_limit, prompts, options, owner, t0, ending
         )
-        events = counted(guarded(inner, ending, options, t0, failed, None), metered)
-        try:
-            async for event in events:
-                yield event
+        guard = Guard(inner, ending, options, t0, failed, None)
+        try:  # as in `respond`
+            try:
+                async for event in inner:
+                    if metered is not None:
+                        await count(metered, event)
+                    yield event
+            except Exception as exc:
+                end = await guard.failure(exc)
+                if end is not None:
+                    if metered is not None:
+                        await count(metered, end)
+                    yield end
         finally:
-            await events.aclose()
+            await guard.release()
             if metered is not None:
                 metered.close()
 
@@ -283,11 +304,23 @@ class ChatService:
         # 3. generate
         text_parts: list[str] = []  # the first answer's (the one stored)
         gen = Generation(t0, ending.trace, getattr(self.vision.encoder, "observe_ttft", None))
-        async for delta in gen.run(self.engine, request):
-            if delta.index == 0:
-                text_parts.append(delta.text)
-                ending.partial.append(delta.text)
-            yield TextChunk(delta.text, index=delta.index, logprobs=delta.logprobs)
+        # the engine's stream read here, as `Generation.run` reads it, one generator less
+        stream = gen.start(self.engine, request)
+        try:
+            async for item in stream:
+                if (delta := gen.take(item)) is None:
+                    continue
+                if delta.index == 0:
+                    text_parts.append(delta.text)
+                    ending.partial.append(delta.text)
+                yield TextChunk(delta.text, index=delta.index, logprobs=delta.logprobs)
+        except EngineError as exc:
+            gen.refused(exc)
+        except (asyncio.CancelledError, GeneratorExit):
+            gen.abandon(request)
+            raise
+        finally:
+            await gen.end(stream, request)
         results = gen.results
         result = results.get(0) if len(results) == sampling.n else None
         image_tokens_total = sum(r.image.tokens_total for r in images.values())

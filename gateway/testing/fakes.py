@@ -17,6 +17,7 @@ derived from the bytes' digest.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import threading
 import time
@@ -133,8 +134,11 @@ class FakeEngine:
         # choices after the first echo the same words, tagged with their index
         for index in range(request.sampling.n):
             choice = tokens if index == 0 else [*tokens, f"#{index}"]
-            async for delta in self._choice(request, choice, index, input_tokens, image_tokens):
-                yield delta
+            # closed with this stream, as an engine's own stream ends when it is closed
+            answer = self._choice(request, choice, index, input_tokens, image_tokens)
+            async with contextlib.aclosing(answer):
+                async for delta in answer:
+                    yield delta
 
     async def _choice(
         self,

@@ -1593,7 +1593,13 @@ async def test_frame_over_the_limit(gateway: ServerThread) -> None:
 
 
 class _GoneSocket:
-    """The socket of a client that went away mid-stream: every send fails."""
+    """The socket of a client that went away mid-stream: every send fails (an ASGI message
+    as the connection hands its frames over, or text and bytes)."""
+
+    scope: dict[str, object] = {}  # noqa: RUF012 (no server's own send kept: `socket.send`)
+
+    async def send(self, message: object) -> None:
+        raise OSError("the peer went away")
 
     async def send_text(self, data: str) -> None:
         raise OSError("the peer went away")

@@ -306,6 +306,18 @@ async def test_closing_the_iterator_early_cancels_the_engine_request() -> None:
     assert len(parts.engine.requests) == 1
 
 
+async def test_closing_the_iterator_closes_the_engine_stream_before_it_returns() -> None:
+    parts = build(FakeEngine())
+    session = await new_session(parts, text("one two three four"))
+    stream = parts.service.respond(session, ResponseOptions())
+    assert isinstance(await anext(stream), Started)
+    assert isinstance(await anext(stream), TextChunk)
+    assert parts.engine.running == 1
+    await stream.aclose()
+    # closed by the close itself, not later when a collected generator is finalized
+    assert parts.engine.running == 0
+
+
 async def test_cancel_while_waiting_for_an_image_ends_before_the_encode() -> None:
     gate = threading.Event()
     parts = build(encoder=FakeEncoder(gate=gate))
