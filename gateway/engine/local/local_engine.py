@@ -63,6 +63,13 @@ def _no_tensor_whole(_key: str) -> bool:
     return False
 
 
+def kv_numerics(w: LoadedModel) -> str:
+    """What a replica's KV values depend on besides the checkpoint: its precision, and whether
+    the fused step computes them (its int8 is weight-only, the modules' int8 quantizes the
+    activations too), so replicas that share a Redis never take each other's KV across the two."""
+    return f"{w.weights}+fused" if w.fused is not None else w.weights
+
+
 class LocalEngine:
     """Engine protocol over a local HF model (default: the embedded SmolLM2-135M-Instruct)."""
 
@@ -194,7 +201,9 @@ class LocalEngine:
             weights_id = await asyncio.to_thread(
                 checkpoint_id, w.path, _no_tensor_whole, sample_others=4096
             )
-            spill_seed = chain_seed(w.model_id, f"{w.weights}|{weights_id}", self._kv_block_size)
+            spill_seed = chain_seed(
+                w.model_id, f"{kv_numerics(w)}|{weights_id}", self._kv_block_size
+            )
         self.kv_store = self._make_store(spill_seed)
         eos_ids = self._stop_ids(w)
         if self._vocab is None:  # its build (a second or so) runs while the engine warms up
