@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 
 import structlog
 import torch
@@ -109,15 +111,18 @@ class LocalEncoder:
         target_rms: float | None = None,
         *,
         torch_threads: int | None = None,
+        on_batch: Callable[[], AbstractContextManager[object]] | None = None,
     ) -> None:
         """`hidden_size` / `target_rms`: the language model's, for the synthetic projector; a
-        VLM checkpoint (`config.family`) uses its own projector and only checks the width."""
+        VLM checkpoint (`config.family`) uses its own projector and only checks the width.
+        `on_batch`: a context entered around each batch's encode (the gateway's core share)."""
         self.config = config
         self.hidden_size = hidden_size
         self.target_rms = target_rms
         # intra-op threads of the encoder's own thread (torch keeps this per thread): beside an
         # in-process language model the two share the cores instead of fighting over them
         self.torch_threads = torch_threads
+        self._on_batch = on_batch or nullcontext
         # known before the tower is built, so caches can be consulted right away
         self.fingerprint = encoder_fingerprint(config, hidden_size, target_rms)
         self.pipeline: EncoderPipeline | None = None
@@ -219,7 +224,10 @@ class LocalEncoder:
             for cap, jobs in caps.items():
                 datas = [data for data, _, _ in jobs]
                 try:
-                    results = await loop.run_in_executor(self._executor, self._encode, datas, cap)
+                    with self._on_batch():
+                        results = await loop.run_in_executor(
+                            self._executor, self._encode, datas, cap
+                        )
                 except asyncio.CancelledError:
                     for _, fut, _ in batch:
                         if not fut.done():

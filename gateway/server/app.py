@@ -44,6 +44,7 @@ from gateway.policy.rate_headers import RateLimitHeaders
 from gateway.policy.ratelimit import RefusedBytes, make_rate_limiter
 from gateway.policy.token_limits import TokenLimits, make_token_limiter
 from gateway.server.client_address import ClientAddressMiddleware, TrustedProxies
+from gateway.server.core_share import CoreShare
 from gateway.server.readiness import Readiness
 from gateway.server.state import GatewayState, Serving
 from gateway.sessions import make_session_store
@@ -67,15 +68,24 @@ def encoder_threads(settings: Settings) -> int:
 
 
 def engine_threads(settings: Settings) -> int:
-    """Intra-op threads of the engine's thread: the cores the in-process encoder does not take
-    (all of them when encoder workers run elsewhere), so neither stalls the other."""
+    """Intra-op threads of the engine's thread while the in-process encoder encodes: the cores
+    it does not take (all of them when encoder workers run elsewhere), so neither stalls the
+    other. Between images the engine takes every core (`core_share`)."""
     if settings.engine_threads:
         return settings.engine_threads
     cores = os.cpu_count() or 2
     return cores if settings.encoder == "redis" else max(1, cores - encoder_threads(settings))
 
 
-def build_engine(settings: Settings) -> Engine:
+def core_share(settings: Settings) -> CoreShare | None:
+    """The cores' sharing between the in-process engine and encoder (`CoreShare`), or None when
+    the engine's threads are fixed: `ENGINE_THREADS` set, encoders elsewhere, an upstream."""
+    if settings.engine_threads or settings.encoder == "redis" or settings.engine != "local":
+        return None
+    return CoreShare(os.cpu_count() or 2, encoder_threads(settings))
+
+
+def build_engine(settings: Settings, cores: CoreShare | None = None) -> Engine:
     if settings.engine == "openai":  # generation on OpenAI-compatible upstream replicas
         from gateway.engine.upstream.openai_engine import OpenAIEngine
 
@@ -97,7 +107,7 @@ def build_engine(settings: Settings) -> Engine:
         max_batch=settings.engine_max_batch,
         prefill_chunk_tokens=settings.prefill_chunk_tokens,
         prefix_caching=settings.prefix_caching,
-        torch_threads=engine_threads(settings),
+        torch_threads=cores.engine_threads if cores is not None else engine_threads(settings),
     )
 
 
@@ -129,7 +139,7 @@ def encoder_config(settings: Settings) -> EncoderConfig:
     )
 
 
-def build_encoder(settings: Settings, engine: Engine) -> Encoder:
+def build_encoder(settings: Settings, engine: Engine, cores: CoreShare | None = None) -> Encoder:
     if image_input_of(engine) == "bytes":  # the engine encodes images itself
         from gateway.encoders.passthrough_encoder import PassThroughEncoder
 
@@ -157,6 +167,7 @@ def build_encoder(settings: Settings, engine: Engine) -> Encoder:
         hidden_size=engine.hidden_size,
         target_rms=target_rms,
         torch_threads=encoder_threads(settings),
+        on_batch=cores.encoding if cores is not None else None,
     )
 
 
@@ -164,7 +175,9 @@ def create_app(
     settings: Settings, *, engine: Engine | None = None, encoder: Encoder | None = None
 ) -> Litestar:
     """The gateway for `settings`. `engine` / `encoder` replace the real ones when given."""
-    engine = engine or build_engine(settings)
+    # the cores are shared only between an engine and an encoder both built here
+    cores = core_share(settings) if engine is None and encoder is None else None
+    engine = engine or build_engine(settings, cores)
     telemetry = setup_telemetry(VERSION, log_level=settings.log_level)
     register_secrets(settings.api_keys)  # the keys themselves never reach a log line
     if settings.engine == "openai":  # nor do the upstreams' keys
@@ -239,7 +252,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
         tasks = [
-            asyncio.create_task(_load_models(state, encoder), name="load models"),
+            asyncio.create_task(_load_models(state, encoder, cores), name="load models"),
             asyncio.create_task(_refresh_gauges(state, gauges), name="refresh gauges"),
         ]
         try:
@@ -333,12 +346,14 @@ def _authenticator(settings: Settings, engine: Engine) -> Authenticator:
     )
 
 
-async def _load_models(state: GatewayState, encoder: Encoder | None) -> None:
+async def _load_models(
+    state: GatewayState, encoder: Encoder | None, cores: CoreShare | None
+) -> None:
     settings, engine = state.settings, state.engine
     t0 = time.perf_counter()
     try:
         await engine.start()
-        encoder = encoder or build_encoder(settings, engine)
+        encoder = encoder or build_encoder(settings, engine, cores)
         # the in-process engine keys KV by the tokens themselves; an upstream's content ids
         # name the encoder's fingerprint, so the budget applies to the local engine only
         adaptive = settings.visual_budget_adaptive and settings.engine == "local"

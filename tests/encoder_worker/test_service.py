@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
@@ -162,3 +163,28 @@ async def test_default_tower_end_to_end(photos):
         assert positions == sorted(positions) and len(set(positions)) == len(positions)
     assert again.payload.to_bytes() == a.payload.to_bytes()
     assert torch.equal(again.embeds(), a.embeds())
+
+
+async def test_each_batch_runs_inside_on_batch(tiny_clip_dir, photos):
+    """The gateway's core share hears of every batch, and of nothing else."""
+    running = 0
+    seen: list[int] = []
+
+    @contextlib.contextmanager
+    def on_batch():
+        nonlocal running
+        running += 1
+        seen.append(running)
+        try:
+            yield
+        finally:
+            running -= 1
+
+    enc = LocalEncoder(_config(tiny_clip_dir, max_batch=2), hidden_size=48, on_batch=on_batch)
+    await enc.start()
+    try:
+        await asyncio.gather(*(enc.encode(photos["rocket"]) for _ in range(3)))
+        assert seen == [1, 1] and enc.batches == 2  # one context a batch, never two at once
+        assert running == 0
+    finally:
+        await enc.aclose()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import structlog
@@ -86,7 +86,7 @@ class LocalEngine:
         kv_spill_redis_url: str | None = None,
         kv_ttl_s: int = 3600,
         device: str = "auto",
-        torch_threads: int | None = None,
+        torch_threads: int | Callable[[], int] | None = None,
         dtype: str = "auto",
         max_batch: int = 16,
         prefill_chunk_tokens: int = 256,
@@ -109,8 +109,8 @@ class LocalEngine:
         self._kv_redis_url = kv_spill_redis_url
         self._kv_ttl_s = kv_ttl_s
         self._device = device
-        # intra-op threads of the scheduler's thread (torch keeps them per thread);
-        # None: the default
+        # intra-op threads of the scheduler's thread (torch keeps them per thread): a count,
+        # a function asked before each step (the gateway's core share), or None: the default
         self._torch_threads = torch_threads
         self._dtype = dtype
         self._max_batch = max_batch

@@ -104,7 +104,7 @@ class Scheduler(Admission, WarmUps):
         max_positions: int,
         kv_store: KVStore | None,
         cache_arg: str,
-        torch_threads: int | None = None,
+        torch_threads: int | Callable[[], int] | None = None,
         name: str = "engine",
         spill_seed: bytes | None = None,
         vocab: TokenVocab | None = None,
@@ -235,8 +235,10 @@ class Scheduler(Admission, WarmUps):
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
-        if self.torch_threads:  # torch keeps the intra-op thread count per thread
-            torch.set_num_threads(self.torch_threads)
+        threads_now = self.torch_threads if callable(self.torch_threads) else None
+        threads = 0
+        if isinstance(self.torch_threads, int) and self.torch_threads:
+            torch.set_num_threads(self.torch_threads)  # torch keeps it per thread
         while True:
             with self._cond:
                 while not (
@@ -252,6 +254,9 @@ class Scheduler(Admission, WarmUps):
                     break
                 barriers, self._barriers = self._barriers, []
             self._release(barriers)
+            if threads_now is not None and (wanted := threads_now()) != threads:
+                torch.set_num_threads(wanted)  # the cores an encoder batch leaves the engine
+                threads = wanted
             try:
                 with torch.inference_mode():
                     self._admit()

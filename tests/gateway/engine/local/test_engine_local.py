@@ -194,3 +194,29 @@ async def test_prompt_past_the_context_is_an_error(engine) -> None:
         async for _ in engine.generate(request):
             pass
     assert info.value.code == "context_length_exceeded"
+
+
+async def test_engine_threads_follow_the_core_share(engine, collect) -> None:
+    """With the gateway's core share the engine's thread runs on every core between images and
+    gives the encoder's back while an encoder batch runs, switching between steps."""
+    from gateway.server.core_share import CoreShare
+
+    share = CoreShare(cores=2, encoder_threads=1)
+    seen: list[int] = []
+
+    def threads_now() -> int:
+        seen.append(torch.get_num_threads())  # what the engine's thread runs with now
+        return share.engine_threads()
+
+    twin = engine.replica(torch_threads=threads_now)
+    await twin.start()
+    try:
+        await collect(twin, ask(QUESTION, 4))
+        assert seen and seen[-1] == 2
+        with share.encoding():
+            await collect(twin, ask(QUESTION, 4))
+            assert seen[-1] == 1
+        await collect(twin, ask(QUESTION, 4))
+        assert seen[-1] == 2
+    finally:
+        await twin.aclose()
