@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from gateway.testing.ports import free_port
-from gateway.testing.processes import terminate, wait_for_readyz
+from gateway.testing.processes import spawn_logged, terminate, wait_for_readyz
 
 __all__ = ("GatewayProcess", "redacted", "settings_fields")
 
@@ -101,20 +101,8 @@ class GatewayProcess:
         return msgspec.to_builtins(Settings.load(environ=self.env))
 
     def start(self) -> GatewayProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = self.log_path.open("wb")
-        try:
-            # its own session: a Ctrl-C here reaches the benchmark, which stops it in order
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", *self.command],
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        finally:
-            out.close()
+        argv = [sys.executable, "-m", *self.command]
+        self.proc = spawn_logged(argv, self.log_path, self.env, cwd=None, truncate=True)
         log.info(
             "gateway_starting",
             config=self.name,

@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +35,14 @@ __all__ = (
     "ROOT",
     "ServeProcess",
     "front",
+    "log_tail",
     "prometheus_samples",
+    "read_log",
     "replica",
     "responses_served",
     "running",
     "sample_sum",
+    "spawn_logged",
     "which_served",
 )
 
@@ -79,6 +82,42 @@ def wait_for_readyz(
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{name} not ready within {timeout_s:.0f} s; see {log_path}:\n{tail()}")
+
+
+def spawn_logged(
+    argv: Sequence[str],
+    log_path: Path,
+    env: Mapping[str, str],
+    *,
+    cwd: Path | None = ROOT,
+    truncate: bool = False,
+) -> subprocess.Popen[bytes]:
+    """Start `argv` in a process group of its own (a Ctrl-C reaches the caller, which stops
+    it), no stdin, stdout and stderr appended to `log_path` (written afresh with `truncate`)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb" if truncate else "ab") as out:
+        return subprocess.Popen(
+            list(argv),
+            cwd=cwd,
+            env=dict(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def read_log(log_path: Path) -> str:
+    """A child's log so far ("" when there is none yet)."""
+    try:
+        return log_path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def log_tail(log_path: Path, lines: int = 30) -> str:
+    """The last `lines` lines of a child's log, for error messages."""
+    return "\n".join(read_log(log_path).splitlines()[-lines:])
 
 
 def terminate(proc: subprocess.Popen[bytes], grace_s: float) -> None:
@@ -132,26 +171,8 @@ class ServeProcess:
     def start(self) -> ServeProcess:
         if self.alive:
             return self
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as out:
-            # a process group of its own: a Ctrl-C reaches the test runner, which stops it
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "gateway.cli.main",
-                    "serve",
-                    "--port",
-                    str(self.port),
-                    *self.args,
-                ],
-                cwd=ROOT,
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        argv = [sys.executable, "-m", "gateway.cli.main", "serve", "--port", str(self.port)]
+        self.proc = spawn_logged([*argv, *self.args], self.log_path, self.env)
         return self
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
@@ -196,13 +217,10 @@ class ServeProcess:
         return rows
 
     def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        return read_log(self.log_path)
 
     def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
 
 def replica(

@@ -61,6 +61,7 @@ from types import TracebackType
 import httpx
 
 from gateway.testing.ports import free_port
+from gateway.testing.processes import ROOT, log_tail, read_log, spawn_logged
 
 __all__ = (
     "VLLM_START_TIMEOUT_S",
@@ -72,7 +73,6 @@ __all__ = (
     "vllm_venv",
 )
 
-ROOT = Path(__file__).resolve().parents[2]
 VENV_ENV = "VISIONGATE_VLLM_VENV"
 # the first start on a machine compiles vLLM's CPU kernels (about 70 s on 2 cores); two
 # servers starting at once take longer
@@ -222,17 +222,8 @@ class VllmServer:
         missing = vllm_missing()
         if missing is not None:
             raise RuntimeError(missing)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(
-                self.argv,
-                cwd=ROOT,
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # its own process group: stopped as one
-            )
+        # its own process group (the API server and its engine core): stopped as one
+        self.proc = spawn_logged(self.argv, self.log_path, self.env)
         return self
 
     def wait_ready(self, timeout_s: float = VLLM_START_TIMEOUT_S) -> VllmServer:
@@ -309,10 +300,7 @@ class VllmServer:
     # -- its log -----------------------------------------------------------------------------
 
     def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        return read_log(self.log_path)
 
     def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
+        return log_tail(self.log_path, lines)

@@ -42,7 +42,7 @@ import websockets
 from gateway.sessions.redis import RedisSessionStore
 from gateway.sessions.response_records import RedisResponseStore
 from gateway.testing.ports import free_port, wait_for_port
-from gateway.testing.processes import ROOT, terminate, wait_for_readyz
+from gateway.testing.processes import log_tail, spawn_logged, terminate, wait_for_readyz
 
 pytestmark = pytest.mark.slow
 
@@ -153,22 +153,14 @@ class GatewayProcess:
         return f"ws://127.0.0.1:{self.port}/v1/realtime"
 
     def start(self) -> None:
-        with self.log_path.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bench._soak_server"],
-                cwd=ROOT,
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        argv = [sys.executable, "-m", "bench._soak_server"]
+        self.proc = spawn_logged(argv, self.log_path, self.env)
 
     def wait_ready(self) -> None:
         assert self.proc is not None
 
         def tail() -> str:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+            return log_tail(self.log_path)
 
         url = f"http://127.0.0.1:{self.port}"
         wait_for_readyz(self.proc, url, self.name, self.log_path, tail, 120.0)
