@@ -8,6 +8,7 @@ import contextlib
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,6 +84,22 @@ def start_redis(port: int, workdir: str, *extra: str) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+def sleep_redis(port: int, seconds: float, after_s: float = 0.0) -> threading.Thread:
+    """Make the redis-server on `port` (started with `--enable-debug-command yes`) sleep
+    `seconds` (`DEBUG SLEEP`) after `after_s`, from a daemon thread; join it to wait it out."""
+    import redis
+
+    def run() -> None:
+        time.sleep(after_s)
+        client = redis.Redis(port=port, socket_timeout=seconds + 10)
+        client.execute_command("DEBUG", "SLEEP", str(seconds))
+        client.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
 @contextlib.contextmanager

@@ -43,6 +43,7 @@ from gateway.sessions.redis import RedisSessionStore
 from gateway.sessions.response_records import RedisResponseStore
 from gateway.testing.ports import free_port, wait_for_port
 from gateway.testing.processes import log_tail, spawn_logged, terminate, wait_for_readyz
+from tests.conftest import sleep_redis, start_redis
 
 pytestmark = pytest.mark.slow
 
@@ -75,16 +76,10 @@ class RedisProcess:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is not installed (apt-get install redis-server)")
+        # the later `--appendonly yes` overrides start_redis's `no`
         keep = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else []
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir"]
-        args += [str(self.workdir), "--save", "", "--enable-debug-command", "yes"]
-        self.proc = subprocess.Popen(
-            [*args, *(keep or ["--appendonly", "no"])],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+        self.proc = start_redis(
+            self.port, str(self.workdir), "--enable-debug-command", "yes", *keep
         )
         wait_for_port(self.port)
 
@@ -107,16 +102,7 @@ class RedisProcess:
         self.proc.wait(timeout=10)
 
     def stall(self, seconds: float) -> threading.Thread:
-        import redis
-
-        def run() -> None:
-            client = redis.Redis(port=self.port, socket_timeout=seconds + 10)
-            client.execute_command("DEBUG", "SLEEP", str(seconds))
-            client.close()
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        return thread
+        return sleep_redis(self.port, seconds)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

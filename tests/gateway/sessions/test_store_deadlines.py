@@ -28,7 +28,7 @@ from gateway.settings import Settings, SettingsError
 from gateway.testing.fakes import FakeEngine
 from gateway.testing.ports import free_port, wait_for_port
 from gateway.testing.realtime_peer import Peer
-from tests.conftest import start_redis
+from tests.conftest import sleep_redis, start_redis
 
 OWNER = "anonymous"
 BOUND_S = 0.6  # the gateways' store_timeout_s here
@@ -47,17 +47,7 @@ class StallableRedis:
 
     def stall(self, seconds: float, after_s: float = 0.0) -> threading.Thread:
         """Make the server sleep `seconds` (after `after_s`), from a thread."""
-        import redis
-
-        def run() -> None:
-            time.sleep(after_s)
-            client = redis.Redis(port=self.port, socket_timeout=seconds + 10)
-            client.execute_command("DEBUG", "SLEEP", str(seconds))
-            client.close()
-
-        thread = threading.Thread(target=run, daemon=True)
-        thread.start()
-        return thread
+        return sleep_redis(self.port, seconds, after_s)
 
     def flush(self) -> None:
         import redis
