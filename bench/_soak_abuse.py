@@ -328,27 +328,7 @@ class Abuser:
     async def _long_prompts(self, client: httpx.AsyncClient, stop_at: float) -> None:
         loop = asyncio.get_running_loop()
         while loop.time() < stop_at:
-            body = {
-                "model": self.target.model,
-                "stream": True,
-                "temperature": 1.0,
-                "max_tokens": self.long_max_tokens,
-                "messages": [{"role": "user", "content": self.payloads.long_prompt()}],
-            }
-            code = "ok"
-            try:
-                async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                    if response.status_code != 200:
-                        code = error_code(await response.aread(), response.status_code)
-                    else:
-                        async for line in response.aiter_lines():
-                            if line.startswith('data: {"error"'):
-                                code = error_code(line[6:].encode(), 200)
-            except httpx.HTTPError as exc:
-                code = f"connection:{type(exc).__name__}"
-            except asyncio.CancelledError:
-                self.count("long_prompts", "unfinished")  # still running when the phase ended
-                raise
+            code = await self._stream(client, "long_prompts")
             self.count("long_prompts", code)
             if code != "ok":
                 await asyncio.sleep(self.pause_s)  # refused: try again a moment later
