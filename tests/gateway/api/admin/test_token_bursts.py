@@ -246,6 +246,40 @@ async def test_the_cap_on_a_keys_responses_in_flight(make_gateway, backend, requ
         assert again.choices[0].message.content
 
 
+async def realtime_burst(
+    replicas, key: str, texts: list[str], max_tokens: int, *, timeout: float
+) -> list[dict]:
+    """One Realtime connection of `key` per text, alternating between the two `replicas`, each
+    given its text as an item; then all ask for a response of up to `max_tokens` at once. Each
+    one's end: its `response.done` (not failed), or its `rate_limited` error."""
+    a, b = replicas
+    peers = [
+        await Peer.open((a if i % 2 else b).ws_url, api_key=key, key_in="header")
+        for i in range(len(texts))
+    ]
+    try:
+        for peer, text in zip(peers, texts, strict=True):
+            await peer.add([{"type": "input_text", "text": text}])
+            await peer.until("conversation.item.done", timeout=10)
+
+        async def ask(peer: Peer) -> dict:
+            await peer.send(
+                {"type": "response.create", "response": {"max_output_tokens": max_tokens}}
+            )
+            while True:
+                event = await peer.recv(timeout=timeout)
+                if event["type"] == "response.done" and event["response"]["status"] != "failed":
+                    return event
+                if event["type"] == "error":
+                    assert event["error"]["code"] == "rate_limited", event
+                    return event
+
+        return await asyncio.gather(*(ask(p) for p in peers))
+    finally:
+        for peer in peers:
+            await peer.close()
+
+
 async def test_realtime_responses_on_two_replicas_reserve_their_output(make_gateway, redis_url):
     """Eight Realtime connections of one key, four on each replica, each asking for up to 60
     tokens of a 100-word answer at once: the output admitted stays within the limit plus one
@@ -255,30 +289,7 @@ async def test_realtime_responses_on_two_replicas_reserve_their_output(make_gate
     limit, max_tokens = 100, 60
     fresh_minute(20.0)
     key = create(a.http_url, output_tpm=limit)["secret"]
-    peers = [
-        await Peer.open((a if i % 2 else b).ws_url, api_key=key, key_in="header") for i in range(8)
-    ]
-    try:
-        for peer in peers:
-            await peer.add([{"type": "input_text", "text": words(100)}])
-            await peer.until("conversation.item.done", timeout=10)
-
-        async def ask(peer: Peer) -> dict:
-            await peer.send(
-                {"type": "response.create", "response": {"max_output_tokens": max_tokens}}
-            )
-            while True:
-                event = await peer.recv(timeout=30)
-                if event["type"] == "response.done" and event["response"]["status"] != "failed":
-                    return event
-                if event["type"] == "error":
-                    assert event["error"]["code"] == "rate_limited", event
-                    return event
-
-        ends = await asyncio.gather(*(ask(p) for p in peers))
-    finally:
-        for peer in peers:
-            await peer.close()
+    ends = await realtime_burst((a, b), key, [words(100)] * 8, max_tokens, timeout=30)
     written = [
         e["response"]["usage"]["output_tokens"] for e in ends if e["type"] == "response.done"
     ]

@@ -15,6 +15,7 @@ from gateway.testing.fake_gateway import eventually
 from gateway.testing.fakes import FakeEngine
 from tests.gateway.api.admin.test_admin_keys import ADMIN, create
 from tests.gateway.api.admin.test_key_token_limits import chat_body, fresh_minute, usage_of
+from tests.gateway.api.admin.test_token_bursts import realtime_burst
 
 BIG = 1_000_000
 # as many tokens as characters allow: one-character words, digits, punctuation
@@ -261,34 +262,12 @@ async def test_realtime_clients_on_two_replicas_stay_within_the_limit_plus_one(
 ) -> None:
     """Eight Realtime connections of one key, four on each replica, ask at once: what is
     admitted stays within the limit plus one response; the rest get `rate_limited`."""
-    from gateway.testing.realtime_peer import Peer
-
     a, b = slow_replicas
     limit = 400
     fresh_minute(10.0)
     key = create(a.http_url, input_tpm=limit)["secret"]
-    peers = [
-        await Peer.open((a if i % 2 else b).ws_url, api_key=key, key_in="header") for i in range(8)
-    ]
-    try:
-        for i, peer in enumerate(peers):
-            await peer.add([{"type": "input_text", "text": DENSE[i % 2]}])
-            await peer.until("conversation.item.done", timeout=10)
-
-        async def ask(peer: Peer) -> dict:
-            await peer.send({"type": "response.create", "response": {"max_output_tokens": 1}})
-            while True:
-                event = await peer.recv(timeout=10)
-                if event["type"] == "response.done" and event["response"]["status"] != "failed":
-                    return event
-                if event["type"] == "error":
-                    assert event["error"]["code"] == "rate_limited", event
-                    return event
-
-        ends = await asyncio.gather(*(ask(p) for p in peers))
-    finally:
-        for peer in peers:
-            await peer.close()
+    texts = [DENSE[i % 2] for i in range(8)]
+    ends = await realtime_burst((a, b), key, texts, 1, timeout=10)
     real = [e["response"]["usage"]["input_tokens"] for e in ends if e["type"] == "response.done"]
     assert real and len(real) < len(ends)
     assert sum(real) < limit + max(real), (sum(real), real)
