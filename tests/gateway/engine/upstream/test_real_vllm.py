@@ -159,6 +159,19 @@ def photo_turn(text: str = QUESTION) -> list[dict]:
     ]
 
 
+def photo_input(text: str = QUESTION) -> list[dict]:
+    """`photo_turn` as a Responses input."""
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_image", "image_url": data_url(PHOTO, "image/png")},
+                {"type": "input_text", "text": text},
+            ],
+        }
+    ]
+
+
 def greedy(client: openai.OpenAI, messages: list[dict], model: str = SERVED, **extra: object):
     return client.chat.completions.create(
         model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0, **extra
@@ -229,15 +242,7 @@ def test_a_sessions_follow_up_reuses_the_replicas_prefix_cache(primary: VllmServ
         turn = client.responses.create(
             model=SERVED,
             instructions=system,
-            input=[
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "input_image", "image_url": data_url(PHOTO, "image/png")},
-                        {"type": "input_text", "text": QUESTION},
-                    ],
-                }
-            ],
+            input=photo_input(),
             max_output_tokens=MAX_TOKENS,
             temperature=0,
         )
@@ -421,15 +426,7 @@ def test_a_replica_killed_mid_conversation_loses_nothing(
         before = [served_requests(r) for r in replicas]
         turn = client.responses.create(
             model=SERVED,
-            input=[
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "input_image", "image_url": data_url(PHOTO, "image/png")},
-                        {"type": "input_text", "text": QUESTION},
-                    ],
-                }
-            ],
+            input=photo_input(),
             max_output_tokens=MAX_TOKENS,
             temperature=0,
         )
