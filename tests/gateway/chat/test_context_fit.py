@@ -142,13 +142,19 @@ class FailingWrites(MemorySessionStore):
         return await super().update(session_id, owner, mutate)
 
 
-async def test_an_answer_that_cannot_be_stored_ends_the_response_as_failed() -> None:
+async def on_failing_writes() -> tuple[FakeEngine, FailingWrites, ChatService, Session]:
+    """A service over a `FailingWrites` store holding one conversation of one user turn."""
     engine = FakeEngine()
     sessions = FailingWrites(3600)
     service, _ = build(engine, sessions)
     session = Session.new(OWNER, instructions="", max_output_tokens=16)
     session.items.append(turn("user", "hello there", 0))
     await sessions.save(session)
+    return engine, sessions, service, session
+
+
+async def test_an_answer_that_cannot_be_stored_ends_the_response_as_failed() -> None:
+    engine, sessions, service, session = await on_failing_writes()
     stream = service.respond(session, ResponseOptions())
     events = []
     async for ev in stream:
@@ -187,12 +193,7 @@ async def test_a_conversation_that_fits_is_sent_whole(truncation: str) -> None:
 
 
 async def test_a_place_that_cannot_be_taken_fails_the_response_as_busy_not_internal() -> None:
-    engine = FakeEngine()
-    sessions = FailingWrites(3600)
-    service, _ = build(engine, sessions)
-    session = Session.new(OWNER, instructions="", max_output_tokens=16)
-    session.items.append(turn("user", "hello there", 0))
-    await sessions.save(session)
+    engine, sessions, service, session = await on_failing_writes()
     sessions.broken = True  # the store is down as the response takes its answer's place
     done = await run(service, session, ResponseOptions())
     assert done.status == "failed" and done.error is not None
