@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from litestar import Request, Response
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.response import Stream
 
 from gateway.api.http.error_replies import error_reply
+from gateway.api.http.sse_stream import DirectStream
 from gateway.api.openai.chat import protocol as p
 from gateway.api.openai.serving import EventStream
 
@@ -78,6 +78,6 @@ def reply(value: Any, state: GatewayState, *, session_id: str | None = None) -> 
         headers = dict(STREAM_HEADERS)
         if value.session_id:
             headers["X-Session-Id"] = value.session_id
-        return Stream(value.frames, media_type="text/event-stream", headers=headers)
+        return DirectStream(value.frames, media_type="text/event-stream", headers=headers)
     headers = {"X-Session-Id": session_id} if session_id else None
     return Response(value, status_code=200, headers=headers)

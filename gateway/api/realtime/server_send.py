@@ -8,6 +8,8 @@ call of every wrapper, for nothing. `ServerSend`, outermost, keeps the `send` th
 for a WebSocket in its scope; `server_send(scope)` hands it back, and a connection sends its
 `websocket.send` frames there once accepted. The accept, the close and everything over HTTP
 still go through the stack. A middleware that must see every frame is wrapped outside this one.
+An HTTP scope keeps it as well: a streamed answer sends its body chunks there
+(`gateway.api.http.sse_stream`), and its start and its end through the stack.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ SCOPE_KEY = "visiongate.server_send"
 
 
 class ServerSend:
-    """Pure ASGI, outermost: a WebSocket's scope carries the server's `send`."""
+    """Pure ASGI, outermost: a WebSocket's or HTTP request's scope carries the server's
+    `send`."""
 
     __slots__ = ("app",)
 
@@ -31,11 +34,12 @@ class ServerSend:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "websocket":
+        if scope["type"] != "lifespan":  # an SSE answer's chunks go there too (sse_stream.py)
             scope[SCOPE_KEY] = send  # type: ignore[literal-required]
         await self.app(scope, receive, send)
 
 
 def server_send(scope: Scope) -> Send | None:
-    """The server's `send` kept for this WebSocket, or None (an app built without `ServerSend`)."""
+    """The server's `send` kept for this connection, or None (an app built without
+    `ServerSend`)."""
     return scope.get(SCOPE_KEY)  # type: ignore[return-value]

@@ -15,7 +15,7 @@ from gateway.api.realtime.server_send import SCOPE_KEY, ServerSend, server_send
 from gateway.testing.fake_gateway import FakeGateway
 
 
-def test_the_scope_of_a_websocket_carries_the_server_send() -> None:
+def test_the_scope_of_a_websocket_or_http_request_carries_the_server_send() -> None:
     seen: dict[str, Any] = {}
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -29,8 +29,9 @@ def test_the_scope_of_a_websocket_carries_the_server_send() -> None:
 
     wrapped = ServerSend(app)
     asyncio.run(wrapped({"type": "websocket"}, receive, send))
-    asyncio.run(wrapped({"type": "http"}, receive, send))
-    assert seen == {"websocket": send, "http": None}
+    asyncio.run(wrapped({"type": "http"}, receive, send))  # an SSE answer's chunks (sse_stream)
+    asyncio.run(wrapped({"type": "lifespan"}, receive, send))
+    assert seen == {"websocket": send, "http": send, "lifespan": None}
     assert server_send({"type": "websocket"}) is None and SCOPE_KEY.startswith("visiongate.")
 
 

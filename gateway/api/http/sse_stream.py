@@ -1,0 +1,58 @@
+"""A streamed HTTP answer whose body chunks go to the server's own `send`.
+
+Litestar's `Stream` sends each chunk through every middleware that wraps `send`: its
+OpenTelemetry middleware (span bookkeeping on every message), its exception handling, request
+ids, rate-limit headers, the body guard. All of them act only on `http.response.start`, and
+OpenTelemetry on the last body message as well (it ends the server span there). `DirectStream`
+sends the start and that last, empty message through the stack as before, and every chunk in
+between to the `send` the server gave (`gateway.api.realtime.server_send`, kept in the scope by
+the outermost `ServerSend`), so a chunk of an SSE answer costs one call of the server's send.
+Without a kept `send` (an app built without `ServerSend`) it is Litestar's `Stream`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from litestar.response import Stream
+from litestar.response.base import ASGIResponse
+from litestar.response.streaming import ASGIStreamingResponse
+
+from gateway.api.realtime.server_send import server_send
+
+if TYPE_CHECKING:
+    from litestar.types import Message, Receive, Scope, Send
+
+__all__ = ("DirectStream",)
+
+
+class _DirectStreamingResponse(ASGIStreamingResponse):
+    """Litestar's streaming response with its chunks split off to the server's `send`."""
+
+    __slots__ = ()  # the same layout: a plain one becomes this one in place
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        direct = server_send(scope)
+        await super().__call__(scope, receive, send if direct is None else _split(send, direct))
+
+
+def _split(stack: Send, direct: Send) -> Send:
+    """`send` for a body's chunks (`more_body`) to `direct`, for the rest through `stack`."""
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.body" and message.get("more_body", False):
+            await direct(message)
+        else:
+            await stack(message)
+
+    return send
+
+
+class DirectStream(Stream):
+    """Litestar's `Stream`, its chunks sent as the module docstring says."""
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> ASGIResponse:
+        response = super().to_asgi_response(*args, **kwargs)
+        if type(response) is ASGIStreamingResponse:
+            response.__class__ = _DirectStreamingResponse
+        return response
