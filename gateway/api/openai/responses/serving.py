@@ -476,13 +476,10 @@ class ResponsesServing:
         flight here cannot be cancelled (`response_not_found`, or `invalid_request` when it
         has ended already)."""
         if not await self.in_flight.cancel(response_id, owner):
-            open_store_budget(self.state)
             try:
-                record = await self.state.responses.get(response_id, owner)
+                await self._stored(response_id, owner)
             except GatewayError as exc:
                 return p.error_response(exc)
-            if record is None:
-                return p.error_response(_unknown_response(response_id, "response_id"))
             return p.error_response(
                 GatewayError(
                     "invalid_request",
@@ -536,14 +533,20 @@ class ResponsesServing:
 
     # ------------------------------------------------------------ stored responses
 
-    async def retrieve(self, response_id: str, owner: str) -> bytes | p.ErrorResponse:
+    async def _stored(self, response_id: str, owner: str) -> ResponseRecord:
+        """`owner`'s stored response `response_id`, read within this request's store bound;
+        `response_not_found` when there is none."""
         open_store_budget(self.state)
+        record = await self.state.responses.get(response_id, owner)
+        if record is None:
+            raise _unknown_response(response_id, "response_id")
+        return record
+
+    async def retrieve(self, response_id: str, owner: str) -> bytes | p.ErrorResponse:
         try:
-            record = await self.state.responses.get(response_id, owner)
+            record = await self._stored(response_id, owner)
         except GatewayError as exc:
             return p.error_response(exc)
-        if record is None:
-            return p.error_response(_unknown_response(response_id, "response_id"))
         return record.body
 
     async def delete(self, response_id: str, owner: str) -> r.ResponseDeleted | p.ErrorResponse:
@@ -560,7 +563,6 @@ class ResponsesServing:
     async def input_items(
         self, response_id: str, owner: str, *, after: str | None, limit: int, order: str
     ) -> r.InputItemList | p.ErrorResponse:
-        open_store_budget(self.state)
         try:
             if not 1 <= limit <= MAX_INPUT_ITEMS_PAGE:
                 raise GatewayError(
@@ -570,9 +572,7 @@ class ResponsesServing:
                 raise GatewayError(
                     "invalid_request", 'order must be "asc" or "desc"', param="order"
                 )
-            record = await self.state.responses.get(response_id, owner)
-            if record is None:
-                raise _unknown_response(response_id, "response_id")
+            record = await self._stored(response_id, owner)
         except GatewayError as exc:
             return p.error_response(exc)
         items: list[dict[str, Any]] = msgspec.json.decode(record.input_items)
