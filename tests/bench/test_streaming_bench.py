@@ -64,7 +64,12 @@ def test_a_small_run_measures_both_sides_alike(
     assert len(report["points"]) == 2 * 2 * 2  # protocols x client counts x sides
     for point in report["points"]:
         assert point["messages_per_s"] > 0 and point["latencies_ms"]
-        assert point["server_cpu_us_per_message"] > 0
+        # CPU time is read in clock ticks (10 ms): a short window of the lean raw server may
+        # count none of them, the gateway's windows over all points some
+        assert point["server_cpu_us_per_message"] >= 0
+    assert any(
+        p["server_cpu_us_per_message"] > 0 for p in report["points"] if p["side"] == "gateway"
+    )
     # the same messages a response from both sides: 20 deltas and the frames around them
     counts = {
         (p["protocol"], p["side"]): tuple(p["messages_per_response"]) for p in report["points"]
