@@ -110,6 +110,25 @@ def _stderr(line: str) -> None:
 # -- tiny random-weight checkpoints ------------------------------------------------------------
 
 
+def checkpoint_builder(family: str, needed_by: str) -> Any:
+    """The module of the repository's `tests/vlm_checkpoints` that builds `family`'s random-weight
+    checkpoints (`build(path, ...)`), found in the checkout (not shipped in a wheel).
+
+    Raises RuntimeError naming `needed_by` when the checkout's builders are not there."""
+    import importlib
+
+    repo = Path(__file__).resolve().parents[1]
+    if (repo / "tests" / "vlm_checkpoints").is_dir() and str(repo) not in sys.path:
+        sys.path.append(str(repo))  # the checkout's root, when run from elsewhere
+    try:
+        return importlib.import_module(f"tests.vlm_checkpoints.{family}")
+    except ImportError as exc:
+        raise RuntimeError(
+            f"{needed_by} needs the checkpoint builders in tests/vlm_checkpoints: run it "
+            f"from a repository checkout ({exc})"
+        ) from None
+
+
 def build_tiny_checkpoints(
     root: Path, families: tuple[str, ...] = TINY_FAMILIES, seed: int = 0
 ) -> list[Path]:
@@ -118,20 +137,9 @@ def build_tiny_checkpoints(
 
     Raises RuntimeError with the reason when the builders or the SmolLM2 tokenizer they use
     are missing."""
-    import importlib
-
-    repo = Path(__file__).resolve().parents[1]
-    if (repo / "tests" / "vlm_checkpoints").is_dir() and str(repo) not in sys.path:
-        sys.path.append(str(repo))  # the checkout's root, when run from elsewhere
     out = []
     for family in families:
-        try:
-            builder = importlib.import_module(f"tests.vlm_checkpoints.{family}")
-        except ImportError as exc:
-            raise RuntimeError(
-                "--tiny-families needs the checkpoint builders in tests/vlm_checkpoints: run it "
-                f"from a repository checkout ({exc})"
-            ) from None
+        builder = checkpoint_builder(family, "--tiny-families")
         try:
             out.append(Path(builder.build(root / family, seed=seed)))
         except OSError as exc:

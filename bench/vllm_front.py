@@ -70,13 +70,10 @@ BENCH_SHAPES = {
 
 def build_checkpoint(root: Path) -> Path:
     """The bench's Qwen2.5-VL checkpoint (random weights, `BENCH_SHAPES`), vLLM-loadable."""
+    from bench._encoder_vlm import checkpoint_builder
     from gateway.testing.vllm_server import add_video_processor_config
 
-    repo = Path(__file__).resolve().parents[1]
-    if str(repo) not in sys.path:
-        sys.path.append(str(repo))  # the checkpoint builders live in the checkout's tests/
-    from tests.vlm_checkpoints import qwen2_5_vl
-
+    qwen2_5_vl = checkpoint_builder("qwen2_5_vl", "bench.vllm_front")
     path = qwen2_5_vl.build(
         root / "qwen2.5-vl-small",
         vision=BENCH_SHAPES["vision"],

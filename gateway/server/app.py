@@ -27,10 +27,10 @@ from gateway import __version__ as VERSION
 from gateway.api.admin import admin_route_handlers
 from gateway.api.http.bodies import BoundedRequest
 from gateway.api.http.body_guard import BodyGuard
+from gateway.api.http.server_send import ServerSend
 from gateway.api.openai import http_route_handlers
 from gateway.api.openai.routes import routing_error_handler
 from gateway.api.realtime.router import realtime_route
-from gateway.api.realtime.server_send import ServerSend
 from gateway.caching import make_image_store, make_vision_cache
 from gateway.chat.service import ChatService
 from gateway.chat.vision_resolver import VisionResolver

@@ -5,7 +5,7 @@ OpenTelemetry middleware (span bookkeeping on every message), its exception hand
 ids, rate-limit headers, the body guard. All of them act only on `http.response.start`, and
 OpenTelemetry on the last body message as well (it ends the server span there). `DirectStream`
 sends the start and that last, empty message through the stack as before, and every chunk in
-between to the `send` the server gave (`gateway.api.realtime.server_send`, kept in the scope by
+between to the `send` the server gave (`gateway.api.http.server_send`, kept in the scope by
 the outermost `ServerSend`), so a chunk of an SSE answer costs one call of the server's send.
 Without a kept `send` (an app built without `ServerSend`) it is Litestar's `Stream`.
 """
@@ -18,7 +18,7 @@ from litestar.response import Stream
 from litestar.response.base import ASGIResponse
 from litestar.response.streaming import ASGIStreamingResponse
 
-from gateway.api.realtime.server_send import server_send
+from gateway.api.http.server_send import server_send
 
 if TYPE_CHECKING:
     from litestar.types import Message, Receive, Scope, Send

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from gateway.api.http.server_send import server_send
 from gateway.api.realtime import protocol as rt
-from gateway.api.realtime.server_send import server_send
 from gateway.chat.requests import RequestLimits
 from gateway.chat.vision_resolver import EncodeQuota
 

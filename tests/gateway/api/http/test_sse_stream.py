@@ -9,8 +9,8 @@ from typing import Any
 
 from litestar import Litestar, get
 
+from gateway.api.http.server_send import ServerSend
 from gateway.api.http.sse_stream import DirectStream
-from gateway.api.realtime.server_send import ServerSend
 
 CHUNKS = [b"data: one\n\n", b"data: two\n\n", "data: three\n\n"]
 

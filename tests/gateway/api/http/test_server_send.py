@@ -9,9 +9,9 @@ from typing import Any
 
 from websockets.sync.client import connect
 
+from gateway.api.http.server_send import SCOPE_KEY, ServerSend, server_send
 from gateway.api.realtime import protocol as rt
 from gateway.api.realtime.channel import Channel, ConnState
-from gateway.api.realtime.server_send import SCOPE_KEY, ServerSend, server_send
 from gateway.testing.fake_gateway import FakeGateway
 
 
