@@ -507,6 +507,9 @@ async def profile(servers: Servers, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+    # progress on stderr with structlog's own processors, whatever a gateway in this process
+    # configured before (its stdlib processors do not take a PrintLogger)
+    structlog.reset_defaults()
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     args.out.mkdir(parents=True, exist_ok=True)
     outcome = RunOutcome()
