@@ -147,23 +147,6 @@ class Generation:
             request.cancel.set()
         await stream.aclose()  # type: ignore[attr-defined]
 
-    async def run(self, engine: Engine, request: GenerationRequest) -> AsyncIterator[TextDelta]:
-        """The request's text deltas; its results go to `results`, a refusal to `error`.
-        (`ChatService` reads the stream itself, with `start`, `take` and `end`, so that a delta
-        costs one generator less.)"""
-        stream = self.start(engine, request)
-        try:
-            async for delta in stream:
-                if (text := self.take(delta)) is not None:
-                    yield text
-        except EngineError as exc:
-            self.refused(exc)
-        except (asyncio.CancelledError, GeneratorExit):
-            self.abandon(request)
-            raise
-        finally:
-            await self.end(stream, request)
-
 
 class Ending:
     """Whether a response has ended, and the text sent so far (kept if its consumer goes

@@ -304,7 +304,7 @@ class ChatService:
         # 3. generate
         text_parts: list[str] = []  # the first answer's (the one stored)
         gen = Generation(t0, ending.trace, getattr(self.vision.encoder, "observe_ttft", None))
-        # the engine's stream read here, as `Generation.run` reads it, one generator less
+        # the engine's stream read here (`Generation.start`, `take`, `end`): no generator between
         stream = gen.start(self.engine, request)
         try:
             async for item in stream:
