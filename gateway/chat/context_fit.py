@@ -49,7 +49,7 @@ async def fit_messages(
     room = context - min(max_output_tokens, context // 4)
     # an image sent as bytes has no tokens here yet: the engine's estimate of what it
     # becomes upstream (0 when it gives none)
-    per_image = int(getattr(engine, "image_tokens_estimate", 0) or 0)
+    per_image = engine.capabilities.image_tokens_estimate
 
     def cost(message: Message, count: Callable[[str], int]) -> int:
         n = MESSAGE_OVERHEAD_TOKENS

@@ -75,7 +75,7 @@ def image_tokens_estimate(engine: Engine, encoder: object) -> int:
     """What an image not encoded yet counts as: the engine's own figure (an upstream engine
     sent image bytes), else the most tokens the encoder's config makes of one image (a VLM
     checkpoint's bound, a tower's patches), else `IMAGE_TOKENS_ESTIMATE`. Read once, at start."""
-    own = int(getattr(engine, "image_tokens_estimate", 0) or 0)
+    own = engine.capabilities.image_tokens_estimate
     if own:
         return own
     config = getattr(encoder, "config", None)

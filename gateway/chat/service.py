@@ -77,7 +77,6 @@ from gateway.engine.interface import (
     GenerationRequest,
     Message,
     WarmUpResult,
-    image_input_of,
 )
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import Session, SessionStore, SessionUsage
@@ -255,7 +254,7 @@ class ChatService:
         t_enc = time.perf_counter()
         originals: dict[str, bytes] = {}
         try:
-            if image_input_of(self.engine) == "bytes":
+            if self.engine.capabilities.image_input == "bytes":
                 images, waited = {}, False
                 originals = await self._originals(session)
             else:
@@ -512,7 +511,7 @@ class ChatService:
         """Warm the session's KV in the background (`warm_up`) from the stored session as it
         is now (`new_session` when it is not stored yet; else nothing is warmed); None when the
         engine cannot warm up. Its failures are logged, never raised."""
-        if getattr(self.engine, "warm_up", None) is None:
+        if not self.engine.capabilities.warm_up:
             return None
 
         async def run() -> WarmUpResult | None:

@@ -19,7 +19,7 @@ from gateway.chat.context_fit import fit_messages
 from gateway.chat.events import ResponseOptions
 from gateway.chat.turn_prompt import kv_key_for, token_image, turn_messages
 from gateway.chat.vision_resolver import Resolved
-from gateway.engine.interface import GenerationRequest, Message, SamplingParams, image_input_of
+from gateway.engine.interface import GenerationRequest, Message, SamplingParams
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import new_id
 from gateway.telemetry import ATTR
@@ -56,8 +56,7 @@ async def warm_up(
     tools prompt, where the caller knows them (a Responses prewarm); the session's otherwise.
     Traced as `llm.warmup` and counted."""
 
-    warm = getattr(engine, "warm_up", None)
-    if warm is None or image_input_of(engine) == "bytes":
+    if not engine.capabilities.warm_up or engine.capabilities.image_input == "bytes":
         return None
     started_ns = time.time_ns()
     digests = [*session.image_digests]
@@ -96,7 +95,7 @@ async def warm_up(
         owner=session.owner,
         warm_up="part" if then_image is not None else "message",
     )
-    result: WarmUpResult = await warm(request)
+    result: WarmUpResult = await engine.warm_up(request)
     span = telemetry.tracer.start_span(
         "llm.warmup",
         start_time=started_ns,

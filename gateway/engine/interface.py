@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +27,7 @@ __all__ = (
     "Delta",
     "Engine",
     "EngineBusy",
+    "EngineCapabilities",
     "EngineError",
     "EngineStats",
     "GenerationRequest",
@@ -39,7 +40,6 @@ __all__ = (
     "TokenLogprob",
     "WarmUp",
     "WarmUpResult",
-    "image_input_of",
 )
 
 MAX_TOP_LOGPROBS = 20  # alternatives reported per token at most (as OpenAI's API)
@@ -66,7 +66,7 @@ WarmUp = Literal["message", "part"]
 @dataclass(slots=True, frozen=True)
 class ImageInput:
     """One image as the language model sees it: its visual tokens, or (for an engine whose
-    `image_input` is "bytes") the original image bytes it encodes itself."""
+    capabilities' `image_input` is "bytes") the original image bytes it encodes itself."""
 
     # identifies the image: in KV block hashes, and as the content id an upstream engine keys its
     # multimodal cache by. The sha256 hex of the original bytes, prefixed with the encoder's
@@ -209,6 +209,34 @@ class EngineStats:
     owners_waiting: int = 0  # API keys with requests queued (a count, never the keys)
 
 
+@dataclass(slots=True, frozen=True)
+class EngineCapabilities:
+    """What an engine takes and does besides `generate`, declared by the engine
+    (`Engine.capabilities`), so that the gateway reads it instead of probing the engine.
+
+    Every engine takes sampling, stop strings, `n` choices, log-probabilities and grammars
+    (an upstream engine forwards them, and refuses what its replicas cannot do): they are not
+    capabilities. Values an engine learns from its model (`embedding_rms`, `vocab_size`) are
+    known once `start` returned."""
+
+    # what it takes for an image: "embeds" (visual tokens from the gateway's encoder; the
+    # in-process engine) or "bytes" (the original image, which it encodes itself; an upstream
+    # engine sending images as data URLs)
+    image_input: ImageInputKind = "embeds"
+    # whether `warm_up` prefills a session's KV ahead of its next turn; when False it does
+    # nothing and the gateway never schedules one
+    warm_up: bool = False
+    # what an image sent as bytes counts as, in prompt tokens, before the engine encodes it
+    # (fitting a prompt to the context, a key's token limits); 0: the engine gives no figure
+    image_tokens_estimate: int = 0
+    # RMS of the model's token-embedding rows, which the seeded synthetic projector scales
+    # visual tokens to; None: the engine asks for no rescaling
+    embedding_rms: float | None = None
+    # token ids the model's tokenizer has, against which the gateway checks a prompt sent as
+    # ids; None: not known here (an upstream engine's replicas check them)
+    vocab_size: int | None = None
+
+
 Delta = TextDelta | GenerationResult
 
 
@@ -238,13 +266,13 @@ class Engine(Protocol):
     model_id: str
     hidden_size: int  # width of the visual tokens it accepts
     context_tokens: int  # positions the model takes: prompt and answer together
-    # what it takes for an image: "embeds" (visual tokens from the gateway's encoder; the
-    # in-process engine) or "bytes" (the original image, which it encodes itself; an upstream
-    # engine sent images as data URLs). Engines without the attribute take "embeds".
-    image_input: ImageInputKind
 
     @property
     def ready(self) -> bool: ...
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """What it takes and does besides `generate` (see `EngineCapabilities`)."""
 
     async def start(self) -> None:
         """Load and warm up; `ready` is true afterwards."""
@@ -265,9 +293,13 @@ class Engine(Protocol):
     def stats(self) -> EngineStats:
         """Scheduler gauges (running, waiting, KV blocks, preemptions)."""
 
+    async def warm_up(self, request: GenerationRequest) -> WarmUpResult:
+        """Prefill `request`'s prompt into the KV cache for `request.kv_key`'s next turn,
+        generating nothing. Never raises for the request's sake: how it ended is the result
+        ("failed" from an engine whose capabilities say it cannot warm up)."""
+
+    def bind_telemetry(self, telemetry: Any) -> None:
+        """Take the gateway's `Telemetry` (its tracer and metrics) for the engine's own spans
+        and instruments; an engine with none of its own does nothing."""
+
     async def aclose(self) -> None: ...
-
-
-def image_input_of(engine: object) -> ImageInputKind:
-    """What `engine` takes for an image ("embeds" unless it says "bytes")."""
-    return "bytes" if getattr(engine, "image_input", "embeds") == "bytes" else "embeds"

@@ -34,7 +34,7 @@ from gateway.api.realtime.router import realtime_route
 from gateway.caching import make_image_store, make_vision_cache
 from gateway.chat.service import ChatService
 from gateway.chat.vision_resolver import VisionResolver
-from gateway.engine.interface import Engine, image_input_of
+from gateway.engine.interface import Engine
 from gateway.policy.auth import Authenticator
 from gateway.policy.client_secrets import make_client_secret_store
 from gateway.policy.key_guard import KeyResolver
@@ -140,7 +140,7 @@ def encoder_config(settings: Settings) -> EncoderConfig:
 
 
 def build_encoder(settings: Settings, engine: Engine, cores: CoreShare | None = None) -> Encoder:
-    if image_input_of(engine) == "bytes":  # the engine encodes images itself
+    if engine.capabilities.image_input == "bytes":  # the engine encodes images itself
         from gateway.encoders.passthrough_encoder import PassThroughEncoder
 
         return PassThroughEncoder(engine.model_id, engine.hidden_size)
@@ -148,7 +148,7 @@ def build_encoder(settings: Settings, engine: Engine, cores: CoreShare | None = 
 
     config = encoder_config(settings)
     # a real checkpoint's projector is real: no embedding-RMS rescaling handshake
-    target_rms = None if config.family is not None else getattr(engine, "embedding_rms", None)
+    target_rms = None if config.family is not None else engine.capabilities.embedding_rms
     if settings.encoder == "redis":
         from gateway.encoders.redis_encoder import RedisEncoder
 
@@ -184,9 +184,7 @@ def create_app(
         from gateway.engine.upstream.endpoints import parse_upstreams
 
         register_secrets(u.api_key for u in parse_upstreams(settings.upstreams) if u.api_key)
-    bind_telemetry = getattr(engine, "bind_telemetry", None)
-    if bind_telemetry is not None:  # an upstream engine's per-replica metrics and spans
-        bind_telemetry(telemetry)
+    engine.bind_telemetry(telemetry)  # an upstream engine's per-replica metrics and spans
     auth = _authenticator(settings, engine)
     # managed keys' token limits and usage, on the key store's backend, and the settings'
     # token limits of every other key
@@ -246,7 +244,7 @@ def create_app(
         active_sessions=lambda: gauges["sessions"],
         queue_depth=lambda: gauges["queue"],
         cache_bytes=lambda: {"vision": gauges["vision_cache"]},
-        engine_stats=getattr(engine, "stats", None),
+        engine_stats=engine.stats,
     )
 
     @contextlib.asynccontextmanager

@@ -22,6 +22,7 @@ import hashlib
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ from encoder_worker.types import EncodedImage
 from gateway.engine.interface import (
     Delta,
     EngineBusy,
+    EngineCapabilities,
     EngineError,
     EngineStats,
     GenerationRequest,
@@ -38,6 +40,7 @@ from gateway.engine.interface import (
     ImageInput,
     TextDelta,
     TokenLogprob,
+    WarmUpResult,
 )
 from gateway.engine.local.sequence import check_request
 
@@ -50,9 +53,11 @@ class FakeEngine:
     `start_delay_s` keeps it loading that long, `loaded` (a threading.Event) until the test
     sets it; `refuse` is an EngineError raised on the first step of every request (a refusal of
     the engine's own, whatever the gateway checked before); `fail_after=n` raises an
-    `engine_error` after n text deltas (a fault mid-stream)."""
+    `engine_error` after n text deltas (a fault mid-stream). It takes visual tokens and keeps
+    no KV to warm up: a subclass that takes bytes, or warms up, declares it in `capabilities`."""
 
     model_id = "fake-echo"
+    capabilities = EngineCapabilities()
 
     def __init__(
         self,
@@ -115,7 +120,7 @@ class FakeEngine:
             raise self.refuse
         # the real engine's refusals (empty prompt, embeds of the wrong width or not finite,
         # sampling out of range, too many stops), with their codes
-        check_request(request, self.hidden_size, getattr(self, "image_input", "embeds"))
+        check_request(request, self.hidden_size, self.capabilities.image_input)
         input_tokens, image_tokens = self._prompt_tokens(request)
         if input_tokens > self.context_tokens:
             raise EngineError(
@@ -217,6 +222,12 @@ class FakeEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(running=self.running)
+
+    async def warm_up(self, request: GenerationRequest) -> WarmUpResult:
+        return WarmUpResult("failed", reason="the fake engine keeps no KV")
+
+    def bind_telemetry(self, telemetry: Any) -> None:
+        """Nothing of its own to trace or count."""
 
     async def aclose(self) -> None:
         self._ready = False

@@ -251,11 +251,12 @@ def test_model_card_labels_the_vision_encoder(ckpt) -> None:
 def test_service_hands_the_layout_to_the_engine(exact, photos) -> None:
     from gateway.chat.service import ChatService
     from gateway.chat.vision_resolver import Resolved
+    from gateway.engine.interface import EngineCapabilities
     from gateway.sessions.session import Session, StoredItem, StoredPart
 
     (image,) = exact.encode_batch([photos["coffee"]])
     service = ChatService(
-        engine=types.SimpleNamespace(device="cpu", model_id="m"),
+        engine=types.SimpleNamespace(device="cpu", model_id="m", capabilities=EngineCapabilities()),
         vision=types.SimpleNamespace(fingerprint=exact.fingerprint),
         sessions=None,
         max_output_tokens_limit=16,

@@ -36,6 +36,7 @@ from encoder_worker.checkpoint import checkpoint_id
 from gateway.engine.interface import (
     Delta,
     EngineBusy,
+    EngineCapabilities,
     EngineError,
     EngineStats,
     GenerationRequest,
@@ -72,8 +73,6 @@ def kv_numerics(w: LoadedModel) -> str:
 
 class LocalEngine:
     """Engine protocol over a local HF model (default: the embedded SmolLM2-135M-Instruct)."""
-
-    image_input = "embeds"  # visual tokens from the gateway's encoder
 
     def __init__(
         self,
@@ -131,12 +130,23 @@ class LocalEngine:
         self._scheduler: Scheduler | None = None
         self._ready = False
         self._closed = False
+        # a warm-up with prefix caching off answers "dropped"
+        self._capabilities = EngineCapabilities(image_input="embeds", warm_up=True)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     @property
     def ready(self) -> bool:
         return self._ready
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """Visual tokens from the gateway's encoder and KV warm-ups; once started, the
+        embedding RMS and the tokenizer's size too."""
+        return self._capabilities
+
+    def bind_telemetry(self, telemetry: Any) -> None:
+        """Nothing to bind: the scheduler's gauges are read through `stats`."""
 
     @property
     def max_queue_per_key(self) -> int:
@@ -193,6 +203,12 @@ class LocalEngine:
         text_config = w.model.config.get_text_config()
         max_positions = int(getattr(text_config, "max_position_embeddings", 0) or 1 << 30)
         self.context_tokens = max_positions
+        self._capabilities = EngineCapabilities(
+            image_input="embeds",
+            warm_up=True,
+            embedding_rms=self.embedding_rms,
+            vocab_size=len(w.tokenizer),
+        )
         # the async side counts tokens; a Rust tokenizer is not safe to share across threads
         self._count_tokenizer = copy.deepcopy(w.tokenizer)
         spill_seed = None

@@ -60,6 +60,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from gateway.engine.interface import (
     Delta,
     EngineBusy,
+    EngineCapabilities,
     EngineError,
     EngineStats,
     GenerationRequest,
@@ -156,6 +157,12 @@ class OpenAIEngine:
         self._tokenizer: Any = None
         # what the gateway counts an image sent as bytes as, fitting a prompt to the context
         self.image_tokens_estimate = image_tokens_estimate if image_input == "bytes" else 0
+        # a warm-up sends the session's images as embeds: the session warm-up has no bytes
+        self._capabilities = EngineCapabilities(
+            image_input=image_input,
+            warm_up=image_input == "embeds",
+            image_tokens_estimate=self.image_tokens_estimate,
+        )
         self._cache_salt = cache_salt
         self._timeout = httpx.Timeout(
             connect=connect_timeout_s,
@@ -214,6 +221,12 @@ class OpenAIEngine:
     @property
     def ready(self) -> bool:
         return self._started and any(r.healthy for r in self._replicas)
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """Images as bytes or embeds (as configured); warm-ups in embeds mode only; an
+        estimate of an image's tokens in bytes mode. Token ids are the replicas' to check."""
+        return self._capabilities
 
     def bind_telemetry(self, telemetry: Any) -> None:
         """Per-replica metrics (`telemetry.metrics`) and one span per attempt (its tracer)."""

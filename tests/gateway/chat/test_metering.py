@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from encoder_worker.config import EncoderConfig
 from gateway.chat.metering import IMAGE_TOKENS_ESTIMATE, image_tokens_estimate
+from gateway.engine.interface import EngineCapabilities
 
 
 class Encoder:
@@ -14,7 +15,7 @@ class Encoder:
 
 class Engine:
     def __init__(self, own: int = 0) -> None:
-        self.image_tokens_estimate = own
+        self.capabilities = EngineCapabilities(image_tokens_estimate=own)
 
 
 def test_the_encoders_bound_then_the_engines_own_figure_then_the_default(tmp_path) -> None:

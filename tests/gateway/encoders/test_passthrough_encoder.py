@@ -1,4 +1,4 @@
-"""An engine that encodes images itself (`image_input = "bytes"`: an upstream sent data URLs).
+"""An engine that encodes images itself (it takes "bytes": an upstream sent data URLs).
 
 The gateway still takes, checks, stores and references images as always, and keeps them private
 to the key that sent them; it encodes nothing (its encoder is the pass-through one, no tower is
@@ -17,7 +17,7 @@ import pytest
 
 from encoder_worker.storage import scoped_digest
 from gateway.encoders.passthrough_encoder import PassThroughEncoder
-from gateway.engine.interface import ImageInput
+from gateway.engine.interface import EngineCapabilities, ImageInput
 from gateway.testing.fake_gateway import FakeGateway, start_gateway, unit_settings
 from gateway.testing.fakes import FakeEngine
 from gateway.testing.realtime_peer import data_url
@@ -30,7 +30,7 @@ KEYS = ["ka", "kb"]
 class BytesEngine(FakeEngine):
     """The fake echo engine, taking images as bytes (as an upstream engine does)."""
 
-    image_input = "bytes"
+    capabilities = EngineCapabilities(image_input="bytes")
 
 
 @pytest.fixture

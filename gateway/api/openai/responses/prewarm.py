@@ -38,7 +38,6 @@ from gateway.api.openai.responses import protocol as r
 from gateway.chat.metering import input_estimate
 from gateway.chat.requests import check_cache_salt
 from gateway.chat.session_warmup import warm_up
-from gateway.engine.interface import image_input_of
 from gateway.policy.key_usage import TokenUsage
 from gateway.protocol.errors import GatewayError
 
@@ -74,7 +73,7 @@ def check_prewarm(request: r.ResponsesRequest, engine: Engine) -> None:
     check_cache_salt(request.prompt_cache_key, "prompt_cache_key")
     if not wants_prewarm(request):
         return
-    if getattr(engine, "warm_up", None) is None or image_input_of(engine) == "bytes":
+    if not engine.capabilities.warm_up or engine.capabilities.image_input == "bytes":
         raise GatewayError(
             "invalid_request",
             "prewarm needs an engine whose prompt cache the gateway can warm up; the served "

@@ -24,6 +24,7 @@ import websockets.sync.client as ws_client
 from gateway.chat.tool_stream import render_tool_call
 from gateway.engine.interface import (
     Delta,
+    EngineCapabilities,
     GenerationRequest,
     GenerationResult,
     ImageInput,
@@ -52,6 +53,8 @@ class WarmingEngine(FakeEngine):
     """The fake engine with a KV warm-up that records each request and reports every prompt
     position as warmed (one per word and image token, as the fake counts tokens); asked
     `WEATHER_PLEASE`, it calls the weather tool (`PARIS`, a few characters a delta)."""
+
+    capabilities = EngineCapabilities(warm_up=True)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from gateway.chat.schema_bounds import bound_schema
-from gateway.engine.interface import GenerationRequest, WarmUpResult
+from gateway.engine.interface import EngineCapabilities, GenerationRequest, WarmUpResult
 from gateway.testing.fake_gateway import FakeGateway, eventually, start_gateway, unit_settings
 from gateway.testing.fakes import FakeEncoder, FakeEngine
 from gateway.testing.realtime_peer import Peer, data_url
@@ -29,6 +29,8 @@ from tests.conftest import unique_photo
 
 class WarmCountingEngine(FakeEngine):
     """The fake engine, its deltas spaced; warm-ups are counted and take a moment."""
+
+    capabilities = EngineCapabilities(warm_up=True)
 
     def __init__(self) -> None:
         super().__init__(delay_s=0.02)

@@ -20,6 +20,7 @@ from gateway.chat.output_grammar import plain_text_grammar
 from gateway.chat.tool_stream import call_id, render_tool_call, render_tool_result
 from gateway.engine.interface import (
     Delta,
+    EngineCapabilities,
     GenerationRequest,
     GenerationResult,
     ImageInput,
@@ -55,6 +56,8 @@ PARIS = render_tool_call("get_weather", '{"city": "Paris"}')
 class ScriptedEngine(FakeEngine):
     """Answers the next text of `script` (five characters a delta, so a call's fixed text is
     split as a model's is); with none left, echoes as the fake engine does."""
+
+    capabilities = EngineCapabilities(warm_up=True)
 
     def __init__(self) -> None:
         super().__init__()
