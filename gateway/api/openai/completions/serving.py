@@ -324,8 +324,7 @@ def _prompts(
 def _vocab_size(engine: Engine) -> int | None:
     """How many token ids the served model's tokenizer has (None: not known here, as with an
     upstream engine, which checks them itself)."""
-    tokenizer = getattr(engine, "tokenizer", None)
-    return len(tokenizer) if tokenizer is not None else None
+    return engine.capabilities.vocab_size
 
 
 def _check_unsupported(request: CompletionRequest, n: int) -> None:
