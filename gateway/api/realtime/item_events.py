@@ -8,8 +8,8 @@ out as soon as the item is stored, one `visiongate.image.encoded` per image as e
 and `conversation.item.done` when all are. An item whose image fails to encode is taken out of
 the session again and reported as an `error`: it never becomes part of the conversation.
 
-Each stored item may also start a KV warm-up (`_warm_up`): the conversation prefilled while
-the client types its question, one warm-up at a time per connection.
+Each stored item may also start a KV warm-up (`ItemEvents._warm_up`): the conversation
+prefilled while the client types its question, one warm-up at a time per connection.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from encoder_worker.types import ENCODE_STAGES
 from gateway.api.realtime import protocol as rt
-from gateway.api.realtime.channel import Channel, ConnState, log
+from gateway.api.realtime.connection_state import ConnState
 from gateway.api.realtime.items import (
     call_ids,
     check_placement,
@@ -46,37 +48,78 @@ from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import Session, StoredItem, new_id
 
 if TYPE_CHECKING:
-    from gateway.chat.vision_resolver import EncodePermit, Resolved
+    from gateway.api.realtime.connection_state import ConnectionState
+    from gateway.api.realtime.event_sender import EventSender
+    from gateway.chat.requests import RequestLimits
+    from gateway.chat.service import ChatService
+    from gateway.chat.vision_resolver import EncodePermit, Resolved, VisionResolver
+    from gateway.sessions.session import SessionStore
 
 __all__ = ("ItemEvents",)
 
+log = structlog.get_logger("visiongate.realtime")
 
-class ItemEvents(Channel):
+
+class ItemEvents:
     """The `conversation.item.*` events, the pre-encodes of their images and the KV warm-up."""
 
-    async def _item_create(self, event: rt.ConversationItemCreate) -> None:
-        assert self.session is not None
-        item, limits = event.item, self.limits
+    __slots__ = (
+        "_conn",
+        "_limits",
+        "_sender",
+        "_service",
+        "_sessions",
+        "_vision",
+        "_warm_again",
+        "_warming",
+        "_warmup",
+    )
+
+    def __init__(
+        self,
+        conn: ConnectionState,
+        sender: EventSender,
+        sessions: SessionStore,
+        vision: VisionResolver,
+        service: ChatService,
+        *,
+        limits: RequestLimits,
+        kv_warmup: bool,
+    ) -> None:
+        self._conn = conn
+        self._sender = sender
+        self._sessions = sessions
+        self._vision = vision
+        self._service = service  # for the KV warm-up only
+        self._limits = limits
+        self._warmup = kv_warmup
+        self._warming: asyncio.Task[Any] | None = None  # this connection's KV warm-up
+        self._warm_again = False  # items arrived while it ran
+
+    async def create(self, event: rt.ConversationItemCreate) -> None:
+        conn = self._conn
+        assert conn.session is not None
+        item, limits = event.item, self._limits
         item_id = item.id or new_id("item")
         fetched = None
         if isinstance(item, rt.MessageItem):
             fetched = await fetch_remote(content_parts(item), limits, param="item.content")
-        parsed = parse_item(item, limits, fetched, call_ids(self.session.items))
-        vision = self.state.require().vision
-        await resolve_references(parsed.refs, vision, owner=self.owner)
+        parsed = parse_item(item, limits, fetched, call_ids(conn.session.items))
+        vision = self._vision
+        await resolve_references(parsed.refs, vision, owner=conn.owner)
         # (content index, digest) of each image, for its pre-encode and its report
         new_images = [
             (i, p.digest) for i, p in enumerate(parsed.parts) if p.kind == "image" and p.digest
         ]
         # slots for the encodes this item starts, taken before anything of it is stored
-        starts = {digest for _, digest in new_images if digest not in self.pending}
-        permit = await admit_encodes(starts, vision, owner=self.owner, also=(self.encode_quota,))
+        starts = {digest for _, digest in new_images if digest not in conn.pending}
+        permit = await admit_encodes(starts, vision, owner=conn.owner, also=(conn.encode_quota,))
         try:
-            await self._add_item(event, item_id, parsed, new_images, permit)
+            await self._add(event, item_id, parsed, new_images, permit)
         finally:
             permit.close()  # the slots no pre-encode took (the item was refused)
 
-    async def _add_item(
+    async def _add(
         self,
         event: rt.ConversationItemCreate,
         item_id: str,
@@ -84,10 +127,11 @@ class ItemEvents(Channel):
         new_images: list[tuple[int, str]],
         permit: EncodePermit,
     ) -> None:
-        assert self.session is not None
-        item, limits = event.item, self.limits
-        vision = self.state.require().vision
-        await add_inline_images(parsed.inline, vision, owner=self.owner)
+        conn, sender = self._conn, self._sender
+        assert conn.session is not None
+        item, limits = event.item, self._limits
+        vision = self._vision
+        await add_inline_images(parsed.inline, vision, owner=conn.owner)
         stored = StoredItem(id=item_id, role=stored_role(item), parts=parsed.parts)
         new_digests = parsed.digests
 
@@ -107,26 +151,24 @@ class ItemEvents(Channel):
             )
             return previous
 
-        self.session, previous = await self.state.sessions.update(
-            self.session.id, self.owner, insert
-        )
-        await self._send(rt.ConversationItemAdded(self._eid(), wire_item(stored), previous))
+        conn.session, previous = await self._sessions.update(conn.session.id, conn.owner, insert)
+        await sender.send(rt.ConversationItemAdded(sender.eid(), wire_item(stored), previous))
         if not new_images:
-            await self._send(rt.ConversationItemDone(self._eid(), wire_item(stored), previous))
+            await sender.send(rt.ConversationItemDone(sender.eid(), wire_item(stored), previous))
             return
         # pre-encode now, before the question arrives; a response joins these tasks
         tasks: list[tuple[int, str, asyncio.Task[Resolved]]] = []
         for index, digest in new_images:
-            task = self.pending.get(digest)
+            task = conn.pending.get(digest)
             if task is None:
-                task = self.pending[digest] = vision.start(
-                    self.owner, digest, item_id=stored.id, session_id=self.session.id
+                task = conn.pending[digest] = vision.start(
+                    conn.owner, digest, item_id=stored.id, session_id=conn.session.id
                 )
                 permit.attach(digest, task)
             tasks.append((index, digest, task))
         watcher = asyncio.create_task(self._watch_encodes(stored, previous, tasks, event.event_id))
-        self.watchers[watcher] = [task for _, _, task in tasks]
-        watcher.add_done_callback(lambda w: self.watchers.pop(w, None))
+        conn.watchers[watcher] = [task for _, _, task in tasks]
+        watcher.add_done_callback(lambda w: conn.watchers.pop(w, None))
 
     async def _watch_encodes(
         self,
@@ -135,7 +177,8 @@ class ItemEvents(Channel):
         tasks: list[tuple[int, str, asyncio.Task[Resolved]]],
         event_id: str | None,
     ) -> None:
-        assert self.session is not None
+        conn, sender = self._conn, self._sender
+        assert conn.session is not None
         failed: GatewayError | None = None
         for index, digest, task in tasks:
             try:
@@ -146,13 +189,13 @@ class ItemEvents(Channel):
                 log.exception("pre_encode_failed", digest=digest[:12])
                 failed = GatewayError("internal_error", f"encoding failed: {type(exc).__name__}")
             if failed is not None:
-                if self.pending.get(digest) is task:
-                    self.pending.pop(digest, None)
+                if conn.pending.get(digest) is task:
+                    conn.pending.pop(digest, None)
                 break
             encoded = resolved.source in ("encoded", "joined")
-            await self._send(
+            await sender.send(
                 rt.ImageEncoded(
-                    self._eid(),
+                    sender.eid(),
                     item_id=stored.id,
                     content_index=index,
                     digest=digest,
@@ -173,16 +216,20 @@ class ItemEvents(Channel):
                 session.items[:] = [i for i in session.items if i.id != stored.id]
 
             try:
-                self.session, _ = await self.state.sessions.update(
-                    self.session.id, self.owner, remove
-                )
+                conn.session, _ = await self._sessions.update(conn.session.id, conn.owner, remove)
             except GatewayError:
                 log.warning("failed_item_not_removed", item_id=stored.id)
             failed.message = f"item {stored.id}: {failed.message}"
-            await self._send_error(failed, event_id)
+            await sender.send_error(failed, event_id)
             return
-        await self._send(rt.ConversationItemDone(self._eid(), wire_item(stored), previous))
+        await sender.send(rt.ConversationItemDone(sender.eid(), wire_item(stored), previous))
         self._warm_up()
+
+    async def settle(self) -> None:
+        """Wait for the item watchers (at the connection's end): each runs to its end, bounded
+        by its encode, so one whose image fails still removes the item from the session."""
+        if self._conn.watchers:
+            await asyncio.gather(*list(self._conn.watchers), return_exceptions=True)
 
     def _warm_up(self) -> None:
         """Prefill the conversation through its latest item while they type (not with session
@@ -190,48 +237,51 @@ class ItemEvents(Channel):
         nor when a response was already asked for: it prefills the conversation itself).
         One warm-up at a time per connection: items that arrive while one runs are warmed by
         one more after it, from the session as it is then (a burst of items costs two)."""
-        asked = self.response_task is not None and not self.response_task.done()
-        if not self.state.settings.kv_warmup or self.tools.tools or asked or not self.session:
+        conn = self._conn
+        if not self._warmup or conn.tools.tools or conn.responding or not conn.session:
             return
         if self._warming is not None and not self._warming.done():
             self._warm_again = True
             return
         self._warm_again = False
-        self._warming = self.state.require().service.schedule_warm_up(
-            self.session.id, self.owner, pending=self.pending
+        self._warming = self._service.schedule_warm_up(
+            conn.session.id, conn.owner, pending=conn.pending
         )
         if self._warming is not None:
             self._warming.add_done_callback(self._warmed)
 
     def _warmed(self, _: asyncio.Future[Any]) -> None:
-        if self._warm_again and self.conn_state is ConnState.OPEN:
+        if self._warm_again and self._conn.phase is ConnState.OPEN:
             self._warm_up()
 
-    async def _item_retrieve(self, event: rt.ConversationItemRetrieve) -> None:
-        assert self.session is not None
-        self.session = await self.state.sessions.load(self.session.id, self.owner)
-        item = find_item(self.session.items, event.item_id)
-        await self._send(rt.ConversationItemRetrieved(self._eid(), wire_item(item)))
+    async def retrieve(self, event: rt.ConversationItemRetrieve) -> None:
+        conn, sender = self._conn, self._sender
+        assert conn.session is not None
+        conn.session = await self._sessions.load(conn.session.id, conn.owner)
+        item = find_item(conn.session.items, event.item_id)
+        await sender.send(rt.ConversationItemRetrieved(sender.eid(), wire_item(item)))
 
-    async def _item_delete(self, event: rt.ConversationItemDelete) -> None:
-        assert self.session is not None
+    async def delete(self, event: rt.ConversationItemDelete) -> None:
+        conn, sender = self._conn, self._sender
+        assert conn.session is not None
 
         def delete(session: Session) -> None:
             delete_item(session.items, event.item_id)
 
-        self.session, _ = await self.state.sessions.update(self.session.id, self.owner, delete)
-        await self._send(rt.ConversationItemDeleted(self._eid(), event.item_id))
+        conn.session, _ = await self._sessions.update(conn.session.id, conn.owner, delete)
+        await sender.send(rt.ConversationItemDeleted(sender.eid(), event.item_id))
 
-    async def _item_truncate(self, event: rt.ConversationItemTruncate) -> None:
-        assert self.session is not None
+    async def truncate(self, event: rt.ConversationItemTruncate) -> None:
+        conn, sender = self._conn, self._sender
+        assert conn.session is not None
 
         def truncate(session: Session) -> None:
             truncate_item(session.items, event.item_id, event.content_index, event.audio_end_ms)
 
-        self.session, _ = await self.state.sessions.update(self.session.id, self.owner, truncate)
-        await self._send(
+        conn.session, _ = await self._sessions.update(conn.session.id, conn.owner, truncate)
+        await sender.send(
             rt.ConversationItemTruncated(
-                self._eid(), event.item_id, event.content_index, event.audio_end_ms
+                sender.eid(), event.item_id, event.content_index, event.audio_end_ms
             )
         )
 

@@ -20,9 +20,10 @@ import time
 from typing import TYPE_CHECKING
 
 import msgspec
+import structlog
 
 from gateway.api.realtime import protocol as rt
-from gateway.api.realtime.channel import Channel, log
+from gateway.api.realtime.connection_state import ResponseInFlight
 from gateway.api.realtime.items import (
     input_context,
     joined,
@@ -30,28 +31,71 @@ from gateway.api.realtime.items import (
     split_answer_item,
 )
 from gateway.api.realtime.output import ResponseOutput
-from gateway.chat.events import Finished, ResponseOptions
+from gateway.chat.events import Finished
 from gateway.chat.output_grammar import plain_text_grammar
 from gateway.chat.requests import check_output_modalities, response_options
 from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:
+    from gateway.api.realtime.connection_state import ConnectionState
+    from gateway.api.realtime.event_sender import EventSender
+    from gateway.chat.events import ResponseOptions
     from gateway.chat.output_grammar import ToolPlan
-    from gateway.sessions.session import Session
+    from gateway.chat.requests import RequestLimits
+    from gateway.chat.service import ChatService
+    from gateway.chat.vision_resolver import VisionResolver
+    from gateway.policy.key_usage import CountingLimiter
+    from gateway.sessions.session import Session, SessionStore
 
 __all__ = ("ResponseEvents",)
 
+log = structlog.get_logger("visiongate.realtime")
 
-class ResponseEvents(Channel):
+
+class ResponseEvents:
     """`response.create`, `response.cancel`, and the run of the response in progress."""
 
-    async def _response_create(self, event: rt.ResponseCreate) -> None:
+    __slots__ = (
+        "_conn",
+        "_limits",
+        "_model",
+        "_rate_limiter",
+        "_sender",
+        "_service",
+        "_sessions",
+        "_vision",
+    )
+
+    def __init__(
+        self,
+        conn: ConnectionState,
+        sender: EventSender,
+        sessions: SessionStore,
+        vision: VisionResolver,
+        service: ChatService,
+        *,
+        limits: RequestLimits,
+        rate_limiter: CountingLimiter,
+        model: str,
+    ) -> None:
+        self._conn = conn
+        self._sender = sender
+        self._sessions = sessions
+        self._vision = vision  # the images of a response's own input
+        self._service = service  # runs the response: `ChatService.respond`
+        self._limits = limits
+        self._rate_limiter = rate_limiter
+        self._model = model
+
+    async def create(self, event: rt.ResponseCreate) -> None:
         received = time.perf_counter()
-        assert self.session is not None
-        if self.response_task is not None and not self.response_task.done():
+        conn, limits = self._conn, self._limits
+        assert conn.session is not None
+        if conn.responding:
+            assert conn.response is not None
             raise GatewayError(
                 "response_in_progress",
-                f"response {self.response_options.response_id} is still in progress; "
+                f"response {conn.response.options.response_id} is still in progress; "
                 "cancel it or wait for response.done",
             )
         params = event.response or rt.ResponseParams()
@@ -63,7 +107,7 @@ class ResponseEvents(Channel):
                 param="response.conversation",
             )
         options = response_options(
-            self.limits,
+            limits,
             where="response.",
             max_tokens=params.max_output_tokens,
             allow_inf=True,
@@ -75,33 +119,33 @@ class ResponseEvents(Channel):
         )
         # the answer's token budget bounds the calls' arguments, as over HTTP
         budget = min(
-            options.max_output_tokens or self.session.max_output_tokens,
-            self.limits.max_output_tokens_limit,
+            options.max_output_tokens or conn.session.max_output_tokens,
+            limits.max_output_tokens_limit,
         )
-        _apply_plan(options, self._response_tools(params, budget))
-        await self.state.rate_limiter.acquire(self.owner)
+        _apply_plan(options, self._tools(params, budget))
+        await self._rate_limiter.acquire(conn.owner)
         # watchers whose encodes are over are about to report (and drop a failed image's item):
         # let them, so this response sees the conversation the client was told about
-        settled = [w for w, encodes in self.watchers.items() if all(t.done() for t in encodes)]
+        settled = conn.reporting_watchers()
         if settled:
             await asyncio.gather(*settled, return_exceptions=True)
         # the stored session is the truth (another connection may have added to it)
         load_start = time.time_ns()
-        self.session = await self.state.sessions.load(self.session.id, self.owner)
+        conn.session = session = await self._sessions.load(conn.session.id, conn.owner)
         options.session_load_ns = (load_start, time.time_ns())
-        context, permit = self.session.items, None
+        context, permit = session.items, None
         if params.input is not None:  # this response's own context, never stored
             context, permit = await input_context(
                 params.input,
-                self.session.items,
-                self.limits,
-                self.state.require().vision,
-                owner=self.owner,
-                started=set(self.pending),
-                quota=self.encode_quota,
+                session.items,
+                limits,
+                self._vision,
+                owner=conn.owner,
+                started=set(conn.pending),
+                quota=conn.encode_quota,
             )
             if not context and not (
-                options.instructions or self.session.instructions or options.tools_prompt
+                options.instructions or session.instructions or options.tools_prompt
             ):
                 permit.close()
                 raise GatewayError(
@@ -110,21 +154,21 @@ class ResponseEvents(Channel):
                     param="response.input",
                 )
         # what the model reads: function_call items joined to the answer that made them
-        view = msgspec.structs.replace(self.session, items=joined(context))
+        view = msgspec.structs.replace(session, items=joined(context))
         if options.grammar is None and any(i.role == "tool" for i in view.items):
             options.grammar = plain_text_grammar()  # no tools now: answer the results in words
-        self.response_options = options
-        self.response_task = asyncio.create_task(
-            self._run_response(options, params, view, event.event_id, received),
+        task = asyncio.create_task(
+            self._run(options, params, view, event.event_id, received),
             name=f"response {options.response_id}",
         )
+        conn.response = ResponseInFlight(options, task)
         if permit is not None:  # the input's encode slots, held until the response ends
-            self.response_task.add_done_callback(lambda _: permit.close())
+            task.add_done_callback(lambda _: permit.close())
 
-    def _response_tools(self, params: rt.ResponseParams, budget: int) -> ToolPlan | None:
+    def _tools(self, params: rt.ResponseParams, budget: int) -> ToolPlan | None:
         """The response's tools, each field its own or else the session's."""
         own_tools, own_choice = params.tools is not None, params.tool_choice is not None
-        session = self.tools
+        session = self._conn.tools
         return plan_realtime_tools(
             params.tools if own_tools else session.tools,
             params.tool_choice if own_choice else session.tool_choice,
@@ -136,10 +180,10 @@ class ResponseEvents(Channel):
             budget=budget,
         )
 
-    async def _response_cancel(self, event: rt.ResponseCancel) -> None:
-        active = self.response_task is not None and not self.response_task.done()
-        if not active or (
-            event.response_id and event.response_id != self.response_options.response_id
+    async def cancel(self, event: rt.ResponseCancel) -> None:
+        response = self._conn.response if self._conn.responding else None
+        if response is None or (
+            event.response_id and event.response_id != response.options.response_id
         ):
             raise GatewayError(
                 "response_not_found",
@@ -147,9 +191,19 @@ class ResponseEvents(Channel):
                 + (f" with id {event.response_id!r}" if event.response_id else ""),
                 param="response_id",
             )
-        self.response_options.cancel.set()
+        response.options.cancel.set()
 
-    async def _run_response(
+    async def stop(self) -> None:
+        """The connection ends: the response in progress stops now and frees the engine."""
+        response = self._conn.response
+        if response is None:
+            return
+        response.options.cancel.set()
+        if not response.task.done():
+            response.task.cancel()
+            await asyncio.gather(response.task, return_exceptions=True)
+
+    async def _run(
         self,
         options: ResponseOptions,
         params: rt.ResponseParams,
@@ -158,18 +212,19 @@ class ResponseEvents(Channel):
         received: float,
     ) -> None:
         rid, iid = options.response_id, options.item_id
+        sender = self._sender
         output = ResponseOutput(
             options,
-            send=self._send,
-            eid=self._eid,
+            send=sender.send,
+            eid=sender.eid,
             conversation=view.id if options.store else None,
             metadata=params.metadata,
-            model=self.state.engine.model_id,
+            model=self._model,
         )
         finished = False
         try:
-            async for ev in self.state.require().service.respond(
-                view, options, pending=self.pending, received_at=received
+            async for ev in self._service.respond(
+                view, options, pending=self._conn.pending, received_at=received
             ):
                 if isinstance(ev, Finished):
                     await self._finish(ev, output, event_id)
@@ -194,7 +249,7 @@ class ResponseEvents(Channel):
                     )
                 except Exception:  # building the done event itself failed: the error still goes
                     log.exception("response_done_failed", response_id=rid)
-                    await self._send_error(error, event_id)
+                    await sender.send_error(error, event_id)
 
     async def _finish(self, ev: Finished, output: ResponseOutput, event_id: str | None) -> None:
         options = output.options
@@ -203,30 +258,29 @@ class ResponseEvents(Channel):
             if options.store and options.tools:
                 await self._split_answer(options.item_id)
         elif ev.error is not None:
-            await self._send_error(ev.error, event_id)
+            await self._sender.send_error(ev.error, event_id)
         await output.done(ev)
         await self._send_rate_limits()
 
     async def _send_rate_limits(self) -> None:
         """`rate_limits.updated` after a response.done, when the key has limits."""
-        read = getattr(self.state.rate_limiter, "rate_limits", None)
-        if read is None:
-            return
-        requests, tokens = await read(self.owner)
+        requests, tokens = await self._rate_limiter.rate_limits(self._conn.owner)
         limits = [
             rt.RateLimit(name, a.limit, a.remaining, round(a.reset_s, 3))
             for name, a in (("requests", requests), ("tokens", tokens))
             if a is not None
         ]
         if limits:
-            await self._send(rt.RateLimitsUpdated(self._eid(), limits))
+            sender = self._sender
+            await sender.send(rt.RateLimitsUpdated(sender.eid(), limits))
 
     async def _split_answer(self, item_id: str) -> None:
         """The stored answer becomes the items the response showed (message, function calls)."""
-        assert self.session is not None
+        conn = self._conn
+        assert conn.session is not None
         try:
-            self.session, _ = await self.state.sessions.update(
-                self.session.id, self.owner, lambda s: split_answer_item(s.items, item_id)
+            conn.session, _ = await self._sessions.update(
+                conn.session.id, conn.owner, lambda s: split_answer_item(s.items, item_id)
             )
         except GatewayError as exc:  # the answer stays one item: it reads the same to the model
             log.warning("answer_not_split", item_id=item_id, code=exc.code)

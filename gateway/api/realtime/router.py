@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING
 from litestar import Router, WebSocket, websocket
 
 from gateway.api.realtime import protocol as rt
-from gateway.api.realtime.channel import CLOSE_POLICY, CLOSE_TRY_AGAIN
-from gateway.api.realtime.connection import RealtimeConnection
+from gateway.api.realtime.connection import CLOSE_POLICY, CLOSE_TRY_AGAIN, RealtimeConnection
 from gateway.api.realtime.ephemeral import ephemeral_routes
 from gateway.policy.auth import QUERY_KEY_REFUSED, key_of, public_subprotocol
 from gateway.policy.client_secrets import is_ephemeral
@@ -83,7 +82,7 @@ def realtime_route(state: GatewayState) -> Router:
         ephemeral = grant.ephemeral
 
         async def key_refused(exc: GatewayError) -> None:  # revoked or expired while open
-            await connection._send_error(exc, None)
+            await connection.sender.send_error(exc, None)
             await socket.close(code=CLOSE_POLICY, reason=exc.code)
 
         async def parent_stands() -> object:  # an ephemeral key's connection: its parent key

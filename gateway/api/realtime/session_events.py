@@ -12,14 +12,13 @@ connection (`SessionTools`), not in the session. `session_state` is what `sessio
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import msgspec
+import structlog
+
 from gateway.api.realtime import protocol as rt
-from gateway.api.realtime.channel import (
-    CLOSE_POLICY,
-    CLOSE_TRY_AGAIN,
-    Channel,
-    SessionTools,
-    log,
-)
+from gateway.api.realtime.connection_state import SessionTools
 from gateway.api.realtime.items import plan_realtime_tools, wire_item
 from gateway.chat.requests import (
     check_conversation_size,
@@ -33,7 +32,15 @@ from gateway.chat.requests import (
 from gateway.protocol.errors import GatewayError
 from gateway.sessions.session import Session, StoredItem
 
+if TYPE_CHECKING:
+    from gateway.api.realtime.connection_state import ConnectionState
+    from gateway.api.realtime.event_sender import EventSender
+    from gateway.chat.requests import RequestLimits
+    from gateway.sessions.session import SessionStore
+
 __all__ = ("EVENT_ITEMS", "SessionEvents", "session_state")
+
+log = structlog.get_logger("visiongate.realtime")
 
 # session events stay small however long the conversation: the latest items, each text clipped;
 # the whole history is paged from GET /v1/sessions/{id}
@@ -95,50 +102,68 @@ def session_state(
     )
 
 
-class SessionEvents(Channel):
-    """Opening the connection's session and `session.update`."""
+class SessionEvents:
+    """Opening the connection's session, `session.update`, and the settings an ephemeral key
+    was minted with."""
 
-    async def _open_session(self, session_id: str | None) -> bool:
-        settings = self.state.settings
+    __slots__ = ("_conn", "_default_instructions", "_limits", "_model", "_sender", "_sessions")
+
+    def __init__(
+        self,
+        conn: ConnectionState,
+        sender: EventSender,
+        sessions: SessionStore,
+        *,
+        model: str,
+        limits: RequestLimits,
+        default_instructions: str,
+    ) -> None:
+        self._conn = conn
+        self._sender = sender
+        self._sessions = sessions
+        self._model = model  # the served model: the only one a session may name
+        self._limits = limits
+        self._default_instructions = default_instructions
+
+    async def open(self, session_id: str | None) -> None:
+        """Resume `session_id` (the owner's only) or start a new session, and say so with
+        `session.created`. Raises the store's GatewayError (`session_not_found`, `busy`); the
+        connection reports it and closes."""
+        conn, sender = self._conn, self._sender
         if session_id:
-            try:
-                self.session = await self.state.sessions.load(session_id, self.owner)
-            except GatewayError as exc:
-                await self._send_error(exc, None)
-                not_found = exc.code == "session_not_found"
-                await self.socket.close(
-                    code=CLOSE_POLICY if not_found else CLOSE_TRY_AGAIN, reason=exc.code
-                )
-                return False
-            await self._send(
-                rt.SessionCreated(
-                    self._eid(),
-                    session_state(self.session, self.state.engine.model_id, resumed=True),
-                )
-            )
-            log.info("session_resumed", session_id=self.session.id, items=len(self.session.items))
-            return True
-        self.session = Session.new(
-            self.owner,
-            instructions=settings.default_instructions,
-            max_output_tokens=settings.max_output_tokens,
+            session = conn.session = await self._sessions.load(session_id, conn.owner)
+            state = session_state(session, self._model, resumed=True)
+            await sender.send(rt.SessionCreated(sender.eid(), state))
+            log.info("session_resumed", session_id=session.id, items=len(session.items))
+            return
+        session = Session.new(
+            conn.owner,
+            instructions=self._default_instructions,
+            max_output_tokens=self._limits.max_output_tokens,
         )
-        try:
-            await self.state.sessions.save(self.session)
-        except GatewayError as exc:  # the session store is down: "try again later"
-            await self._send_error(exc, None)
-            await self.socket.close(code=CLOSE_TRY_AGAIN, reason=exc.code)
-            return False
-        await self._send(
-            rt.SessionCreated(self._eid(), session_state(self.session, self.state.engine.model_id))
-        )
-        log.info("session_created", session_id=self.session.id)
-        return True
+        await self._sessions.save(session)
+        conn.session = session
+        await sender.send(rt.SessionCreated(sender.eid(), session_state(session, self._model)))
+        log.info("session_created", session_id=session.id)
 
-    async def _session_update(self, event: rt.SessionUpdate) -> None:
-        assert self.session is not None
-        cfg, limits = event.session, self.limits
-        check_model(cfg.model, self.state.engine.model_id, "session.model")
+    async def apply_minted(self, raw: bytes) -> None:
+        """The `session` settings an ephemeral key was minted with (JSON), applied as a
+        `session.update` from the client would be; one that no longer passes is an `error`
+        event, and the session keeps its settings."""
+        try:
+            config = msgspec.json.decode(raw, type=rt.SessionConfig)
+            await self.update(rt.SessionUpdate(session=config))
+        except (GatewayError, msgspec.ValidationError) as exc:
+            error = (
+                exc if isinstance(exc, GatewayError) else GatewayError("invalid_request", str(exc))
+            )
+            await self._sender.send_error(error, None)
+
+    async def update(self, event: rt.SessionUpdate) -> None:
+        conn = self._conn
+        assert conn.session is not None
+        cfg, limits = event.session, self._limits
+        check_model(cfg.model, self._model, "session.model")
         check_sampling(cfg.temperature, cfg.top_p, cfg.seed, where="session.")
         check_output_modalities(cfg.output_modalities, "session.output_modalities")
         max_tokens = check_max_tokens(
@@ -148,12 +173,13 @@ class SessionEvents(Channel):
             allow_inf=True,
         )
         check_instructions(cfg.instructions, limits, "session.instructions")
+        current = conn.tools
         tools = SessionTools(
-            cfg.tools if cfg.tools is not None else self.tools.tools,
-            cfg.tool_choice if cfg.tool_choice is not None else self.tools.tool_choice,
+            cfg.tools if cfg.tools is not None else current.tools,
+            cfg.tool_choice if cfg.tool_choice is not None else current.tool_choice,
             cfg.parallel_tool_calls
             if cfg.parallel_tool_calls is not None
-            else self.tools.parallel_tool_calls,
+            else current.parallel_tool_calls,
         )
         plan_realtime_tools(
             tools.tools,
@@ -182,13 +208,12 @@ class SessionEvents(Channel):
             if cfg.truncation is not None:
                 session.truncation = cfg.truncation
 
-        self.session, _ = await self.state.sessions.update(self.session.id, self.owner, apply)
-        self.tools = tools
-        await self._send(
+        conn.session, _ = await self._sessions.update(conn.session.id, conn.owner, apply)
+        conn.tools = tools
+        sender = self._sender
+        await sender.send(
             rt.SessionUpdated(
-                self._eid(),
-                session_state(
-                    self.session, self.state.engine.model_id, with_items=False, tools=tools
-                ),
+                sender.eid(),
+                session_state(conn.session, self._model, with_items=False, tools=tools),
             )
         )

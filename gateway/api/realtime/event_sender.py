@@ -1,0 +1,99 @@
+"""The one way out of a Realtime connection: server events, in order, on an open socket.
+
+`EventSender.send` encodes an event in the connection's negotiated codec (`codec`, set once the
+subprotocol is chosen) and hands the ASGI message to `out`: the server's own send once the
+socket is accepted (`gateway.api.http.server_send`: every event of a response passes here, and
+the middleware wrappers between only act on the accept), else Litestar's. `send_error` turns a
+`GatewayError` into an `error` event echoing the client's `event_id`, and counts it.
+
+Invariants: nothing is sent unless the connection is OPEN (`ConnectionState.phase`); sends go
+out in the order they were made (one that finds another still under way, a socket draining,
+waits behind it on a lock; the others take none); a send to a peer that went away is dropped
+quietly (the receive loop sees the disconnect). Event ids are `event_000001`,
+`event_000002`, ... per connection (`eid`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from gateway.api.realtime import protocol as rt
+from gateway.api.realtime.connection_state import ConnState
+
+if TYPE_CHECKING:
+    from gateway.api.realtime.connection_state import ConnectionState
+    from gateway.protocol.errors import GatewayError
+    from gateway.telemetry import GatewayMetrics
+
+__all__ = ("EventSender", "Out")
+
+log = structlog.get_logger("visiongate.realtime")
+
+Out = Callable[[dict[str, Any]], Awaitable[None]]  # an ASGI send
+
+_OPEN = ConnState.OPEN
+
+
+class EventSender:
+    """Sends one connection's server events (see the module for its invariants)."""
+
+    __slots__ = ("_conn", "_lock", "_metrics", "_out", "_sending", "_seq", "codec")
+
+    def __init__(self, conn: ConnectionState, out: Out, metrics: GatewayMetrics) -> None:
+        self._conn = conn
+        self._out = out
+        self._metrics = metrics
+        self.codec = rt.WireCodec()  # JSON until the connection negotiates msgpack
+        self._lock = asyncio.Lock()
+        self._sending = False  # a send is under way outside the lock
+        self._seq = 0
+
+    def eid(self) -> str:
+        self._seq += 1
+        return f"event_{self._seq:06d}"
+
+    async def send(self, event: rt.ServerEvent) -> None:
+        if self._conn.phase is not _OPEN:
+            return
+        codec = self.codec
+        data = codec.encode(event)
+        if codec.binary:
+            message = {"type": "websocket.send", "bytes": data, "text": None}
+        else:
+            message = {"type": "websocket.send", "bytes": None, "text": data.decode()}
+        if self._sending or self._lock.locked():
+            # another send waits for the socket to drain: queue behind it, in order
+            async with self._lock:
+                await self._deliver(message, event)
+            return
+        self._sending = True  # a send that never suspends (nearly all) takes no lock
+        try:
+            await self._deliver(message, event)
+        finally:
+            self._sending = False
+
+    async def _deliver(self, message: dict[str, Any], event: rt.ServerEvent) -> None:
+        try:
+            await self._out(message)
+        except Exception:  # the peer went away; the receive loop will see the disconnect
+            log.debug("send_failed", event_type=type(event).__name__)
+
+    async def send_error(self, exc: GatewayError, event_id: str | None) -> None:
+        self._metrics.record_error(code=exc.code, api="realtime")
+        log.info("client_error", code=exc.code, message=exc.message, event_id=event_id)
+        await self.send(
+            rt.ErrorEvent(
+                self.eid(),
+                rt.ErrorBody(
+                    type=exc.type,
+                    code=exc.code,
+                    message=exc.message,
+                    param=exc.param,
+                    event_id=event_id,
+                ),
+            )
+        )
