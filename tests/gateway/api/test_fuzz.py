@@ -1611,9 +1611,10 @@ class _GoneSocket:
 async def test_send_to_a_client_gone_is_quiet(gateway: ServerThread) -> None:
     # over the network this is a race (the send must land between the disconnect and the
     # connection's own close); here the send fails for certain
-    from gateway.api.realtime.connection import ConnState, RealtimeConnection
+    from gateway.api.realtime.connection import RealtimeConnection
+    from gateway.api.realtime.connection_state import ConnState
 
     conn = RealtimeConnection(_GoneSocket(), gateway.app.state["gateway"], "anonymous")
-    conn.conn_state = ConnState.OPEN
+    conn.conn.transition(ConnState.OPEN)
     body = rt.ErrorBody(type="server_error", code="busy", message="m")
-    await conn._send(rt.ErrorEvent("event_000001", body))  # must not raise
+    await conn.sender.send(rt.ErrorEvent("event_000001", body))  # must not raise

@@ -7,11 +7,15 @@ import asyncio
 import json
 from typing import Any
 
+from opentelemetry.metrics import NoOpMeter
 from websockets.sync.client import connect
 
 from gateway.api.http.server_send import SCOPE_KEY, ServerSend, server_send
 from gateway.api.realtime import protocol as rt
-from gateway.api.realtime.channel import Channel, ConnState
+from gateway.api.realtime.connection_state import ConnectionState, ConnState
+from gateway.api.realtime.event_sender import EventSender
+from gateway.chat.vision_resolver import EncodeQuota
+from gateway.telemetry import GatewayMetrics
 from gateway.testing.fake_gateway import FakeGateway
 
 
@@ -74,15 +78,12 @@ def test_sends_stay_in_order_while_the_socket_drains() -> None:
         sent.append(message["text"])
 
     async def run() -> None:
-        # a channel's sending half alone: no app, no socket but the server's send
-        channel = Channel.__new__(Channel)
-        channel.codec = rt.WireCodec()
-        channel.conn_state = ConnState.OPEN
-        channel._send_lock = asyncio.Lock()
-        channel._sending = False
-        channel._server_send = server
+        # a connection's sender alone: no app, no socket but the server's send
+        conn = ConnectionState("anonymous", EncodeQuota(0, "this connection"))
+        conn.transition(ConnState.OPEN)
+        sender = EventSender(conn, server, GatewayMetrics(NoOpMeter("test")))
         events = [rt.OutputTextDelta(f"e{i}", "r", "i", 0, 0, str(i)) for i in range(4)]
-        tasks = [asyncio.ensure_future(channel._send(e)) for e in events]
+        tasks = [asyncio.ensure_future(sender.send(e)) for e in events]
         await asyncio.sleep(0.01)
         assert sent == []  # all held behind the first
         drained.set()
