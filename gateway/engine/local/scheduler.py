@@ -217,6 +217,10 @@ class Scheduler(Admission, WarmUps):
             self._barriers.append(_Call(fn))
             self._cond.notify()
 
+    def clear_kv(self) -> None:
+        """Drop every cached KV block (sessions' pins too) before the loop's next step."""
+        self.call_between_steps(self.cache.clear)
+
     def stats(self) -> EngineStats:
         used, total, cached = self.budget.blocks()
         return EngineStats(
