@@ -251,7 +251,7 @@ class LocalEngine:
         started = time.perf_counter()
         async for _ in self._stream(warm):
             pass
-        self._scheduler.call_between_steps(self._scheduler.cache.clear)  # no warm-up KV kept
+        self._scheduler.clear_kv()  # no warm-up KV kept
         await asyncio.to_thread(self._scheduler.barrier, 30.0)
         self._ready = True
         log.info(
