@@ -24,8 +24,7 @@ if TYPE_CHECKING:
     from gateway.chat.vision_resolver import VisionResolver
     from gateway.engine.interface import Engine
     from gateway.policy.auth import Authenticator
-    from gateway.policy.key_usage import TokenMeter
-    from gateway.policy.ratelimit import RateLimiter
+    from gateway.policy.key_usage import CountingLimiter, TokenMeter
     from gateway.sessions.response_records import ResponseStore
     from gateway.sessions.session import SessionStore
     from gateway.settings import Settings
@@ -58,7 +57,8 @@ class GatewayState:
     vision_cache: VisionCache
     images: ImageStore
     auth: Authenticator
-    rate_limiter: RateLimiter
+    # the request rate limit, then the token limits' room, each request counted
+    rate_limiter: CountingLimiter
     telemetry: Telemetry
     responses: ResponseStore  # stored responses of the Responses API
     # per key, body bytes of refused requests over the last minute (gateway/api/http/body_guard.py)
