@@ -10,148 +10,29 @@ __all__ = ("main",)
 
 
 def _settings_args(p: argparse.ArgumentParser) -> None:
+    """The flags of the settings that declare one (gateway.settings), in their order. They
+    default to None, so that a flag not given leaves the environment's value."""
+    from gateway.settings import declarations
+
     g = p.add_argument_group("settings (each also VISIONGATE_<NAME>)")
-    g.add_argument("--host", help="bind address (default 127.0.0.1)")
-    g.add_argument("--port", type=int, help="port (default 8000)")
-    g.add_argument("--ssl-certfile", help="serve TLS (https, wss) with this PEM certificate chain")
-    g.add_argument("--ssl-keyfile", help="the PEM private key of --ssl-certfile")
-    g.add_argument(
-        "--redis-url",
-        help="redis://host:port/db (or redis+cluster://host:port[,host:port...] for a Redis "
-        "Cluster) for sessions, caches, KV spill and encoder jobs; absent: everything in process",
-    )
-    g.add_argument(
-        "--engine",
-        help="local (default: the model runs in this process) | openai: generate on "
-        "OpenAI-compatible replicas (--upstream)",
-    )
-    g.add_argument(
-        "--upstream",
-        dest="upstreams",
-        action="append",
-        help="with --engine openai: replica URL[,URL...], each URL[#model=NAME&api_key_env=VAR] "
-        "(repeatable)",
-    )
-    g.add_argument("--upstream-model", help="model name sent upstream (default: each replica's)")
-    g.add_argument(
-        "--upstream-images",
-        help="data_url (default: bytes plus content id) | embeds (pre-encoded by this gateway "
-        "with --model-path, for vLLM --enable-mm-embeds)",
-    )
-    g.add_argument(
-        "--upstream-context-tokens",
-        type=int,
-        help="the upstream model's context (default: what the replicas report, else 8192)",
-    )
-    g.add_argument(
-        "--model-path",
-        help="local HF checkpoint dir (default: embedded SmolLM2-135M-Instruct); "
-        "a LLaVA, SmolVLM/Idefics3 or Qwen2.5-VL checkpoint is also the vision encoder",
-    )
-    g.add_argument(
-        "--cache-dir", help="where converted models are kept (default ~/.cache/visiongate)"
-    )
-    g.add_argument(
-        "--vision-tower", help="vit-b16-224 | vit-l14-336 | local CLIP/SigLIP checkpoint dir"
-    )
-    g.add_argument("--pruning", help="none | random | topk | dynamic | dynamic+merge")
-    g.add_argument(
-        "--visual-tokens",
-        help="int4 (default) | bf16 | fp32: stored form of visual "
-        "tokens (fp32 with --pruning none: exact, for VLM checkpoints)",
-    )
-    g.add_argument("--device", help="auto | cpu | cuda")
-    g.add_argument("--lm-dtype", help="auto | float32 | bfloat16 | float16 | int8 (CPU, fastest)")
-    g.add_argument(
-        "--encoder", help="inproc (default) | redis: encode in `visiongate worker` processes"
-    )
-    g.add_argument("--log-level", help="debug | info | warning | error")
-    g.add_argument("--session-ttl-s", type=int, help="idle seconds before a session is dropped")
-    g.add_argument("--vision-cache-bytes", type=int, help="in-process vision cache budget")
-    g.add_argument("--vision-cache-ttl-s", type=int, help="TTL of visual tokens in Redis")
-    g.add_argument("--kv-budget-bytes", type=int, help="KV blocks kept across turns, all sessions")
-    g.add_argument("--kv-ttl-s", type=int, help="TTL of KV blocks spilled to Redis")
-    g.add_argument(
-        "--engine-max-batch",
-        type=int,
-        help="sequences batched per step (default 16; 1: one generation at a time)",
-    )
-    g.add_argument(
-        "--engine-max-queue",
-        type=int,
-        help="requests waiting for a batch slot before `busy` / HTTP 429 (default 256)",
-    )
-    g.add_argument(
-        "--engine-max-queue-per-key",
-        type=int,
-        help="of those, requests of one API key (default 0: a quarter, at least 4)",
-    )
-    g.add_argument(
-        "--prefill-chunk-tokens",
-        type=int,
-        help="tokens per step: decodes plus prefill chunks (default 256)",
-    )
-    g.add_argument(
-        "--prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reuse KV blocks by content across requests of one API key (default on)",
-    )
-    g.add_argument(
-        "--share-encodes-across-keys",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="encode an image two API keys both sent once (default on; images stay private "
-        "to each key either way)",
-    )
-    g.add_argument(
-        "--max-pending-encodes-per-connection",
-        type=int,
-        help="image encodes one WebSocket may have running before `rate_limited` (default 8)",
-    )
-    g.add_argument(
-        "--max-pending-encodes-per-key",
-        type=int,
-        help="image encodes one API key may have running before `rate_limited` (default 16)",
-    )
+    for setting in declarations():
+        if setting.flag is None:
+            continue
+        parsing: dict = {}
+        if setting.value_type is bool:
+            parsing = {"action": argparse.BooleanOptionalAction, "default": None}
+        elif setting.is_list:
+            parsing = {"action": "append"}
+        elif setting.value_type in (int, float):
+            parsing = {"type": setting.value_type}
+        g.add_argument(setting.flag_name, dest=setting.name, help=setting.flag.help, **parsing)
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    keys = (
-        "host",
-        "port",
-        "ssl_certfile",
-        "ssl_keyfile",
-        "redis_url",
-        "engine",
-        "upstreams",
-        "upstream_model",
-        "upstream_images",
-        "upstream_context_tokens",
-        "encoder",
-        "lm_dtype",
-        "model_path",
-        "cache_dir",
-        "vision_tower",
-        "pruning",
-        "visual_tokens",
-        "device",
-        "log_level",
-        "session_ttl_s",
-        "vision_cache_bytes",
-        "vision_cache_ttl_s",
-        "kv_budget_bytes",
-        "kv_ttl_s",
-        "engine_max_batch",
-        "engine_max_queue",
-        "engine_max_queue_per_key",
-        "prefill_chunk_tokens",
-        "prefix_caching",
-        "share_encodes_across_keys",
-        "max_pending_encodes_per_connection",
-        "max_pending_encodes_per_key",
-    )
-    return {k: getattr(args, k, None) for k in keys}
+    """The settings the flags set, by name (None: not given)."""
+    from gateway.settings import declarations
+
+    return {s.name: getattr(args, s.name, None) for s in declarations() if s.flag is not None}
 
 
 def _load_settings(args: argparse.Namespace):
