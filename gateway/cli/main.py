@@ -72,7 +72,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from gateway.engine.local.weights import ensure_default_converted
 
-    path = ensure_default_converted(args.cache_dir)
+    path = ensure_default_converted(_load_settings(args).cache_dir)  # --cache-dir or the variable
     print(path)
     return 0
 

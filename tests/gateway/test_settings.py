@@ -147,3 +147,13 @@ def test_the_serve_flags_reach_the_settings() -> None:
         build_parser().parse_args(["serve", "--engine-max-batch", "many"])
     with pytest.raises(SettingsError, match="VISIONGATE_ENGINE_MAX_BATCH: must be 1..1024"):
         Settings.load(_overrides(build_parser().parse_args(["serve", "--engine-max-batch", "0"])))
+
+
+def test_convert_keeps_its_models_where_the_flag_or_else_the_variable_says(monkeypatch) -> None:
+    from gateway.cli.main import _load_settings
+
+    monkeypatch.setenv("VISIONGATE_CACHE_DIR", "/from/the/variable")
+    convert = build_parser().parse_args(["convert"])
+    assert _load_settings(convert).cache_dir == "/from/the/variable"
+    convert = build_parser().parse_args(["convert", "--cache-dir", "/from/the/flag"])
+    assert _load_settings(convert).cache_dir == "/from/the/flag"
