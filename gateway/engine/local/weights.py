@@ -102,11 +102,8 @@ class LoadedModel:
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """`cache_dir`, else `$VISIONGATE_CACHE_DIR`, else `~/.cache/visiongate`."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get("VISIONGATE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "visiongate"
+    """`cache_dir` (the `cache_dir` setting, passed in), else `~/.cache/visiongate`."""
+    return Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "visiongate"
 
 
 def default_gguf() -> Path:

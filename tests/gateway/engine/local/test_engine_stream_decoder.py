@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from gateway.engine.local.generation import StreamDecoder, sample_next
@@ -64,9 +66,12 @@ def test_sampling_greedy_and_top_p() -> None:
     assert a == b
 
 
-def test_cache_root_precedence(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("VISIONGATE_CACHE_DIR", str(tmp_path / "env"))
-    assert cache_root() == tmp_path / "env"
+def test_cache_root_is_the_setting_passed_in(monkeypatch, tmp_path) -> None:
+    from gateway.settings import Settings
+
+    # VISIONGATE_CACHE_DIR reaches the weights through the settings, not the environment
+    settings = Settings.load(environ={"VISIONGATE_CACHE_DIR": str(tmp_path / "env")})
+    assert cache_root(settings.cache_dir) == tmp_path / "env"
     assert cache_root(tmp_path / "arg") == tmp_path / "arg"
-    monkeypatch.delenv("VISIONGATE_CACHE_DIR")
-    assert cache_root().name == "visiongate"
+    monkeypatch.setenv("VISIONGATE_CACHE_DIR", str(tmp_path / "ignored"))
+    assert cache_root() == Path.home() / ".cache" / "visiongate"
