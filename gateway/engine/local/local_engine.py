@@ -278,7 +278,6 @@ class LocalEngine:
         assert w is not None
         return RedisKVStore(
             self._kv_redis_url,
-            0,  # the prefix cache is the memory tier; this store only writes to Redis
             seed=seed,
             ttl_s=self._kv_ttl_s,
             device=w.device,

@@ -63,12 +63,12 @@ def test_kv_spilled_by_one_replica_is_loaded_by_another(redis_cluster_url, raw_c
     from gateway.engine.local.kv.redis_store import RedisKVStore
     from tests.gateway.engine.local.test_engine_kvstore import SEED, make_entry, same
 
-    writer = RedisKVStore(redis_cluster_url, 1 << 20, seed=SEED)
+    writer = RedisKVStore(redis_cluster_url, seed=SEED)
     entries = {f"session-{i}": make_entry(list(range(i, i + 8)), fill=i) for i in range(8)}
     for key, entry in entries.items():
         writer.put(key, entry)
     writer.close()  # drains the write-behind queue
-    reader = RedisKVStore(redis_cluster_url, 1 << 20, seed=SEED)
+    reader = RedisKVStore(redis_cluster_url, seed=SEED)
     for key, entry in entries.items():
         loaded = reader.get(key, entry.hashes)
         assert loaded is not None and same(loaded, entry), key
@@ -108,7 +108,7 @@ async def test_an_unreachable_cluster_is_a_cache_miss_not_an_error(unused_tcp_po
     await limiter.acquire("owner-a")  # fails open while Redis is away, as on one node
     from gateway.engine.local.kv.redis_store import RedisKVStore
 
-    kv = RedisKVStore(url, 1 << 20, seed=b"s" * 16)  # made without a connection: starts anyway
+    kv = RedisKVStore(url, seed=b"s" * 16)  # made without a connection: starts anyway
     assert kv.get("session-1") is None
     kv.close()
     for closable in (images, vision, limiter):

@@ -1,10 +1,11 @@
-"""KV entries shared through Redis: a memory store in front, Redis behind it.
+"""Sessions' KV entries shared through Redis, written behind.
 
-Every `put` goes to the in-process `MemoryKVStore` at once and is written behind to Redis by a
-background thread (latest entry per key wins, so a burst of turns writes once), with a TTL.
-An entry evicted from memory therefore is, or soon will be, in Redis; `get` falls back to Redis
-on a memory miss, so the same replica after eviction, or another replica, continues the session
-without prefilling it again.
+Every `put` is queued at once and written to Redis by a background thread (latest entry per key
+wins, so a burst of turns writes once), with a TTL. The store keeps no KV in the process
+beyond the writes still queued: the engine's prefix cache is its memory tier. `get` answers
+from the queue (a write not yet made, or a delete), then from Redis, so the same replica after
+its prefix cache let the session go, or another replica, continues the session without
+prefilling it again.
 
 Value layout (one Redis string per key, written atomically with `SET ... EX`):
 `b"VGKV" | u32 header length | msgpack KVHeader | raw tensor bytes (k0, v0, k1, v1, ...)`.
@@ -27,7 +28,7 @@ import structlog
 import torch
 
 from gateway.engine.local.kv.blocks import KVEntry, block_hashes
-from gateway.engine.local.kv.store import MemoryKVStore, first_block_differs
+from gateway.engine.local.kv.store import first_block_differs
 from gateway.engine.local.prompt import ImageSpan
 
 __all__ = ("KVHeader", "RedisKVStore", "decode_entry", "encode_entry")
@@ -135,12 +136,11 @@ def decode_entry(raw: bytes, seed: bytes) -> KVEntry:
 
 
 class RedisKVStore:
-    """`MemoryKVStore` in front of Redis, written behind; see the module docstring."""
+    """Sessions' KV in Redis, written behind; see the module docstring."""
 
     def __init__(
         self,
         url: str,
-        budget_bytes: int,
         *,
         seed: bytes,
         ttl_s: int = 3600,
@@ -150,7 +150,6 @@ class RedisKVStore:
     ) -> None:
         from gateway.caching.redis_connections import sync_client
 
-        self.memory = MemoryKVStore(budget_bytes)
         # built on first use: a cluster client connects as it is made, and an unreachable Redis
         # at start must cost this store misses, not the engine's start
         self._connect = lambda: sync_client(
@@ -194,17 +193,15 @@ class RedisKVStore:
         return self._prefix + key
 
     def get(self, key: str, hashes: Sequence[bytes] | None = None) -> KVEntry | None:
-        entry = self.memory.get(key)
-        if entry is None:
-            with self._cond:
-                if key in self._pending and self._pending[key] is None:
-                    return None  # deleted; the delete is still on its way to Redis
-                entry = self._pending.get(key)
+        with self._cond:
+            queued = key in self._pending
+            entry = self._pending.get(key)
+        if queued and entry is None:
+            return None  # deleted; the delete is still on its way to Redis
         if entry is None:
             entry = self._load(key)
             if entry is None:
                 return None
-            self.memory.put(key, entry)
         if first_block_differs(entry.hashes, hashes):
             return None
         return entry
@@ -230,13 +227,11 @@ class RedisKVStore:
         return entry
 
     def put(self, key: str, entry: KVEntry) -> None:
-        self.memory.put(key, entry)
         with self._cond:
             self._pending[key] = entry
             self._cond.notify_all()
 
     def delete(self, key: str) -> None:
-        self.memory.delete(key)
         with self._cond:  # through the writer, so a write already in flight cannot undo it
             self._pending[key] = None
             self._cond.notify_all()
@@ -274,12 +269,11 @@ class RedisKVStore:
             return self._cond.wait_for(lambda: not self._pending and not self._writing, timeout)
 
     def close(self) -> None:
-        """Finish pending writes, then stop the writer and drop the memory tier."""
+        """Finish pending writes, then stop the writer."""
         self.flush(timeout=30.0)
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self._writer.join(timeout=30.0)
-        self.memory.close()
         if self._redis is not None:
             self._redis.close()

@@ -3,7 +3,9 @@
 A store maps a `kv_key` (the session id) to one `KVEntry`. It does not decide reuse: the engine
 compares the entry's block hashes with the new prompt's. `get(key, hashes)` may skip an entry
 whose first block already differs (a Redis-backed store then avoids loading its tensors).
-`MemoryKVStore` keeps entries under a byte budget with LRU eviction across keys.
+`MemoryKVStore` keeps entries in the process under a byte budget, LRU across keys: the protocol
+without a server. The engine spills only to Redis (`gateway.engine.local.kv.redis_store`), since
+its prefix cache already holds sessions' KV in memory.
 """
 
 from __future__ import annotations

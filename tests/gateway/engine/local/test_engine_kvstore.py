@@ -65,7 +65,7 @@ def make_store(backend: str, request: pytest.FixtureRequest) -> Iterator:
             store: KVStore = MemoryKVStore(budget)
         else:
             url = request.getfixturevalue("redis_url")
-            store = RedisKVStore(url, budget, seed=SEED, ttl_s=ttl_s)
+            store = RedisKVStore(url, seed=SEED, ttl_s=ttl_s)  # no memory tier: no budget
         stores.append(store)
         return store
 
@@ -98,28 +98,22 @@ def test_hash_mismatch_is_a_miss(make_store) -> None:
     assert store.get("s1", block_hashes(same_start, [], 4, SEED)) is not None
 
 
-def test_lru_eviction_under_budget(make_store, backend: str) -> None:
-    store = make_store(budget=PER_TOKEN * 25)  # room for two 10-token entries, not three
+def test_memory_store_evicts_least_recently_used_under_its_budget() -> None:
+    store = MemoryKVStore(PER_TOKEN * 25)  # room for two 10-token entries, not three
     entries = {key: make_entry(list(range(10)), fill=i) for i, key in enumerate(["a", "b", "c"])}
     store.put("a", entries["a"])
     store.put("b", entries["b"])
     assert store.get("a") is not None  # a is now the most recently used
     store.put("c", entries["c"])
-    memory = store if backend == "memory" else store.memory
-    assert memory.nbytes <= PER_TOKEN * 25
-    assert "b" not in memory and "a" in memory and "c" in memory
-    if backend == "memory":
-        assert store.get("b") is None
-    else:  # evicted from memory, reloaded from Redis
-        assert store.flush(5)
-        assert same(store.get("b"), entries["b"])
+    assert store.nbytes <= PER_TOKEN * 25
+    assert "b" not in store and "a" in store and "c" in store
+    assert store.get("b") is None
 
 
-def test_entry_larger_than_budget_is_not_kept_in_memory(make_store, backend: str) -> None:
-    store = make_store(budget=PER_TOKEN * 5)
+def test_memory_store_keeps_no_entry_larger_than_its_budget() -> None:
+    store = MemoryKVStore(PER_TOKEN * 5)
     store.put("big", make_entry(list(range(10))))
-    memory = store if backend == "memory" else store.memory
-    assert "big" not in memory and memory.nbytes == 0
+    assert "big" not in store and store.nbytes == 0
 
 
 def test_common_prefix_stops_at_changed_image() -> None:
@@ -147,28 +141,41 @@ def test_codec_round_trip_and_seed_check() -> None:
 
 
 def test_redis_spill_and_reload_in_another_store(redis_url: str) -> None:
-    writer = RedisKVStore(redis_url, 1 << 20, seed=SEED)
+    writer = RedisKVStore(redis_url, seed=SEED)
     entry = make_entry(list(range(9)))
     writer.put("s1", entry)
     assert writer.flush(5)
-    reader = RedisKVStore(redis_url, 1 << 20, seed=SEED)  # another replica
+    reader = RedisKVStore(redis_url, seed=SEED)  # another replica
     try:
         assert same(reader.get("s1"), entry)
-        assert "s1" in reader.memory  # now served from memory
     finally:
         writer.close()
         reader.close()
 
 
+def test_redis_store_keeps_no_kv_in_the_process(redis_url: str, raw_redis) -> None:
+    """The engine's prefix cache is the memory tier: once written, an entry is read from Redis
+    alone, so one deleted there (or expired) is a miss, never an answer from a local copy."""
+    store = RedisKVStore(redis_url, seed=SEED)
+    try:
+        entry = make_entry(list(range(9)))
+        store.put("s1", entry)
+        assert store.flush(5)
+        assert same(store.get("s1"), entry)
+        raw_redis.delete(store.redis_key("s1"))
+        assert store.get("s1") is None
+    finally:
+        store.close()
+
+
 def test_redis_ttl(redis_url: str) -> None:
-    store = RedisKVStore(redis_url, 1 << 20, seed=SEED, ttl_s=1)
+    store = RedisKVStore(redis_url, seed=SEED, ttl_s=1)
     try:
         store.put("s1", make_entry(list(range(9))))
         assert store.flush(5)
         client = redis.Redis.from_url(redis_url)
         assert 0 < client.ttl(store.redis_key("s1")) <= 1
         time.sleep(1.5)
-        store.memory.delete("s1")
         assert store.get("s1") is None
         client.close()
     finally:
@@ -186,7 +193,7 @@ def test_redis_ttl(redis_url: str) -> None:
     ids=["garbage", "truncated", "bad-header", "body-bits"],
 )
 def test_redis_corrupt_value_is_a_miss(redis_url: str, corrupt) -> None:
-    store = RedisKVStore(redis_url, 1 << 20, seed=SEED)
+    store = RedisKVStore(redis_url, seed=SEED)
     try:
         entry = make_entry(list(range(9)))
         raw = encode_entry(entry, SEED)
@@ -201,7 +208,7 @@ def test_redis_corrupt_value_is_a_miss(redis_url: str, corrupt) -> None:
 
 
 def test_redis_token_tampering_detected_by_hashes(redis_url: str) -> None:
-    store = RedisKVStore(redis_url, 1 << 20, seed=SEED)
+    store = RedisKVStore(redis_url, seed=SEED)
     try:
         raw = bytearray(encode_entry(make_entry([11, 12, 13, 14, 15, 16, 17, 18, 19]), SEED))
         at = raw.index(bytes([11, 12, 13]))  # msgpack positive fixints
@@ -217,12 +224,13 @@ def test_redis_token_tampering_detected_by_hashes(redis_url: str) -> None:
 def test_redis_unreachable_is_a_miss() -> None:
     from tests.conftest import free_port
 
-    store = RedisKVStore(
-        f"redis://127.0.0.1:{free_port()}/0", 1 << 20, seed=SEED, socket_timeout_s=0.5
-    )
+    store = RedisKVStore(f"redis://127.0.0.1:{free_port()}/0", seed=SEED, socket_timeout_s=0.5)
     try:
         assert store.get("s1") is None
-        store.put("s1", make_entry(list(range(9))))  # kept in memory, the write fails quietly
-        assert store.get("s1") is not None
+        with capture_logs() as logs:
+            store.put("s1", make_entry(list(range(9))))  # the write fails quietly
+            assert store.flush(5)
+        assert any(line["event"] == "kv.redis_write_failed" for line in logs)
+        assert store.get("s1") is None
     finally:
         store.close()
