@@ -10,9 +10,9 @@ by one so only the culprit fails.
 While a batch runs, new requests queue up and form the next batch.
 
 The queue is fair between owners (`encode(..., owner=)`, an opaque string; the gateway passes
-the API key's owner id): waiting images are taken round-robin by owner (`FairQueue`), not in
-arrival order, so one owner's 64 images do not make another owner's one image wait for all of
-them; it waits at most for the batch running and one image of each other owner.
+the API key's owner id): waiting images are taken round-robin by owner (`EncodeJobQueue`), not
+in arrival order, so one owner's 64 images do not make another owner's one image wait for all
+of them; it waits at most for the batch running and one image of each other owner.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from encoder_worker.config import EncoderConfig
 from encoder_worker.pipeline import EncoderPipeline, budget_config, encoder_fingerprint
 from encoder_worker.types import EncodedImage, ImageError
 
-__all__ = ("FairQueue", "LocalEncoder")
+__all__ = ("EncodeJobQueue", "LocalEncoder")
 
 log = structlog.get_logger("encoder_worker.local_encoder")
 
@@ -39,7 +39,7 @@ log = structlog.get_logger("encoder_worker.local_encoder")
 _Job = tuple[bytes, "asyncio.Future[EncodedImage]", "float | None"]
 
 
-class FairQueue:
+class EncodeJobQueue:
     """Jobs waiting for the encoder, taken round-robin by owner.
 
     Each owner with jobs waiting has a lane (FIFO within it); `get` takes the head of the lane
@@ -127,7 +127,7 @@ class LocalEncoder:
         self.fingerprint = encoder_fingerprint(config, hidden_size, target_rms)
         self.pipeline: EncoderPipeline | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._queue: FairQueue | None = None
+        self._queue: EncodeJobQueue | None = None
         self._task: asyncio.Task[None] | None = None
         self.batches = 0  # batches run so far (observability and tests)
         self._batch_limit = config.max_batch  # the pipeline's `batch_limit` once built
@@ -145,7 +145,7 @@ class LocalEncoder:
         )
         self.pipeline = await loop.run_in_executor(self._executor, self._build)
         self._batch_limit = self.pipeline.batch_limit
-        self._queue = FairQueue()
+        self._queue = EncodeJobQueue()
         self._task = asyncio.create_task(self._batch_loop(), name="visiongate-encoder-batcher")
 
     def _build(self) -> EncoderPipeline:

@@ -54,7 +54,7 @@ __all__ = (
     "generate_all",
     "ms_since",
     "raw_events",
-    "status_of",
+    "response_status_of",
 )
 
 log = structlog.get_logger("visiongate.service")
@@ -77,7 +77,7 @@ def engine_failure(exc: EngineError) -> GatewayError:
     return GatewayError(code, str(exc))
 
 
-def status_of(result: GenerationResult) -> tuple[Status, str | None]:
+def response_status_of(result: GenerationResult) -> tuple[Status, str | None]:
     """How an answer ended, in the service's terms: its status and why it is not complete."""
     status: Status = {
         "stop": "completed",
@@ -241,7 +241,7 @@ class Guard:
 
 
 def choice_end(index: int, result: GenerationResult) -> ChoiceEnd:
-    status, reason = status_of(result)
+    status, reason = response_status_of(result)
     return ChoiceEnd(
         index,
         result.text,

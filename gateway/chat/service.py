@@ -51,7 +51,7 @@ from gateway.chat.generation_stream import (
     choice_end,
     ms_since,
     raw_events,
-    status_of,
+    response_status_of,
 )
 from gateway.chat.metering import (
     admitted,
@@ -347,7 +347,7 @@ class ChatService:
             yield ending.finish(failed, gen.first_ns)
             return
         ending.trace.llm(gen.generate_ns, result)
-        status, reason = status_of(result)
+        status, reason = response_status_of(result)
         timings.update(
             queue_ms=result.queue_ms, prefill_ms=result.prefill_ms, decode_ms=result.decode_ms
         )

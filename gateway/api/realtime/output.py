@@ -25,12 +25,12 @@ if TYPE_CHECKING:
     from gateway.chat.events import ResponseOptions
     from gateway.protocol.errors import GatewayError
 
-__all__ = ("ResponseOutput",)
+__all__ = ("RealtimeResponseWriter",)
 
 Send = Callable[[rt.ServerEvent], Awaitable[None]]
 
 
-class ResponseOutput:
+class RealtimeResponseWriter:
     """Turns one response's service events into server events, in order."""
 
     __slots__ = (

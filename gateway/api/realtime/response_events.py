@@ -6,7 +6,7 @@ before anything runs; its tools are its own or else the session's, field by fiel
 for the HTTP APIs (one prompt and grammar under every choice). It reads the stored session (the
 truth: another connection may have added to it) or, with `response.input`, its own context,
 never stored; function calls reach the model joined to the answer that made them
-(`items.joined`). Its events are built by `output.ResponseOutput`, and every response ends
+(`items.joined`). Its events are built by `output.RealtimeResponseWriter`, and every response ends
 with a `response.done`, a failed one included; it goes out once the answer is written in the
 session, and an answer the store did not take ends the response as failed (`busy`: an `error`
 event, then `response.done` with status failed). An answer that called tools is stored as the
@@ -30,7 +30,7 @@ from gateway.api.realtime.items import (
     plan_realtime_tools,
     split_answer_item,
 )
-from gateway.api.realtime.output import ResponseOutput
+from gateway.api.realtime.output import RealtimeResponseWriter
 from gateway.chat.events import Finished
 from gateway.chat.output_grammar import plain_text_grammar
 from gateway.chat.requests import check_output_modalities, response_options
@@ -213,7 +213,7 @@ class ResponseEvents:
     ) -> None:
         rid, iid = options.response_id, options.item_id
         sender = self._sender
-        output = ResponseOutput(
+        output = RealtimeResponseWriter(
             options,
             send=sender.send,
             eid=sender.eid,
@@ -251,7 +251,9 @@ class ResponseEvents:
                     log.exception("response_done_failed", response_id=rid)
                     await sender.send_error(error, event_id)
 
-    async def _finish(self, ev: Finished, output: ResponseOutput, event_id: str | None) -> None:
+    async def _finish(
+        self, ev: Finished, output: RealtimeResponseWriter, event_id: str | None
+    ) -> None:
         options = output.options
         if ev.status != "failed":
             await output.close_items(ev)

@@ -152,7 +152,7 @@ def error_of(body: bytes) -> tuple[str | None, str]:
     return code, message if isinstance(message, str) else json.dumps(message)
 
 
-def status_of(error: Any, chunk: Any) -> int | None:
+def in_stream_http_status(error: Any, chunk: Any) -> int | None:
     """The HTTP status an in-stream error object names (its `code` or `status`), or None."""
     for value in (
         error.get("code") if isinstance(error, dict) else None,
@@ -370,7 +370,7 @@ class Run:
     def absorb(self, chunk: Chunk) -> list[TextDelta]:
         if chunk.error is not None or chunk.object == "error":
             error = chunk.error if chunk.error is not None else chunk.message
-            status = status_of(error, chunk)
+            status = in_stream_http_status(error, chunk)
             if status is not None:  # an HTTP-style error sent in the stream (vLLM does)
                 body = {"error": error} if isinstance(error, dict) else {"message": error}
                 raise UpstreamStatus(status, json.dumps(body).encode(), None)

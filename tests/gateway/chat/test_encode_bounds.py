@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from encoder_worker.config import EncoderConfig
-from encoder_worker.local_encoder import FairQueue, LocalEncoder
+from encoder_worker.local_encoder import EncodeJobQueue, LocalEncoder
 from encoder_worker.payload import float_tokens
 from encoder_worker.types import EncodedImage
 from gateway.testing.fake_gateway import FakeGateway, GatewayFactory, eventually
@@ -267,7 +267,7 @@ class StubLocalEncoder(LocalEncoder):
 
 
 def test_fair_queue_takes_owners_in_turns() -> None:
-    queue = FairQueue()
+    queue = EncodeJobQueue()
     for i in range(4):
         queue.put_nowait("a", (f"a{i}".encode(), None))  # type: ignore[arg-type]
     queue.put_nowait("b", (b"b0", None))  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """The output of one Responses API response, built from the service's events.
 
-`ResponseOutput` turns the service's text into the response's output items and the stream
+`OutputBuilder` turns the service's text into the response's output items and the stream
 events that add them: message items for text, function_call items for the calls the tools
 grammar made (read as they stream, so a call's arguments go out as they are written). The
 non-streamed answer is built the same way, so both give the same output. `frame` makes an
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from gateway.engine.interface import TokenLogprob
     from gateway.sessions.session import Session
 
-__all__ = ("PreparedResponse", "ResponseOutput", "frame", "mark_failed")
+__all__ = ("OutputBuilder", "PreparedResponse", "frame", "mark_failed")
 
 _json = msgspec.json.Encoder()
 
@@ -57,7 +57,7 @@ class PreparedResponse(Protocol):
     model: str
 
 
-class ResponseOutput:
+class OutputBuilder:
     """Builds a response's output from the service's text, and the stream events that add it:
     message items for text, function_call items for the calls the tools grammar made (read as
     they stream, so a call's arguments go out as they are written). The non-streamed answer

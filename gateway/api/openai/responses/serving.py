@@ -47,7 +47,7 @@ from gateway.api.openai.chat import protocol as p
 from gateway.api.openai.responses import protocol as r
 from gateway.api.openai.responses.in_flight import InFlightResponses
 from gateway.api.openai.responses.inputs import ParsedInput, convert_items, image_parts, parse_input
-from gateway.api.openai.responses.output_builder import ResponseOutput, frame, mark_failed
+from gateway.api.openai.responses.output_builder import OutputBuilder, frame, mark_failed
 from gateway.api.openai.responses.prewarm import (
     cache_notes,
     check_prewarm,
@@ -375,7 +375,7 @@ class ResponsesServing:
         """The whole response, once its answer and its record are stored; an answer or record
         the store did not take is the store's error (busy, 503), with no response id given."""
         events = opened.events
-        out = ResponseOutput(prepared)
+        out = OutputBuilder(prepared)
         finished: Finished | None = None
         try:
             async for ev in replay(opened.first, events, _is_finished):
@@ -402,7 +402,7 @@ class ResponsesServing:
     ) -> AsyncIterator[bytes]:
         use_request_budget(budget)  # the answer is still this request's: so is its bound
         events = opened.events
-        out = ResponseOutput(prepared)
+        out = OutputBuilder(prepared)
         wire = prepared.wire
         finished: Finished | None = None
         try:
@@ -449,7 +449,7 @@ class ResponsesServing:
         except GatewayError as exc:
             await self._roll_back(prepared)
             return p.error_response(exc)
-        out = ResponseOutput(prepared)
+        out = OutputBuilder(prepared)
         total_ms = (time.perf_counter() - received) * 1000
         response = prewarm_response(out.snapshot(), prepared, result, images, encode_ms, total_ms)
         items = prepared.session.items

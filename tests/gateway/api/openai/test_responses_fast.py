@@ -20,7 +20,7 @@ from pydantic import TypeAdapter
 
 from gateway.api.openai.responses import protocol as r
 from gateway.api.openai.responses.inputs import ParsedInput
-from gateway.api.openai.responses.output_builder import ResponseOutput
+from gateway.api.openai.responses.output_builder import OutputBuilder
 from gateway.api.openai.responses.serving import Prepared
 from gateway.chat.events import Finished, ResponseOptions, TextChunk
 from gateway.chat.tool_stream import call_id, render_tool_call
@@ -137,7 +137,7 @@ def test_stream_events_in_order_match_the_sdk_and_the_plain_answer(
 
 
 def _weather_call_prepared(options: ResponseOptions) -> Prepared:
-    """A prepared, unstored response offering one function tool (for `ResponseOutput` alone)."""
+    """A prepared, unstored response offering one function tool (for `OutputBuilder` alone)."""
     request = r.ResponsesRequest(
         model=MODEL,
         input="weather?",
@@ -164,7 +164,7 @@ def test_tool_calls_become_function_call_items_and_events() -> None:
     options = ResponseOptions(tools=True, item_id="msg_1", logprobs=None)
     prepared = _weather_call_prepared(options)
     answer = "Let me check." + render_tool_call("get_weather", '{"city": "Paris"}')
-    out = ResponseOutput(prepared)
+    out = OutputBuilder(prepared)
     for at in range(0, len(answer), 7):  # in pieces that cut the call's tags apart
         out.feed(TextChunk(answer[at : at + 7]))
     finished = Finished(options.response_id, options.item_id, "completed", answer)
@@ -191,7 +191,7 @@ def test_an_answer_that_is_only_a_call_is_one_function_call_item() -> None:
     options = ResponseOptions(tools=True, item_id="msg_1", logprobs=0)
     prepared = _weather_call_prepared(options)
     answer = render_tool_call("get_weather", '{"city": "Paris"}')
-    out = ResponseOutput(prepared)
+    out = OutputBuilder(prepared)
     out.feed(TextChunk(answer))
     tail = (TokenLogprob("<", -0.1, b"<"),)  # tokens the call held back still end it cleanly
     response = out.finish(

@@ -434,17 +434,17 @@ async def test_a_fault_while_ending_a_response_still_reaches_the_client(
     """A bug in building response.done must not leave the client waiting for an end that never
     comes: the fallback answer fails too, and the client still gets an internal_error event;
     the connection then serves the next response."""
-    from gateway.api.realtime.output import ResponseOutput
+    from gateway.api.realtime.output import RealtimeResponseWriter
 
-    real_done = ResponseOutput.done
+    real_done = RealtimeResponseWriter.done
     calls = 0
 
-    async def broken_done(self: ResponseOutput, ev: Any) -> None:
+    async def broken_done(self: RealtimeResponseWriter, ev: Any) -> None:
         nonlocal calls
         calls += 1
         raise RuntimeError("building response.done failed")
 
-    monkeypatch.setattr(ResponseOutput, "done", broken_done)
+    monkeypatch.setattr(RealtimeResponseWriter, "done", broken_done)
     peer = await Peer.open(fake_gateway.ws_url)
     try:
         await peer.add([{"type": "input_text", "text": "hello"}])
@@ -454,7 +454,7 @@ async def test_a_fault_while_ending_a_response_still_reaches_the_client(
         assert error["error"]["event_id"] == "r1"
         await eventually(lambda: calls == 2)  # the real end, then the failed one in its place
 
-        monkeypatch.setattr(ResponseOutput, "done", real_done)
+        monkeypatch.setattr(RealtimeResponseWriter, "done", real_done)
         await peer.send({"type": "response.create", "event_id": "r2"})
         done, _ = await peer.until("response.done", timeout=TIMEOUT)
         assert done["response"]["status"] == "completed"
