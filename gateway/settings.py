@@ -72,9 +72,10 @@ class Doc:
 
 @dataclass(frozen=True, slots=True)
 class Flag:
-    """The setting's flag of `visiongate serve` (and `demo`) with its help; `name` where it is
-    not `--<field-name>`. The type decides how it parses: an int or float is converted, a bool
-    is `--x` / `--no-x`, a list is repeatable."""
+    """The setting's flag of `visiongate serve` (and `demo`) with its help, where `{default}`
+    stands for the declared default; `name` where it is not `--<field-name>`. The type decides
+    how it parses: an int or float is converted, a bool is `--x` / `--no-x`, a list is
+    repeatable."""
 
     help: str
     name: str = ""
@@ -239,12 +240,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: Annotated[
         str,
         Doc(SERVING, "address to listen on"),
-        Flag("bind address (default 127.0.0.1)"),
+        Flag("bind address (default {default})"),
     ] = "127.0.0.1"
     port: Annotated[
         int,
         Doc(SERVING, "port to listen on"),
-        Flag("port (default 8000)"),
+        Flag("port (default {default})"),
         Range(ge=1, le=65535),
     ] = 8000
     ssl_certfile: Annotated[
@@ -536,7 +537,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine_max_batch: Annotated[
         int,
         Doc(ENGINE, "sequences batched per step (1: one generation at a time)"),
-        Flag("sequences batched per step (default 16; 1: one generation at a time)"),
+        Flag("sequences batched per step (default {default}; 1: one generation at a time)"),
         Range(ge=1, le=1024),
     ] = 16
     engine_max_queue: Annotated[
@@ -545,7 +546,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ENGINE,
             "responses waiting for a batch slot; past it, `busy` (HTTP 429 with `Retry-After`)",
         ),
-        Flag("requests waiting for a batch slot before `busy` / HTTP 429 (default 256)"),
+        Flag("requests waiting for a batch slot before `busy` / HTTP 429 (default {default})"),
         Range(ge=1),
     ] = 256
     engine_max_queue_per_key: Annotated[
@@ -555,7 +556,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "responses one API key may have waiting; `0`: a quarter of `ENGINE_MAX_QUEUE` (at "
             "least 4), or the whole queue when no API keys are set",
         ),
-        Flag("of those, requests of one API key (default 0: a quarter, at least 4)"),
+        Flag("of those, requests of one API key (default {default}: a quarter, at least 4)"),
         Range(ge=0, note="0: automatic"),
     ] = 0
     prefill_chunk_tokens: Annotated[
@@ -565,12 +566,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "tokens per engine step: one per decoding sequence, the rest prefill chunks (at least "
             "`ENGINE_MAX_BATCH`)",
         ),
-        Flag("tokens per step: decodes plus prefill chunks (default 256)"),
+        Flag("tokens per step: decodes plus prefill chunks (default {default})"),
     ] = 256
     prefix_caching: Annotated[
         bool,
         Doc(ENGINE, "reuse KV blocks by content across requests of one API key"),
-        Flag("reuse KV blocks by content across requests of one API key (default on)"),
+        Flag("reuse KV blocks by content across requests of one API key (default {default})"),
     ] = True
     # the warm-up is background work of the lowest priority
     kv_warmup: Annotated[
@@ -835,8 +836,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "images are stored, cached and encoded apart (more encodes and memory)",
         ),
         Flag(
-            "encode an image two API keys both sent once (default on; images stay private to each "
-            "key either way)"
+            "encode an image two API keys both sent once (default {default}; images stay "
+            "private to each key either way)"
         ),
     ] = True
     max_pending_encodes_per_connection: Annotated[
@@ -846,7 +847,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "image encodes a WebSocket connection may have running; past it, `rate_limited` (HTTP "
             "429 with `Retry-After`) and nothing is kept; `0`: no cap",
         ),
-        Flag("image encodes one WebSocket may have running before `rate_limited` (default 8)"),
+        Flag(
+            "image encodes one WebSocket may have running before `rate_limited` (default {default})"
+        ),
         Range(ge=0, note="0: no cap"),
     ] = 8
     max_pending_encodes_per_key: Annotated[
@@ -856,7 +859,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "image encodes an API key may have running across connections and HTTP; past it, "
             "`rate_limited` and nothing is kept; `0`: no cap",
         ),
-        Flag("image encodes one API key may have running before `rate_limited` (default 16)"),
+        Flag(
+            "image encodes one API key may have running before `rate_limited` (default {default})"
+        ),
         Range(ge=0, note="0: no cap"),
     ] = 16
     max_refused_body_bytes_per_minute: Annotated[

@@ -25,7 +25,10 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
             parsing = {"action": "append"}
         elif setting.value_type in (int, float):
             parsing = {"type": setting.value_type}
-        g.add_argument(setting.flag_name, dest=setting.name, help=setting.flag.help, **parsing)
+        default = setting.default
+        shown = ("on" if default else "off") if isinstance(default, bool) else default
+        help = setting.flag.help.format(default=shown)
+        g.add_argument(setting.flag_name, dest=setting.name, help=help, **parsing)
 
 
 def _overrides(args: argparse.Namespace) -> dict:

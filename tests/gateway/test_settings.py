@@ -79,6 +79,7 @@ def test_every_setting_has_a_variable_a_flag_or_why_none_and_a_row_on_the_page()
         if setting.flag is not None:
             assert setting.flag_name in flags[setting.name].option_strings, setting.name
             assert flags[setting.name].default is None  # a flag not given keeps the variable
+            assert "{" not in flags[setting.name].help  # the declared default is filled in
         else:
             assert setting.no_flag is not None and setting.no_flag.why.strip(), setting.name
             assert setting.name not in flags
@@ -143,6 +144,8 @@ def test_the_serve_flags_reach_the_settings() -> None:
     settings = Settings.load(_overrides(args), environ=env)
     assert (settings.port, settings.prefix_caching, settings.pruning) == (9001, False, "topk")
     assert settings.upstreams == ["http://a:1", "http://b:2"] and settings.device == "cpu"
+    help = {a.dest: a.help for a in _serve_flags().values()}
+    assert help["port"] == "port (default 8000)" and help["prefix_caching"].endswith("(default on)")
     with pytest.raises(SystemExit):  # argparse refuses a flag's value of the wrong type
         build_parser().parse_args(["serve", "--engine-max-batch", "many"])
     with pytest.raises(SettingsError, match="VISIONGATE_ENGINE_MAX_BATCH: must be 1..1024"):
