@@ -114,9 +114,10 @@ class Range:
 
         if self.le is not None and self.ge is not None:
             text = f"{amount(self.ge)}..{amount(self.le)}"
+        elif self.le is not None and self.gt is not None:
+            text = f"in ({amount(self.gt)}, {amount(self.le)}]"
         elif self.le is not None:
-            low = f"({amount(self.gt)}" if self.gt is not None else "(-inf"
-            text = f"in {low}, {amount(self.le)}]"
+            text = f"<= {amount(self.le)}"
         elif self.ge is not None:
             text = f">= {amount(self.ge)}"
         else:
@@ -1109,6 +1110,8 @@ def declarations() -> tuple[Declared, ...]:
 
 
 def _declared(field: msgspec.structs.FieldInfo, annotation: Any) -> Declared:
+    if typing.get_origin(annotation) is not Annotated:
+        raise TypeError(f"Settings.{field.name}: declare it as Annotated[type, Doc(...), ...]")
     base, *metadata = typing.get_args(annotation)
 
     def one(kind: type) -> Any:
