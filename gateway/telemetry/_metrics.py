@@ -68,7 +68,8 @@ class GatewayMetrics:
         inter_token_latencies_s: Iterable[float] = (),
     ) -> None:
         """One finished response. ``status``: completed | cancelled | failed | incomplete;
-        ``api``: realtime | chat_completions. ``ttft_s`` is ``None`` when no token came out.
+        ``api``: the API that answered (realtime | chat_completions | completions | responses).
+        ``ttft_s`` is ``None`` when no token came out.
         ``inter_token_latencies_s``: the gaps between its consecutive text deltas, one
         histogram observation each."""
         base = {"gen_ai.operation.name": "chat", "gen_ai.request.model": model, "api": api}
@@ -127,7 +128,9 @@ class GatewayMetrics:
         self._add("visiongate.kv.warmed_tokens", computed_tokens, {})
 
     def record_error(self, *, code: str, api: str) -> None:
-        """One error event / HTTP error sent to a client, by its stable ``code``."""
+        """One error event / HTTP error sent to a client, by its stable ``code``. ``api``: the
+        transport that sent it, "realtime" (an ``error`` event) or "http" (an error answer of
+        any HTTP route, bodies refused before routing included), never one API's name."""
         self._add("visiongate.errors", 1, {"code": code, "api": api})
 
     def record_key_usage(

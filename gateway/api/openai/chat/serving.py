@@ -397,7 +397,7 @@ def _options(request: p.ChatCompletionRequest, limits: RequestLimits) -> Respons
         seed=request.seed,
         stop=request.stop,
         truncation=request.truncation,
-        api="http",
+        api="chat_completions",
     )
     options.n = check_choices(request.n)
     options.logprobs = check_logprobs(request.logprobs, request.top_logprobs)

@@ -344,10 +344,13 @@ def test_metrics_answer_prometheus_text(client: openai.OpenAI, http: httpx.Clien
     assert r.headers["content-type"].startswith("text/plain")
     lines = r.text.splitlines()
     assert any(line.startswith("# TYPE visiongate_responses_total counter") for line in lines)
+    # the response series name the API that answered; "http" is the errors' transport only
     completed = [
         line
         for line in lines
-        if line.startswith("visiongate_responses_total{") and "completed" in line
+        if line.startswith("visiongate_responses_total{")
+        and 'status="completed"' in line
+        and 'api="chat_completions"' in line
     ]
     assert completed and float(completed[0].rsplit(" ", 1)[1]) >= 1
 
