@@ -27,6 +27,7 @@ from gateway.chat.context_fit import IMAGE_OVERHEAD_TOKENS, MESSAGE_OVERHEAD_TOK
 from gateway.chat.events import Finished, TextChunk
 from gateway.chat.generation_stream import ms_since
 from gateway.chat.turn_prompt import sampling_for
+from gateway.engine.interface import CHARS_PER_TOKEN
 from gateway.policy.key_usage import TokenUsage
 
 if TYPE_CHECKING:
@@ -50,7 +51,6 @@ __all__ = (
 )
 
 log = structlog.get_logger("visiongate.metering")
-CHARS_PER_TOKEN = 3
 # visual tokens counted for an image before it is resolved when neither the engine nor the
 # encoder's config says more (`image_tokens_estimate`)
 IMAGE_TOKENS_ESTIMATE = 256

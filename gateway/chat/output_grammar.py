@@ -61,7 +61,7 @@ from gateway.chat.response_formats import (
     schema_text,
     text_format_grammar,
 )
-from gateway.chat.schema_bounds import CHARS_PER_TOKEN, bound_schema, longest_chars
+from gateway.chat.schema_bounds import JSON_CHARS_PER_TOKEN, bound_schema, longest_chars
 from gateway.chat.tool_stream import (
     CALL_HEAD,
     CALL_JOIN,
@@ -359,7 +359,7 @@ def _tools_grammar(
     elif budget is None:
         lines.insert(1, f"calls: call ({_literal(CALL_JOIN)} call)*")
     else:  # as many calls as fit the budget, one at least: a model repeating a call stops
-        more = min(MAX_CALLS, budget * CHARS_PER_TOKEN // max(longest_call, 1)) - 1
+        more = min(MAX_CALLS, budget * JSON_CHARS_PER_TOKEN // max(longest_call, 1)) - 1
         if more > 0:
             lines.insert(1, f"calls: call ({_literal(CALL_JOIN)} call){{0,{more}}}")
         else:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 
-__all__ = ("BOUNDS", "CHARS_PER_TOKEN", "bound_schema", "longest_chars")
+__all__ = ("BOUNDS", "JSON_CHARS_PER_TOKEN", "bound_schema", "longest_chars")
 
-CHARS_PER_TOKEN = 2  # what a token of JSON text holds, taken low: the bounds are sized by it
+# What a token of JSON text holds, taken low: the bounds are sized by it. JSON's quotes, braces
+# and short keys tokenize denser than prose (`gateway.engine.interface.CHARS_PER_TOKEN`).
+JSON_CHARS_PER_TOKEN = 2
 # (string length, array length) tried in turn, the largest first, the two cut by turns
 BOUNDS = (
     (512, 16), (256, 16), (256, 8), (128, 8), (128, 4), (64, 4), (64, 2), (32, 2), (32, 1),
@@ -31,7 +33,7 @@ _UNBOUNDED = 10**6  # what the estimate counts for a part of unknown size (a $re
 def bound_schema(schema: dict, budget: int) -> dict:
     """`schema` narrowed so that its longest answer fits about `budget` tokens: the longest
     strings and arrays that fit, else the shortest (8 characters, one item)."""
-    chars = budget * CHARS_PER_TOKEN
+    chars = budget * JSON_CHARS_PER_TOKEN
     for length, items in BOUNDS:
         bounded = _bound(schema, length, items)
         if longest_chars(bounded, length) <= chars:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from encoder_worker.types import ImageLayout
 
 __all__ = (
+    "CHARS_PER_TOKEN",
     "MAX_CHOICES",
     "MAX_STOPS",
     "MAX_STOP_CHARS",
@@ -50,6 +51,10 @@ MAX_CHOICES = 8  # completions per request at most (`SamplingParams.n`)
 # any engine runs; the local engine checks them again.
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
+# The characters a token of text is taken to hold where no tokenizer counts (an upstream engine
+# without the checkpoint's tokenizer, the gateway's estimates before a turn runs): few, so that
+# the estimates err high (real tokenizers average about 4 on English prose).
+CHARS_PER_TOKEN = 3
 
 Role = Literal["system", "user", "assistant"]
 ImageInputKind = Literal["embeds", "bytes"]

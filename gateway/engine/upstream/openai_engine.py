@@ -58,6 +58,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gateway.engine.interface import (
+    CHARS_PER_TOKEN,
     Delta,
     EngineBusy,
     EngineCapabilities,
@@ -290,7 +291,7 @@ class OpenAIEngine:
         on the safe side (UTF-8 bytes / 3, rounded up: real tokenizers average more)."""
         if self._tokenizer is not None:
             return len(self._tokenizer.encode(text, add_special_tokens=False))
-        return math.ceil(len(text.encode()) / 3)
+        return math.ceil(len(text.encode()) / CHARS_PER_TOKEN)
 
     def forget(self, kv_key: str) -> None:
         """Nothing to drop: the replicas' prefix caches age out on their own."""
