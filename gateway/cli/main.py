@@ -27,8 +27,8 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
             parsing = {"type": setting.value_type}
         default = setting.default
         shown = ("on" if default else "off") if isinstance(default, bool) else default
-        help = setting.flag.help.format(default=shown)
-        g.add_argument(setting.flag_name, dest=setting.name, help=help, **parsing)
+        text = setting.flag.help.format(default=shown)
+        g.add_argument(setting.flag_name, dest=setting.name, help=text, **parsing)
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="default ~/.cache/visiongate")
     p.set_defaults(func=cmd_convert)
 
-    from dashboards.commands import register as register_dashboards
     from gateway.cli.client_secret import register as register_client_secret
+    from gateway.cli.dashboards_cli import register as register_dashboards
     from gateway.cli.keys import register as register_keys
     from gateway.cli.worker_cli import register as register_worker
 
