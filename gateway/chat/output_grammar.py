@@ -3,7 +3,8 @@
 Both HTTP APIs (Chat Completions and Responses) and the Realtime API hand their wire fields here
 and get back a `ToolPlan`: the text that tells the model which tools it has and how to call
 them, and one grammar (`SamplingParams.grammar`) that makes its answer exactly one of the
-allowed shapes. `gateway.chat.tool_stream` reads the answer back into text and calls. Response
+allowed shapes; `apply_tool_plan` puts a plan into a response's options, the same way for
+every API. `gateway.chat.tool_stream` reads the answer back into text and calls. Response
 formats (`response_format`, `text.format`) and the JSON-schema pieces of a grammar are
 `gateway.chat.response_formats` (re-exported here, as the reader's names of `tool_stream` are,
 so a transport imports its output grammars from one place); a format's grammar is the text
@@ -44,8 +45,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
 
 import structlog
 
@@ -81,6 +82,9 @@ from gateway.chat.tool_stream import (
 )
 from gateway.protocol.errors import GatewayError, clip
 
+if TYPE_CHECKING:
+    from gateway.chat.events import ResponseOptions
+
 __all__ = (
     "MAX_CALLS",
     "MAX_TOOLS",
@@ -93,6 +97,7 @@ __all__ = (
     "ToolCallStream",
     "ToolPlan",
     "ToolSpec",
+    "apply_tool_plan",
     "call_id",
     "plain_text_grammar",
     "plan_tools",
@@ -296,6 +301,27 @@ def plan_tools(
     )
     log.debug("tools planned", tools=len(tools), choice=choice, grammar_chars=len(grammar))
     return ToolPlan(tuple(tools), choice, function, parallel, prompt, grammar)
+
+
+def apply_tool_plan(
+    options: ResponseOptions,
+    plan: ToolPlan | None,
+    *,
+    text_grammar: str | None = None,
+    tool_results: bool = False,
+) -> ResponseOptions:
+    """`options` with the response's tool plan applied, the one way every API applies it: the
+    plan's grammar, else `text_grammar` (a response format's), else plain text when the
+    conversation holds tool results (`tool_results`: no tools now, so answer them in words).
+    The plan's prompt is listed under every choice (one prompt, one KV prefix); under "none"
+    the grammar keeps the answer plain text, so it is never read for calls. A new value:
+    `options` is left as it was."""
+    grammar = text_grammar if plan is None else plan.grammar
+    if grammar is None and tool_results:
+        grammar = plain_text_grammar()
+    if plan is None:
+        return replace(options, grammar=grammar)
+    return replace(options, grammar=grammar, tools_prompt=plan.prompt, tools=plan.choice != "none")
 
 
 def plain_text_grammar() -> str:

@@ -19,6 +19,7 @@ import llguidance
 import numpy as np
 import pytest
 
+from gateway.chat.events import ResponseOptions
 from gateway.chat.output_grammar import (
     MAX_TOOLS,
     ArgumentsPiece,
@@ -27,7 +28,9 @@ from gateway.chat.output_grammar import (
     TextPiece,
     ToolCall,
     ToolCallStream,
+    apply_tool_plan,
     call_id,
+    plain_text_grammar,
     plan_tools,
     render_answer,
     render_tool_call,
@@ -345,6 +348,28 @@ def test_no_tools_no_plan() -> None:
     specs = tools_from_responses([{"type": "function", "name": "add", "parameters": ADD}])
     chosen = plan_tools(specs, {"type": "function", "name": "add"}, False)
     assert chosen is not None and (chosen.choice, chosen.function) == ("function", "add")
+
+
+def test_a_plan_is_applied_to_a_responses_options_one_way() -> None:
+    """The plan's grammar and prompt go in, and the answer is read for calls unless the choice
+    is "none"; without a plan, the response format's grammar, or plain text after tool results.
+    The options given are left as they were."""
+    specs = tools_from_responses([{"type": "function", "name": "add", "parameters": ADD}])
+    text = response_format_grammar({"type": "json_object"}, budget=64)
+    given = ResponseOptions(max_output_tokens=64)
+    for choice, reads_calls in (("auto", True), ("required", True), ("none", False)):
+        plan = plan_tools(specs, choice, None, text_grammar=text, budget=64)
+        assert plan is not None
+        applied = apply_tool_plan(given, plan, text_grammar=text, tool_results=True)
+        assert (applied.grammar, applied.tools_prompt) == (plan.grammar, plan.prompt)
+        assert applied.tools is reads_calls
+        assert applied.max_output_tokens == 64 and applied.response_id == given.response_id
+    assert (given.grammar, given.tools_prompt, given.tools) == (None, None, False)
+    formatted = apply_tool_plan(given, None, text_grammar=text, tool_results=True)
+    assert (formatted.grammar, formatted.tools_prompt, formatted.tools) == (text, None, False)
+    after_results = apply_tool_plan(given, None, tool_results=True)
+    assert after_results.grammar == plain_text_grammar() and not after_results.tools
+    assert apply_tool_plan(given, None).grammar is None
 
 
 def test_call_ids_are_deterministic() -> None:

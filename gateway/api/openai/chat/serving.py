@@ -10,8 +10,9 @@ request's values are checked by the request layer (`gateway.chat.requests`, and
 `gateway.chat.output_grammar` for tools and response formats), as the WebSocket's are.
 
 How an answer is shown (content, tool calls, chunks) is `chunks`; `n` answers are choices
-0..n-1; `logprobs` go with the content. Admitting the turn and opening its answer are the
-steps every OpenAI API shares (`gateway.api.openai.serving`).
+0..n-1; `logprobs` go with the content. The steps every OpenAI API shares (admitting the turn,
+opening its answer, streaming or completing it) are the serving base's
+(`gateway.api.openai.serving`); this fills them in.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -38,17 +39,17 @@ from gateway.api.openai.chat.messages import Conversation, all_parts, parse_mess
 from gateway.api.openai.serving import (
     DONE,
     EventStream,
+    OpenAIServing,
     Opened,
-    admit_turn,
     failure_of,
     fingerprint,
-    open_answer,
-    open_store_budget,
+    is_finished,
+    read_to_end,
 )
 from gateway.caching.redis_deadline import RedisBudget, use_request_budget
 from gateway.chat.events import Finished, ResponseOptions, TextChunk
 from gateway.chat.output_grammar import (
-    plain_text_grammar,
+    apply_tool_plan,
     plan_tools,
     response_format_grammar,
     tools_from_chat,
@@ -73,7 +74,6 @@ if TYPE_CHECKING:
     from gateway.chat.events import ServiceEvent
     from gateway.chat.vision_resolver import EncodePermit
     from gateway.engine.interface import TokenLogprob
-    from gateway.server.state import GatewayState
 
 __all__ = ("ChatCompletionServing",)
 
@@ -82,61 +82,53 @@ log = structlog.get_logger("visiongate.http")
 _json = msgspec.json.Encoder()
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Prepared:
     session: Session
     stored: bool  # the session lives in the store (a session_id was given)
     options: ResponseOptions
     conversation: Conversation
     request: p.ChatCompletionRequest
-    completion_id: str
     created: int
     model: str
-    # the request's encode slots, held until its images are resolved (set once admitted)
-    permit: EncodePermit | None = None
-    added: list[str] = field(default_factory=list)  # items appended to the stored session
+    permit: EncodePermit  # the request's encode slots, held until its images are resolved
+    added: tuple[str, ...] = ()  # items appended to the stored session
+
+    @property
+    def completion_id(self) -> str:
+        return self.options.client_id or self.options.response_id
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.request.stream)
+
+    @property
+    def session_header(self) -> str | None:
+        return self.session.id if self.stored else None
 
 
-class ChatCompletionServing:
-    def __init__(self, state: GatewayState) -> None:
-        self.state = state
-        self.limits = RequestLimits.of(state.settings)
+@dataclass(frozen=True, slots=True)
+class _Joined:
+    """The session step's result: the session to answer from and what it stored."""
 
+    session: Session
+    added: tuple[str, ...] = ()  # ids of the items this turn appended to a stored session
+    load_ns: tuple[int, int] | None = None  # when the stored session was loaded (epoch ns)
+
+
+class ChatCompletionServing(OpenAIServing[_Prepared, p.ChatCompletion]):
     async def create(
         self, request: p.ChatCompletionRequest, *, owner: str, session_id: str | None
     ) -> p.ChatCompletion | EventStream | p.ErrorResponse:
         """The answer to `request` from `owner`'s key; `session_id` (the header's) joins a
         session, as the body's `session_id` does."""
-        received = time.perf_counter()
-        budget = open_store_budget(self.state)
-        try:
-            prepared = await self._prepare(request, owner, session_id or request.session_id)
-        except GatewayError as exc:
-            return p.error_response(exc)
-        return await self._answer(request, prepared, received, budget)
-
-    async def _answer(
-        self,
-        request: p.ChatCompletionRequest,
-        prepared: _Prepared,
-        received: float,
-        budget: RedisBudget,
-    ) -> p.ChatCompletion | EventStream | p.ErrorResponse:
-        events = self.state.require().service.respond(
-            prepared.session, prepared.options, received_at=received
+        return await self.serve(
+            lambda: self.prepare(request, owner, session_id or request.session_id)
         )
-        opened = await open_answer(events, prepared.options.cancel, prepared.permit)
-        if isinstance(opened, GatewayError):
-            await self._roll_back(prepared)
-            return p.error_response(opened)
-        if request.stream:
-            frames = self._sse(prepared, opened, budget)
-            return EventStream(frames, prepared.session.id if prepared.stored else None)
-        return await self._complete(prepared, opened)
 
     # ------------------------------------------------------------ preparing
 
-    async def _prepare(
+    async def prepare(
         self, request: p.ChatCompletionRequest, owner: str, session_id: str | None
     ) -> _Prepared:
         state, limits = self.state, self.limits
@@ -147,71 +139,67 @@ class ChatCompletionServing:
         check_item_count(len(request.messages), limits, "messages")
         fetched = await fetch_remote(all_parts(request.messages), limits, param="messages")
         conv = parse_messages(request.messages, limits, fetched)
-        permit, prepared = await admit_turn(
-            state,
+        permit, joined = await self.admit(
             owner=owner,
             inline=conv.inline,
             refs=conv.refs,
-            build=lambda: self._prepare_session(request, owner, session_id, options, conv, model),
+            build=lambda: self._join(owner, session_id, conv),
         )
-        prepared.permit = permit
-        return prepared
-
-    async def _prepare_session(
-        self,
-        request: p.ChatCompletionRequest,
-        owner: str,
-        session_id: str | None,
-        options: ResponseOptions,
-        conv: Conversation,
-        model: str,
-    ) -> _Prepared:
-        state, settings, limits = self.state, self.state.settings, self.limits
         stored = session_id is not None
-        added: list[str] = []  # ids of the items this turn appends to a stored session
+        options = replace(
+            options,
+            store=stored,  # a throwaway session: the vision cache still applies by content
+            session_load_ns=joined.load_ns,
+            # the id the client gets names the response in its trace too
+            client_id=f"chatcmpl-{secrets.token_hex(12)}",
+        )
+        return _Prepared(
+            session=joined.session,
+            stored=stored,
+            options=options,
+            conversation=conv,
+            request=request,
+            created=int(time.time()),
+            model=model,
+            permit=permit,
+            added=joined.added,
+        )
+
+    async def _join(self, owner: str, session_id: str | None, conv: Conversation) -> _Joined:
+        """The session the turn answers from: a throwaway one, or the stored `session_id`
+        brought in line with the request's messages."""
+        state, settings, limits = self.state, self.state.settings, self.limits
         if session_id is None:
             session = Session.new(
                 owner,
                 instructions=settings.default_instructions,
                 max_output_tokens=settings.max_output_tokens,
             )
-            options.store = False  # a throwaway session: the vision cache still applies by content
             reconcile(session, conv, settings.default_instructions)
-        else:
-            check_session_id(session_id)
-            load_start = time.time_ns()
-            await self._session(session_id, owner)  # load, or create under this id
+            return _Joined(session)
+        check_session_id(session_id)
+        load_start = time.time_ns()
+        await self._session(session_id, owner)  # load, or create under this id
+        added: list[str] = []
 
-            def bring_in_line(stored: Session) -> int:
-                kept = reconcile(stored, conv, settings.default_instructions)
-                check_image_count(stored.image_digests, limits, "messages")
-                added[:] = [item.id for item in stored.items[kept:]]
-                return kept
+        def bring_in_line(stored: Session) -> int:
+            kept = reconcile(stored, conv, settings.default_instructions)
+            check_image_count(stored.image_digests, limits, "messages")
+            added[:] = [item.id for item in stored.items[kept:]]
+            return kept
 
-            # compare-and-set: a concurrent request on the same session is never overwritten
-            session, kept = await state.sessions.update(session_id, owner, bring_in_line)
-            options.session_load_ns = (load_start, time.time_ns())
-            log.info(
-                "http_session_turn",
-                session_id=session.id,
-                kept_items=kept,
-                items=len(session.items),
-            )
-        # the id the client gets names the response in its trace too
-        options.client_id = f"chatcmpl-{secrets.token_hex(12)}"
-        return _Prepared(
-            session=session,
-            stored=stored,
-            options=options,
-            conversation=conv,
-            request=request,
-            completion_id=options.client_id,
-            created=int(time.time()),
-            model=model,
-            added=added,
+        # compare-and-set: a concurrent request on the same session is never overwritten
+        session, kept = await state.sessions.update(session_id, owner, bring_in_line)
+        load_ns = (load_start, time.time_ns())
+        log.info(
+            "http_session_turn",
+            session_id=session.id,
+            kept_items=kept,
+            items=len(session.items),
         )
+        return _Joined(session, tuple(added), load_ns)
 
-    async def _roll_back(self, prepared: _Prepared) -> None:
+    async def refused(self, prepared: _Prepared) -> None:
         """A turn that failed before any output (refused by the key's token limits, an image
         that did not encode, the engine's refusal) leaves its stored session without the
         messages it appended, as a failed Responses turn leaves its chain."""
@@ -253,21 +241,21 @@ class ChatCompletionServing:
 
     # ------------------------------------------------------------ answering
 
-    async def _complete(
+    def respond(self, prepared: _Prepared, received: float) -> AsyncIterator[ServiceEvent]:
+        return self.state.require().service.respond(
+            prepared.session, prepared.options, received_at=received
+        )
+
+    async def complete(
         self, prepared: _Prepared, opened: Opened[ServiceEvent]
     ) -> p.ChatCompletion | p.ErrorResponse:
-        events = opened.events
         logprobs: dict[int, list[TokenLogprob]] = {}
-        finished: Finished | None = None
-        try:
-            async for ev in replay(opened.first, events, _is_finished):
-                if isinstance(ev, TextChunk):
-                    logprobs.setdefault(ev.index, []).extend(ev.logprobs)
-                elif isinstance(ev, Finished):
-                    finished = ev
-        finally:
-            prepared.options.cancel.set()  # no-op once finished; frees the engine otherwise
-            await close_shielded(events)
+
+        def take(ev: ServiceEvent) -> None:
+            if isinstance(ev, TextChunk):
+                logprobs.setdefault(ev.index, []).extend(ev.logprobs)
+
+        finished = await read_to_end(opened, prepared.options.cancel, take)
         self._finished(finished, prepared)
         if finished is None or finished.status == "failed":
             return p.error_response(failure_of(finished))
@@ -285,7 +273,7 @@ class ChatCompletionServing:
             visiongate=ext,
         )
 
-    async def _sse(
+    async def stream(
         self, prepared: _Prepared, opened: Opened[ServiceEvent], budget: RedisBudget
     ) -> AsyncIterator[bytes]:
         use_request_budget(budget)  # the answer is still this request's: so is its bound
@@ -305,7 +293,7 @@ class ChatCompletionServing:
         try:
             for i in range(options.n):  # every choice announced first, in order
                 yield frame(i, p.Delta(role="assistant", content=""))
-            async for ev in replay(opened.first, events, _is_finished):
+            async for ev in replay(opened.first, events, is_finished):
                 if isinstance(ev, TextChunk):
                     answer = answers[ev.index]
                     if answer.plain:  # most frames: the text as it came, nothing else
@@ -399,9 +387,12 @@ def _options(request: p.ChatCompletionRequest, limits: RequestLimits) -> Respons
         truncation=request.truncation,
         api="chat_completions",
     )
-    options.n = check_choices(request.n)
-    options.logprobs = check_logprobs(request.logprobs, request.top_logprobs)
-    options.cache_salt = check_cache_salt(request.cache_salt)
+    checked = replace(
+        options,
+        n=check_choices(request.n),
+        logprobs=check_logprobs(request.logprobs, request.top_logprobs),
+        cache_salt=check_cache_salt(request.cache_salt),
+    )
     # JSON answers are bounded to fit the answer's tokens, so that they close (output_grammar)
     budget = options.max_output_tokens or limits.max_output_tokens
     text_grammar = response_format_grammar(request.response_format, budget=budget)
@@ -412,16 +403,9 @@ def _options(request: p.ChatCompletionRequest, limits: RequestLimits) -> Respons
         text_grammar=text_grammar,
         budget=budget,
     )
-    options.grammar = text_grammar if plan is None else plan.grammar
-    if options.grammar is None and any(m.role == "tool" for m in request.messages):
-        options.grammar = plain_text_grammar()  # no tools now: answer the results in words
-    if plan is not None:
-        # listed under every choice (one prompt, one KV prefix); under "none" the grammar
-        # keeps the answer plain text, so it is never read for calls
-        options.tools_prompt = plan.prompt
-        options.tools = plan.choice != "none"
-    return options
-
-
-def _is_finished(event: ServiceEvent) -> bool:
-    return isinstance(event, Finished)
+    return apply_tool_plan(
+        checked,
+        plan,
+        text_grammar=text_grammar,
+        tool_results=any(m.role == "tool" for m in request.messages),
+    )

@@ -1,16 +1,18 @@
 """Serving the legacy `POST /v1/completions`: plain-text prompts, no chat template, no session.
 
 Evaluation harnesses speak this API. Each prompt, a text or a list of token ids, goes to the
-engine as it is (`GenerationRequest.raw_prompt`), with the same rate limit as chat, the same
-fair share of the engine (`cache_salt` is the API key's owner id, which also scopes prefix
-caching) and the same trace and response metrics. A list of prompts gives `n` choices per
-prompt, choice `i * n + j` being prompt i's j-th. `logprobs` (0..5) come in the legacy layout:
-`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob} (the k most likely and the
-sampled token) and `text_offset`. `echo` puts the prompt before the answer; with `logprobs` it
-is refused, since the prompt's own log-probabilities are not computed. Without `temperature` the
-answer is greedy, as chat's is by default; `max_tokens` defaults to 16, as OpenAI's does. As in
-chat, an answer starts only at the first text (or the end), so a failure before any output gets
-its HTTP status, and a client that disconnects cancels generation.
+engine as it is (`GenerationRequest.raw_prompt`). It fills in the serving base every OpenAI API
+shares (`gateway.api.openai.serving`), so it is admitted as chat is (the key's rate limit, its
+token limits' reservation, its cap on responses in flight, each refused with the same code),
+with the same fair share of the engine (`cache_salt` is the API key's owner id, which also
+scopes prefix caching) and the same trace and response metrics. A list of prompts gives `n`
+choices per prompt, choice `i * n + j` being prompt i's j-th. `logprobs` (0..5) come in the
+legacy layout: `tokens`, `token_logprobs`, `top_logprobs` as {token: logprob} (the k most likely
+and the sampled token) and `text_offset`. `echo` puts the prompt before the answer; with
+`logprobs` it is refused, since the prompt's own log-probabilities are not computed. Without
+`temperature` the answer is greedy, as chat's is by default; `max_tokens` defaults to 16, as
+OpenAI's does. As in chat, an answer starts only at the first text (or the end), so a failure
+before any output gets its HTTP status, and a client that disconnects cancels generation.
 """
 
 from __future__ import annotations
@@ -33,7 +35,17 @@ from gateway.api.openai.completions.protocol import (
     CompletionUsage,
     LegacyLogprobs,
 )
-from gateway.api.openai.serving import DONE, EventStream, failure_of, fingerprint, open_answer
+from gateway.api.openai.serving import (
+    DONE,
+    EventStream,
+    OpenAIServing,
+    Opened,
+    failure_of,
+    fingerprint,
+    is_finished,
+    read_to_end,
+)
+from gateway.caching.redis_deadline import RedisBudget, use_request_budget
 from gateway.chat.events import ChoiceEnd, Finished, ResponseOptions, TextChunk
 from gateway.chat.requests import (
     RequestLimits,
@@ -50,8 +62,8 @@ from gateway.protocol.errors import GatewayError
 
 if TYPE_CHECKING:
     from gateway.chat.generation_stream import RawEvent
+    from gateway.chat.vision_resolver import EncodePermit
     from gateway.engine.interface import Engine, TokenLogprob
-    from gateway.server.state import GatewayState
 
 __all__ = ("CompletionServing",)
 
@@ -75,77 +87,43 @@ class _Choice:
     echoed: bool = False
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Run:
+    """A request admitted and ready to run: built once by `prepare`; only its choices grow."""
+
     request: CompletionRequest
+    owner: str
     prompts: list[str | tuple[int, ...]]
     options: ResponseOptions
     created: int
     model: str
     choices: list[_Choice]
+    permit: EncodePermit  # no images: holds no slot, closed as the answer opens
 
     @property
     def completion_id(self) -> str:
         return self.options.response_id
 
+    @property
+    def stream(self) -> bool:
+        return bool(self.request.stream)
 
-class CompletionServing:
+    @property
+    def session_header(self) -> None:
+        return None  # no session
+
+
+class CompletionServing(OpenAIServing[_Run, Completion]):
     """Legacy completions through `ChatService.respond_raw`: the service runs the prompts (at
     most a few in the engine at once), keeps the trace and the response metrics; this builds
     the legacy answer from its events."""
 
-    def __init__(self, state: GatewayState) -> None:
-        self.state = state
-        self.limits = RequestLimits.of(state.settings)
-
     async def create(
         self, request: CompletionRequest, *, owner: str
     ) -> Completion | EventStream | p.ErrorResponse:
-        received = time.perf_counter()
-        try:
-            run = await self._prepare(request, owner)
-        except GatewayError as exc:
-            return p.error_response(exc)
-        events = self.state.require().service.respond_raw(
-            run.prompts, run.options, owner=owner, received_at=received
-        )
-        opened = await open_answer(events, run.options.cancel)
-        if isinstance(opened, GatewayError):
-            return p.error_response(opened)
-        if request.stream:
-            return EventStream(self._sse(run, opened.first, opened.events), None)
-        finished: Finished | None = None
-        try:
-            async for event in replay(opened.first, opened.events, _is_finished):
-                self._take(run, event)
-                if isinstance(event, Finished):
-                    finished = event
-        finally:
-            run.options.cancel.set()  # no-op once finished; frees the engine otherwise
-            await close_shielded(opened.events)
-        if finished is None or finished.status == "failed":
-            return p.error_response(failure_of(finished))
-        self._logged(run, finished)
-        return Completion(
-            id=run.completion_id,
-            created=run.created,
-            model=run.model,
-            choices=[
-                CompletionChoice(
-                    index=i,
-                    text=c.prefix + "".join(c.text),
-                    logprobs=_legacy(c.logprobs, len(c.prefix))
-                    if run.options.logprobs is not None
-                    else None,
-                    finish_reason=c.finish_reason or "stop",
-                )
-                for i, c in enumerate(run.choices)
-            ],
-            system_fingerprint=fingerprint(self.state),
-            usage=_usage(finished),
-        )
+        return await self.serve(lambda: self.prepare(request, owner))
 
-    async def _prepare(self, request: CompletionRequest, owner: str) -> _Run:
+    async def prepare(self, request: CompletionRequest, owner: str) -> _Run:
         state, limits = self.state, self.limits
         state.require()  # the one "busy" answer while the model loads
         model = state.engine.model_id
@@ -186,9 +164,11 @@ class CompletionServing:
             cache_salt=check_cache_salt(request.cache_salt),
             store=False,
         )
-        await state.rate_limiter.acquire(owner)
+        # no images: the admission is the key's rate limit (and its token limits' room)
+        permit, _ = await self.admit(owner=owner, inline={}, refs={}, build=_nothing)
         return _Run(
             request=request,
+            owner=owner,
             prompts=prompts,
             options=options,
             created=int(time.time()),
@@ -200,6 +180,38 @@ class CompletionServing:
                 for prompt in prompts
                 for _ in range(n)
             ],
+            permit=permit,
+        )
+
+    def respond(self, run: _Run, received: float) -> AsyncIterator[RawEvent]:
+        return self.state.require().service.respond_raw(
+            run.prompts, run.options, owner=run.owner, received_at=received
+        )
+
+    async def complete(self, run: _Run, opened: Opened[RawEvent]) -> Completion | p.ErrorResponse:
+        finished = await read_to_end(
+            opened, run.options.cancel, lambda event: self._take(run, event)
+        )
+        if finished is None or finished.status == "failed":
+            return p.error_response(failure_of(finished))
+        self._logged(run, finished)
+        return Completion(
+            id=run.completion_id,
+            created=run.created,
+            model=run.model,
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text=c.prefix + "".join(c.text),
+                    logprobs=_legacy(c.logprobs, len(c.prefix))
+                    if run.options.logprobs is not None
+                    else None,
+                    finish_reason=c.finish_reason or "stop",
+                )
+                for i, c in enumerate(run.choices)
+            ],
+            system_fingerprint=fingerprint(self.state),
+            usage=_usage(finished),
         )
 
     def _take(self, run: _Run, event: RawEvent) -> tuple[_Choice, int, list[TokenLogprob]] | None:
@@ -217,16 +229,18 @@ class CompletionServing:
             return choice, event.index, list(event.logprobs)
         return None
 
-    async def _sse(
-        self, run: _Run, first: list[RawEvent], events: AsyncIterator[RawEvent]
+    async def stream(
+        self, run: _Run, opened: Opened[RawEvent], budget: RedisBudget
     ) -> AsyncIterator[bytes]:
+        use_request_budget(budget)  # the answer is still this request's: so is its bound
+        first, events = opened.first, opened.events
         include_usage = bool(
             run.request.stream_options and run.request.stream_options.include_usage
         )
         legacy_logprobs = run.options.logprobs is not None
         finished: Finished | None = None
         try:
-            async for event in replay(first, events, _is_finished):
+            async for event in replay(first, events, is_finished):
                 if isinstance(event, Finished):
                     finished = event
                     continue
@@ -367,5 +381,5 @@ def _usage(finished: Finished) -> CompletionUsage:
     )
 
 
-def _is_finished(event: object) -> bool:
-    return isinstance(event, Finished)
+async def _nothing() -> None:
+    """A completion's session step: it has no session."""

@@ -14,10 +14,11 @@ be retrieved or continued. A stored response leaves a record
 (`gateway.sessions.response_records`) naming its session and its last item there, which is
 what `previous_response_id` and `GET /v1/responses/{id}` find.
 
-Like the chat serving layer this returns values: a `ResponseObject`, an `EventStream`, or an
-`ErrorResponse`. A stream starts only at the first text (or the end), so a failure before any
-output gets its HTTP status; a failure after it ends the stream with `response.failed`. A
-client that disconnects cancels generation.
+It fills in the serving base every OpenAI API shares (`gateway.api.openai.serving`: prepare,
+admit, answer or error, stream or complete) and returns values: a `ResponseObject`, an
+`EventStream`, or an `ErrorResponse`. A stream starts only at the first text (or the end), so a
+failure before any output gets its HTTP status; a failure after it ends the stream with
+`response.failed`. A client that disconnects cancels generation.
 
 A stored response is reported as completed (or incomplete) only once its answer is in the
 session and its record is written, so that every completed response can be retrieved and
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -57,21 +58,21 @@ from gateway.api.openai.responses.prewarm import (
 )
 from gateway.api.openai.serving import (
     EventStream,
+    OpenAIServing,
     Opened,
-    admit_turn,
-    open_answer,
+    is_finished,
     open_store_budget,
+    read_to_end,
 )
 from gateway.caching.redis_deadline import RedisBudget, use_request_budget
 from gateway.chat.events import Finished, TextChunk
 from gateway.chat.output_grammar import (
-    plain_text_grammar,
+    apply_tool_plan,
     plan_tools,
     text_format_grammar,
     tools_from_responses,
 )
 from gateway.chat.requests import (
-    RequestLimits,
     check_conversation_size,
     check_image_count,
     check_item_count,
@@ -101,8 +102,10 @@ MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 51
 MAX_INPUT_ITEMS_PAGE = 100
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Prepared:
+    """A response admitted and ready to answer: built once by `prepare`, read-only after."""
+
     request: r.ResponsesRequest
     owner: str
     options: ResponseOptions
@@ -119,11 +122,18 @@ class Prepared:
     # how each stream event is sent: an SSE frame (HTTP), a text message (WebSocket)
     wire: Callable[[r.ResponseEvent], bytes] = frame
 
+    @property
+    def stream(self) -> bool:
+        return bool(self.request.stream)
 
-class ResponsesServing:
+    @property
+    def session_header(self) -> str | None:
+        return self.session.id if self.stored else None
+
+
+class ResponsesServing(OpenAIServing[Prepared, r.ResponseObject]):
     def __init__(self, state: GatewayState) -> None:
-        self.state = state
-        self.limits = RequestLimits.of(state.settings)
+        super().__init__(state)
         self.in_flight = InFlightResponses()  # what `cancel` finds, on this process
 
     # ------------------------------------------------------------ create
@@ -136,31 +146,21 @@ class ResponsesServing:
         wire: Callable[[r.ResponseEvent], bytes] = frame,
     ) -> r.ResponseObject | EventStream | p.ErrorResponse:
         """One response; a stream's events are made bytes by `wire` (SSE frames by default)."""
-        received = time.perf_counter()
-        budget = open_store_budget(self.state)
-        try:
-            prepared = await self._prepare(request, owner)
-        except GatewayError as exc:
-            return p.error_response(exc)
-        prepared.wire = wire
-        if prepared.prewarm:
-            return await self._prewarm(prepared, received)
-        response_id = prepared.options.response_id
-        self.in_flight.add(response_id, owner, prepared.options.cancel)
-        events = self.state.require().service.respond(
-            prepared.session, prepared.options, received_at=received
-        )
-        opened = await open_answer(events, prepared.options.cancel, prepared.permit)
-        if isinstance(opened, GatewayError):
-            self.in_flight.end(response_id)
-            await self._roll_back(prepared)
-            return p.error_response(opened)
-        if request.stream:
-            frames = self._sse(prepared, opened, budget)
-            return EventStream(frames, prepared.session.id if prepared.stored else None)
-        return await self._complete(prepared, opened)
+        return await self.serve(lambda: self.prepare(request, owner, wire))
 
-    async def _prepare(self, request: r.ResponsesRequest, owner: str) -> Prepared:
+    async def answer(
+        self, prepared: Prepared, received: float, budget: RedisBudget
+    ) -> r.ResponseObject | EventStream | p.ErrorResponse:
+        if prepared.prewarm:  # the cache warmed instead of an answer
+            return await self._prewarm(prepared, received)
+        return await super().answer(prepared, received, budget)
+
+    async def prepare(
+        self,
+        request: r.ResponsesRequest,
+        owner: str,
+        wire: Callable[[r.ResponseEvent], bytes] = frame,
+    ) -> Prepared:
         state, limits = self.state, self.limits
         state.require()  # the one "busy" answer while the model loads
         model = state.engine.model_id
@@ -174,14 +174,12 @@ class ResponsesServing:
         items = convert_items(request.input, limits)
         fetched = await fetch_remote(image_parts(items), limits, param="input")
         parsed = parse_input(items, limits, fetched)
-        permit, (session, created, forked) = await admit_turn(
-            state,
+        permit, (session, created, forked) = await self.admit(
             owner=owner,
             inline=parsed.inline,
             refs=parsed.refs,
             build=lambda: self._session(request, owner, parsed, previous),
         )
-        options.store = bool(request.store is None or request.store)
         log.info(
             "responses_turn",
             response_id=options.response_id,
@@ -204,6 +202,7 @@ class ResponsesServing:
             model=model,
             notes=notes,
             prewarm=wants_prewarm(request),
+            wire=wire,
         )
 
     def _options(self, request: r.ResponsesRequest) -> tuple[ResponseOptions, list[str]]:
@@ -244,15 +243,20 @@ class ResponsesServing:
             top_p=request.top_p,
             instructions=request.instructions,
             truncation=request.truncation or "disabled",
+            store=bool(request.store is None or request.store),
             api="responses",
         )
-        # instructions belong to this response only; without them, the gateway's default
-        if request.instructions is None:
-            options.instructions = self.state.settings.default_instructions
-        options.item_id = new_id("msg")
         include = request.include or []
         asked = LOGPROBS_INCLUDE in include or request.top_logprobs is not None
-        options.logprobs = check_logprobs(asked, request.top_logprobs)
+        checked = replace(
+            options,
+            # instructions belong to this response only; without them, the gateway's default
+            instructions=self.state.settings.default_instructions
+            if request.instructions is None
+            else options.instructions,
+            item_id=new_id("msg"),
+            logprobs=check_logprobs(asked, request.top_logprobs),
+        )
         text_format = request.text.format if request.text is not None else None
         # JSON answers are bounded to fit the answer's tokens, so that they close
         budget = options.max_output_tokens or self.limits.max_output_tokens
@@ -266,11 +270,9 @@ class ResponsesServing:
             param="tool_choice",
             budget=budget,
         )
-        options.grammar = grammar if plan is None else plan.grammar
-        if options.grammar is None and _has_tool_results(request.input):
-            options.grammar = plain_text_grammar()  # no tools now: answer the results in words
-        if plan is not None:  # listed under every choice; "none" answers in plain text
-            options.tools_prompt, options.tools = plan.prompt, plan.choice != "none"
+        options = apply_tool_plan(
+            checked, plan, text_grammar=grammar, tool_results=_has_tool_results(request.input)
+        )
         notes = cache_notes(request, self.state.settings)
         if request.reasoning and request.reasoning.get("effort") not in (None, "none"):
             notes.append("reasoning is ignored: the served model does not reason")
@@ -367,25 +369,33 @@ class ResponsesServing:
         except GatewayError as exc:
             log.warning("responses_roll_back_failed", session_id=session.id, code=exc.code)
 
+    async def refused(self, prepared: Prepared) -> None:
+        self.in_flight.end(prepared.options.response_id)
+        await self._roll_back(prepared)
+
     # ------------------------------------------------------------ answering
 
-    async def _complete(
+    def respond(self, prepared: Prepared, received: float) -> AsyncIterator[ServiceEvent]:
+        """The service's events, the response listed in flight (`cancel` finds it) until its
+        answer ends."""
+        options = prepared.options
+        self.in_flight.add(options.response_id, prepared.owner, options.cancel)
+        return self.state.require().service.respond(prepared.session, options, received_at=received)
+
+    async def complete(
         self, prepared: Prepared, opened: Opened[ServiceEvent]
     ) -> r.ResponseObject | p.ErrorResponse:
         """The whole response, once its answer and its record are stored; an answer or record
         the store did not take is the store's error (busy, 503), with no response id given."""
-        events = opened.events
         out = OutputBuilder(prepared)
-        finished: Finished | None = None
+
+        def take(ev: ServiceEvent) -> None:
+            if isinstance(ev, TextChunk):
+                out.feed(ev)
+
         try:
-            async for ev in replay(opened.first, events, _is_finished):
-                if isinstance(ev, TextChunk):
-                    out.feed(ev)
-                elif isinstance(ev, Finished):
-                    finished = ev
+            finished = await read_to_end(opened, prepared.options.cancel, take)
         finally:
-            prepared.options.cancel.set()  # no-op once finished; frees the engine otherwise
-            await close_shielded(events)
             self.in_flight.end(prepared.options.response_id)
         response = out.finish(finished)
         if finished is not None and finished.error is not None and _unstored(finished.error):
@@ -397,7 +407,7 @@ class ResponsesServing:
             return p.error_response(error)
         return response
 
-    async def _sse(
+    async def stream(
         self, prepared: Prepared, opened: Opened[ServiceEvent], budget: RedisBudget
     ) -> AsyncIterator[bytes]:
         use_request_budget(budget)  # the answer is still this request's: so is its bound
@@ -408,7 +418,7 @@ class ResponsesServing:
         try:
             yield wire(r.ResponseCreated(sequence_number=out.next(), response=out.snapshot()))
             yield wire(r.ResponseInProgress(sequence_number=out.next(), response=out.snapshot()))
-            async for ev in replay(opened.first, events, _is_finished):
+            async for ev in replay(opened.first, events, is_finished):
                 if isinstance(ev, TextChunk):
                     out.feed(ev)
                 elif isinstance(ev, Finished):
@@ -634,10 +644,6 @@ def _unknown_response(response_id: str, param: str, why: str = "") -> GatewayErr
         f"no response {response_id!r} for this API key{detail}",
         param=param,
     )
-
-
-def _is_finished(event: ServiceEvent) -> bool:
-    return isinstance(event, Finished)
 
 
 def _unstored(error: GatewayError) -> bool:
