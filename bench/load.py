@@ -39,7 +39,7 @@ at light load, so it can differ).
 Progress goes to stderr (structlog), tables and headline ratios to stdout. The gateways are
 stopped at the end, on errors and on Ctrl-C or SIGTERM.
 
-It stays one module, a little over 500 lines: its flags (`parse_args`) and the run they drive
+It stays one module: its flags (`parse_args`) and the run they drive
 (`LoadRun`: the points, their pairing and the rate ladder) read best together; the clients, the
 statistics, the report and the gateway processes it is built from live in `bench/_load_*.py`.
 """

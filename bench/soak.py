@@ -25,7 +25,7 @@ scheduler gauges (running, waiting, batch), which soak.json keeps too. `--fake` 
 fake engine and encoder of gateway/testing/fakes.py (bench/_soak_server.py): a quick look at the
 benchmark itself, not at the engine's fairness.
 
-It stays one module, a little over 500 lines: its flags and the run they drive (`SoakRun`: the
+It stays one module: its flags and the run they drive (`SoakRun`: the
 warm-up, the two phases, their drain and the gateway's gauges) read best together; the users,
 the abusers, the gateway and the report live in `bench/_soak_*.py`.
 """

@@ -3,7 +3,7 @@
 Every query uses the series names the gateway exports (`gateway.telemetry.PROMETHEUS_NAMES`),
 never recording rules, so the dashboards work against any Prometheus scraping the gateways.
 
-The module runs a little over 500 lines and stays one: it is declarative (panel after panel,
+The module stays one: it is declarative (panel after panel,
 each a query and a title), the series names at its top are shared by all three dashboards and
 by the alerts (`alerts.py`), and the panel builders live apart (`_panels.py`).
 """

@@ -26,7 +26,7 @@ the tests start the same parts with. `scaled_rules` writes the production rule f
 window and `for` duration scaled down, so an alert meant to fire within minutes fires within
 seconds; nothing else in them changes.
 
-It stays one module, a little over 500 lines: `make stack` and the tests start the very same
+It stays one module: `make stack` and the tests start the very same
 parts from it, each part a short builder over the one `Service` (a child process, its log file
 and its readiness check), and the entry point at the end only strings the parts together.
 """

@@ -27,7 +27,7 @@ that checkpoint's own (`encoder_worker.families`), run image by image since shap
 With pruning "none" and fp32 tokens (exact mode) the rows are the checkpoint's
 `get_image_features` as they are, and images are decoded at full resolution.
 
-It stays one module a little over 500 lines: `EncoderPipeline` is one path from bytes to tokens
+It stays one module: `EncoderPipeline` is one path from bytes to tokens
 whose steps share the fixed shapes above, and `encoder_fingerprint` beside it must name exactly
 what that path runs; the steps themselves already live in their own modules (`decode`,
 `patch_rows`, `tower`, `pruning`, `projector`, `payload`, `families`).

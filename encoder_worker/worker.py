@@ -36,9 +36,9 @@ heartbeat and the switch of encoder: `deployment_follower.py`. Keys and stored v
 `storage.py`; the process around it (flags, signals): `process.py`.
 
 What writes a batch (`batch_commit.py`), which encoder is served (`deployment_follower.py`) and
-the spans of an encode (`spans.py`) live apart; what stays here, a little over 500 lines, is the
-one loop itself: reading and reclaiming jobs, deciding each job's outcome (refused, encoded,
-rejected, retried, dead) and counting it, which read best side by side.
+the spans of an encode (`spans.py`) live apart; what stays here is the one loop itself:
+reading and reclaiming jobs, deciding each job's outcome (refused, encoded, rejected, retried,
+dead) and counting it, which read best side by side.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ model is never instantiated. Nothing is unpickled and nothing is downloaded.
 Out of scope: an image that decodes to an all-zero normalized tile (the reference drops such
 tiles as batch padding; with mean 0.5 / std 0.5 no uint8 pixel normalizes to exactly 0).
 
-One module of about 500 lines, as each family is (`llava.py`, `qwen2_5_vl.py`): the tile plan,
+One module, as each family is (`llava.py`, `qwen2_5_vl.py`): the tile plan,
 the preprocessing and the connector reproduce one checkpoint format step for step, and are
 checked together against that format's reference, so they are read together.
 """

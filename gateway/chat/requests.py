@@ -14,7 +14,7 @@ Not here: the shape of a frame or body (unknown fields, wrong types; each transp
 refuses those), sessions and their storage, and readiness (`GatewayState.require()` raises the
 one `busy` answer).
 
-Over 500 lines on purpose: it is the one place every check of a request's values is written,
+One module on purpose: it is the one place every check of a request's values is written,
 so that no transport grows a check of its own; its sections (scalar values, tool calls and
 results, content and images) share `RequestLimits` and the refusal helpers.
 """

@@ -1,5 +1,6 @@
-"""The package layout holds: no import cycles, no two modules of one name, and the wire
-protocol layer stays a lower layer of the gateway.
+"""The package layout holds: no import cycles, no two modules of one name, the wire protocol
+layer stays a lower layer of the gateway, no class is assembled from mixins of the project's own,
+and nothing in the gateway probes an engine with `getattr` (its capabilities are declared).
 
 Imports are read with `ast`, not by importing: every `import` / `from ... import` counts,
 at module level, inside functions and under `TYPE_CHECKING` alike (a cycle through a type
@@ -343,3 +344,157 @@ def test_the_layout_page_names_every_package() -> None:
     assert not missing, f"packages the layout page does not name: {missing}"
     gone = sorted(d for d in named - packages if not (ROOT / d).is_dir())
     assert not gone, f"the layout page names directories that do not exist: {gone}"
+
+
+# Classes that still inherit from more than one class of their own package while they are being
+# recomposed into parts they hold; an entry leaves when its class does.
+MIXINS_ALLOWED = frozenset({"gateway.engine.local.scheduler.Scheduler"})
+
+
+def _base_names(node: ast.expr) -> ast.expr:
+    """`FairQueue[T]` -> `FairQueue`: the class a subscripted base names."""
+    return node.value if isinstance(node, ast.Subscript) else node
+
+
+def own_bases(modules: dict[str, Path]) -> dict[str, list[str]]:
+    """Every class (module.Class, line) with the bases it takes from its own top-level package:
+    a class of the same module, a name imported from a module of the package, or an attribute
+    of such a module (`rt.Event`). Bases from elsewhere (the standard library, msgspec, torch)
+    do not count."""
+    found: dict[str, list[str]] = {}
+    for module, path in modules.items():
+        top = module.split(".")[0]
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        own_names: dict[str, str] = {}  # a name bound here -> the project module it comes from
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package[: len(package) - node.level + 1]
+                    source = ".".join([*base, *([node.module] if node.module else [])])
+                else:
+                    source = node.module or ""
+                for alias in node.names:
+                    submodule = f"{source}.{alias.name}"
+                    target = submodule if submodule in modules else _resolve(source, modules)
+                    if target is not None:
+                        own_names[alias.asname or alias.name] = target
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    target = _resolve(alias.name, modules)
+                    if target is not None:
+                        own_names[alias.asname or alias.name.split(".")[0]] = target
+            elif isinstance(node, ast.ClassDef):
+                own_names.setdefault(node.name, module)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = []
+            for base in map(_base_names, node.bases):
+                head = base
+                while isinstance(head, ast.Attribute):
+                    head = head.value
+                named = isinstance(head, ast.Name) and own_names.get(head.id, "")
+                if named and named.split(".")[0] == top:
+                    bases.append(ast.unparse(base))
+            found[f"{module}.{node.name}:{node.lineno}"] = bases
+    return found
+
+
+def mixed_classes(modules: dict[str, Path]) -> dict[str, list[str]]:
+    """The classes with more than one base of their own package: module.Class -> bases."""
+    return {
+        name.split(":")[0]: bases for name, bases in own_bases(modules).items() if len(bases) > 1
+    }
+
+
+def test_the_mixin_rule_sees_a_class_of_two_own_bases(tmp_path: Path) -> None:
+    """The checker itself: two bases of the package (same module, imported, or through a module
+    alias) make a mixed class; one own base beside foreign ones does not."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "parts.py").write_text("class Admission:\n    pass\nclass WarmUps:\n    pass\n")
+    (pkg / "whole.py").write_text(
+        "from typing import Generic, TypeVar\n"
+        "from pkg import parts\n"
+        "from pkg.parts import Admission, WarmUps\n"
+        "T = TypeVar('T')\n"
+        "class Local:\n    pass\n"
+        "class Scheduler(Admission, WarmUps):\n    pass\n"
+        "class Connection(parts.Admission, Local):\n    pass\n"
+        "class Fine(Admission, Exception, Generic[T]):\n    pass\n"
+    )
+    found = mixed_classes(project_modules(tmp_path, ("pkg",)))
+    assert found == {
+        "pkg.whole.Scheduler": ["Admission", "WarmUps"],
+        "pkg.whole.Connection": ["parts.Admission", "Local"],
+    }
+
+
+def test_no_class_is_assembled_from_mixins_of_its_own_package() -> None:
+    """A class whose state is spread over several own base classes (mixins that re-declare
+    each other's attributes) is a whole split by length, not along a seam: hold the parts as
+    objects with narrow interfaces instead. The allowed entries must still be mixed, so that
+    each leaves the list when its class is recomposed."""
+    found = mixed_classes(project_modules())
+    offenders = {name: bases for name, bases in found.items() if name not in MIXINS_ALLOWED}
+    assert not offenders, "classes with more than one base of their own package:\n" + "\n".join(
+        f"  {name}({', '.join(bases)})" for name, bases in sorted(offenders.items())
+    )
+    recomposed = sorted(MIXINS_ALLOWED - set(found))
+    assert not recomposed, f"no longer mixed, remove them from MIXINS_ALLOWED: {recomposed}"
+
+
+def _names_an_engine(node: ast.expr, class_name: str | None) -> bool:
+    """`engine`, `self.engine`, `state.engine`, `self._engine`, or `self` inside an engine."""
+    if isinstance(node, ast.Name) and node.id == "self":
+        return class_name is not None and class_name.endswith("Engine")
+    name = node.id if isinstance(node, ast.Name) else getattr(node, "attr", "")
+    return "engine" in name.lower()
+
+
+def engine_probes(root: Path = ROOT) -> list[str]:
+    """Every `getattr` / `hasattr` on an engine object in gateway/, file:line and the call."""
+    found = []
+    for path in sorted((root / "gateway").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        enclosing: dict[int, str] = {}
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for inner in ast.walk(cls):
+                enclosing[id(inner)] = cls.name  # the innermost class wins: walked later
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+                and node.args
+                and _names_an_engine(node.args[0], enclosing.get(id(node)))
+            ):
+                found.append(f"  {path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_engine_probe_rule_sees_a_probe(tmp_path: Path) -> None:
+    (tmp_path / "gateway").mkdir()
+    (tmp_path / "gateway" / "serving.py").write_text(
+        "def f(engine, state, request):\n"
+        "    getattr(engine, 'warm_up', None)\n"
+        "    hasattr(state.engine, 'tokenizer')\n"
+        "    getattr(request, 'n')\n"
+        "class FakeEngine:\n"
+        "    def g(self):\n"
+        "        return getattr(self, 'image_input', 'embeds')\n"
+        "class Other:\n"
+        "    def h(self):\n"
+        "        return getattr(self, 'x', None)\n"
+    )
+    found = engine_probes(tmp_path)
+    assert [line.split(": ", 1)[0].rsplit(":", 1)[1] for line in found] == ["2", "3", "7"]
+
+
+def test_nothing_probes_an_engine_with_getattr() -> None:
+    """What an engine takes and does is declared (`Engine.capabilities`, the protocol's
+    methods): read it, never ask the object whether it happens to have an attribute."""
+    found = engine_probes()
+    assert not found, "getattr / hasattr on an engine in gateway/:\n" + "\n".join(found)
