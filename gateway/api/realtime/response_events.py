@@ -16,6 +16,7 @@ items it showed (`items.split_answer_item`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,7 @@ from gateway.api.realtime.items import (
 )
 from gateway.api.realtime.output import RealtimeResponseWriter
 from gateway.chat.events import Finished
-from gateway.chat.output_grammar import plain_text_grammar
+from gateway.chat.output_grammar import apply_tool_plan
 from gateway.chat.requests import check_output_modalities, response_options
 from gateway.protocol.errors import GatewayError
 
@@ -122,7 +123,7 @@ class ResponseEvents:
             options.max_output_tokens or conn.session.max_output_tokens,
             limits.max_output_tokens_limit,
         )
-        _apply_plan(options, self._tools(params, budget))
+        plan = self._tools(params, budget)
         await self._rate_limiter.acquire(conn.owner)
         # watchers whose encodes are over are about to report (and drop a failed image's item):
         # let them, so this response sees the conversation the client was told about
@@ -132,7 +133,7 @@ class ResponseEvents:
         # the stored session is the truth (another connection may have added to it)
         load_start = time.time_ns()
         conn.session = session = await self._sessions.load(conn.session.id, conn.owner)
-        options.session_load_ns = (load_start, time.time_ns())
+        load_ns = (load_start, time.time_ns())
         context, permit = session.items, None
         if params.input is not None:  # this response's own context, never stored
             context, permit = await input_context(
@@ -145,7 +146,7 @@ class ResponseEvents:
                 quota=conn.encode_quota,
             )
             if not context and not (
-                options.instructions or session.instructions or options.tools_prompt
+                options.instructions or session.instructions or plan is not None
             ):
                 permit.close()
                 raise GatewayError(
@@ -155,8 +156,11 @@ class ResponseEvents:
                 )
         # what the model reads: function_call items joined to the answer that made them
         view = msgspec.structs.replace(session, items=joined(context))
-        if options.grammar is None and any(i.role == "tool" for i in view.items):
-            options.grammar = plain_text_grammar()  # no tools now: answer the results in words
+        options = apply_tool_plan(  # as the HTTP APIs apply it
+            dataclasses.replace(options, session_load_ns=load_ns),
+            plan,
+            tool_results=any(i.role == "tool" for i in view.items),
+        )
         task = asyncio.create_task(
             self._run(options, params, view, event.event_id, received),
             name=f"response {options.response_id}",
@@ -286,12 +290,3 @@ class ResponseEvents:
             )
         except GatewayError as exc:  # the answer stays one item: it reads the same to the model
             log.warning("answer_not_split", item_id=item_id, code=exc.code)
-
-
-def _apply_plan(options: ResponseOptions, plan: ToolPlan | None) -> None:
-    """Tools as the HTTP APIs apply them: listed under every choice (one prompt, one KV
-    prefix); under "none" the grammar keeps the answer plain text, never read for calls."""
-    if plan is not None:
-        options.grammar = plan.grammar
-        options.tools_prompt = plan.prompt
-        options.tools = plan.choice != "none"
