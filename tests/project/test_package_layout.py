@@ -79,15 +79,16 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
-def _imports(
-    path: Path, package: list[str], modules: dict[str, Path]
-) -> Iterator[tuple[str | None, int]]:
-    """(project module, line) of every import in the file; `package` is the file's package,
-    which relative imports start from."""
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+def _bindings(
+    tree: ast.Module, package: list[str], modules: dict[str, Path]
+) -> Iterator[tuple[str | None, int, str]]:
+    """(project module, line, the name it binds) of every import in the tree; `package` is the
+    file's package, which relative imports start from."""
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield _resolve(alias.name, modules), node.lineno
+                bound = alias.asname or alias.name.split(".")[0]
+                yield _resolve(alias.name, modules), node.lineno, bound
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: from the package, `level - 1` packages up
                 base = package[: len(package) - node.level + 1]
@@ -100,7 +101,17 @@ def _imports(
                 yield (
                     submodule if submodule in modules else _resolve(source, modules),
                     node.lineno,
+                    alias.asname or alias.name,
                 )
+
+
+def _imports(
+    path: Path, package: list[str], modules: dict[str, Path]
+) -> Iterator[tuple[str | None, int]]:
+    """(project module, line) of every import in the file."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    for target, line, _ in _bindings(tree, package, modules):
+        yield target, line
 
 
 def import_graph(modules: dict[str, Path]) -> Graph:
@@ -366,25 +377,12 @@ def own_bases(modules: dict[str, Path]) -> dict[str, list[str]]:
         top = module.split(".")[0]
         package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        own_names: dict[str, str] = {}  # a name bound here -> the project module it comes from
+        # a name bound here -> the project module it comes from
+        own_names = {
+            name: target for target, _, name in _bindings(tree, package, modules) if target
+        }
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package[: len(package) - node.level + 1]
-                    source = ".".join([*base, *([node.module] if node.module else [])])
-                else:
-                    source = node.module or ""
-                for alias in node.names:
-                    submodule = f"{source}.{alias.name}"
-                    target = submodule if submodule in modules else _resolve(source, modules)
-                    if target is not None:
-                        own_names[alias.asname or alias.name] = target
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    target = _resolve(alias.name, modules)
-                    if target is not None:
-                        own_names[alias.asname or alias.name.split(".")[0]] = target
-            elif isinstance(node, ast.ClassDef):
+            if isinstance(node, ast.ClassDef):
                 own_names.setdefault(node.name, module)
         for node in ast.walk(tree):
             if not isinstance(node, ast.ClassDef):
