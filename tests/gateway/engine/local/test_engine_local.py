@@ -46,6 +46,12 @@ async def test_engine_protocol_and_attributes(engine) -> None:
     assert engine.hidden_size == 576
     assert 0.01 < engine.embedding_rms < 10
     assert engine.count_tokens("Hello world") == 2
+    # what the gateway reads instead of probing the engine, known once it started
+    capabilities = engine.capabilities
+    assert capabilities.image_input == "embeds" and capabilities.warm_up
+    assert capabilities.embedding_rms == engine.embedding_rms
+    assert capabilities.vocab_size == len(engine.tokenizer) > 49_000
+    assert capabilities.image_tokens_estimate == 0  # its images arrive as visual tokens
 
 
 async def test_stream_concatenates_to_result(engine, collect) -> None:
