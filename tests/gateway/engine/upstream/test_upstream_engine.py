@@ -24,6 +24,7 @@ import torch
 from encoder_worker.types import ImageLayout
 from gateway.engine.interface import (
     EngineBusy,
+    EngineCapabilities,
     EngineError,
     GenerationRequest,
     GenerationResult,
@@ -178,6 +179,8 @@ def test_from_settings(tmp_path: Path) -> None:
     )
     engine = OpenAIEngine.from_settings(settings)
     assert engine.image_input == "embeds"
+    # embeds: warm-ups go upstream, and an image's tokens are known before it is sent
+    assert engine.capabilities == EngineCapabilities(image_input="embeds", warm_up=True)
     assert engine.hidden_size == 2048
     assert engine.context_tokens == 16384
     assert [r.model for r in engine._router.replicas] == ["m1", "m2"]
@@ -186,6 +189,12 @@ def test_from_settings(tmp_path: Path) -> None:
         Settings(engine="openai", upstreams=["http://127.0.0.1:9001"])
     )
     assert plain.image_input == "bytes" and plain.hidden_size == 0
+    # bytes: no warm-up (the session warm-up has no bytes to send), and an image counts as the
+    # settings' estimate until the replica encodes it
+    assert plain.capabilities == EngineCapabilities(
+        image_input="bytes", warm_up=False, image_tokens_estimate=settings.upstream_image_tokens
+    )
+    assert plain.capabilities.vocab_size is None and plain.capabilities.embedding_rms is None
 
 
 def test_token_count_estimate_without_a_tokenizer() -> None:
