@@ -80,8 +80,7 @@ from gateway.engine.upstream.replicas import (
     text_hidden_size,
 )
 from gateway.engine.upstream.routing import Replica
-from gateway.engine.upstream.sse import drain as drain_reader
-from gateway.engine.upstream.sse import read_events
+from gateway.engine.upstream.sse import drain_reader, read_events
 from gateway.engine.upstream.upstream_bodies import request_body
 from gateway.engine.upstream.wire import (
     CANCELLED,

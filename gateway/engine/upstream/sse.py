@@ -5,7 +5,7 @@ from bytes) on a queue, then `DONE` at `[DONE]`, `EOF` when the body ends withou
 exception that ended it (`UpstreamStatus` for a non-200 answer, with its body and Retry-After).
 Lines end in \n, \r\n or \r; one line may hold at most `MAX_SSE_LINE_BYTES` (past that the
 attempt fails: a replica cannot make the gateway buffer without bound). After `[DONE]` the body
-is still read to its end so the connection goes back to the pool; `drain` bounds that wait
+is still read to its end so the connection goes back to the pool; `drain_reader` bounds that wait
 (`DRAIN_S`), after which the connection is closed instead.
 """
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import httpx
     from opentelemetry.trace import Span
 
-__all__ = ("DRAIN_S", "MAX_SSE_LINE_BYTES", "drain", "read_events")
+__all__ = ("DRAIN_S", "MAX_SSE_LINE_BYTES", "drain_reader", "read_events")
 
 MAX_SSE_LINE_BYTES = 16 << 20  # one event line of the upstream's stream at most
 DRAIN_S = 2.0  # reading a finished answer's body to its end, at most (then the connection goes)
@@ -112,7 +112,7 @@ async def read_events(
         queue.put_nowait(exc)
 
 
-async def drain(reader: asyncio.Task[None]) -> None:
+async def drain_reader(reader: asyncio.Task[None]) -> None:
     """Let `reader` finish a body whose answer is complete, for at most DRAIN_S."""
     with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError, Exception):
         await asyncio.wait_for(reader, DRAIN_S)
