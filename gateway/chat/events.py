@@ -31,8 +31,12 @@ __all__ = (
 Status = Literal["completed", "cancelled", "incomplete", "failed"]
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class ResponseOptions:
+    """What one response is asked to do: built once by the transport that takes the request,
+    read-only after (a changed value is a new one: `dataclasses.replace`). `cancel` is the one
+    thing that changes: it is set to stop the answer."""
+
     instructions: str | None = None  # overrides the session's for this response
     max_output_tokens: int | None = None
     temperature: float | None = None
