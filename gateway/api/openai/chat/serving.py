@@ -179,7 +179,7 @@ class ChatCompletionServing(OpenAIServing[_Prepared, p.ChatCompletion]):
             return _Joined(session)
         check_session_id(session_id)
         load_start = time.time_ns()
-        await self._session(session_id, owner)  # load, or create under this id
+        await self._load_or_create(session_id, owner)
         added: list[str] = []
 
         def bring_in_line(stored: Session) -> int:
@@ -217,7 +217,7 @@ class ChatCompletionServing(OpenAIServing[_Prepared, p.ChatCompletion]):
         except GatewayError as exc:
             log.warning("http_roll_back_failed", session_id=session.id, code=exc.code)
 
-    async def _session(self, session_id: str, owner: str) -> Session:
+    async def _load_or_create(self, session_id: str, owner: str) -> Session:
         try:
             return await self.state.sessions.load(session_id, owner)
         except GatewayError as exc:

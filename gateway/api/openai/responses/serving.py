@@ -178,7 +178,7 @@ class ResponsesServing(OpenAIServing[Prepared, r.ResponseObject]):
             owner=owner,
             inline=parsed.inline,
             refs=parsed.refs,
-            build=lambda: self._session(request, owner, parsed, previous),
+            build=lambda: self._join_chain(request, owner, parsed, previous),
         )
         log.info(
             "responses_turn",
@@ -281,7 +281,7 @@ class ResponsesServing(OpenAIServing[Prepared, r.ResponseObject]):
             notes.append(f"include values ignored (nothing to include): {', '.join(ignored)}")
         return options, notes
 
-    async def _session(
+    async def _join_chain(
         self,
         request: r.ResponsesRequest,
         owner: str,
