@@ -65,7 +65,7 @@ class WireDelta(msgspec.Struct):
     content: str | None = None
 
 
-class Choice(msgspec.Struct):
+class WireChoice(msgspec.Struct):
     index: int = 0
     delta: WireDelta | None = None  # chat completions
     text: str | None = None  # completions
@@ -88,15 +88,15 @@ class PromptDetails(msgspec.Struct):
         return count if isinstance(count, int) and count > 0 else 0
 
 
-class Usage(msgspec.Struct):
+class WireUsage(msgspec.Struct):
     prompt_tokens: int | None = 0
     completion_tokens: int | None = 0
     prompt_tokens_details: PromptDetails | None = None
 
 
 class Chunk(msgspec.Struct):
-    choices: list[Choice] | None = None
-    usage: Usage | None = None
+    choices: list[WireChoice] | None = None
+    usage: WireUsage | None = None
     error: Any = None  # an error reported inside the stream
     object: str | None = None  # "error" on vLLM's and SGLang's error objects
     message: str | None = None
@@ -350,7 +350,7 @@ class Run:
         self.chunks = [0] * n
         self.gaps: list[list[float]] = [[] for _ in range(n)]
         self.finish: list[str | None] = [None] * n
-        self.usage: Usage | None = None
+        self.usage: WireUsage | None = None
         self.ended = False
         self.queue: asyncio.Queue[Any] | None = None
 
