@@ -3,7 +3,7 @@ room for them.
 
 Owners (API keys) are taken in turn, each owner's requests in order (`FairQueue`). A request
 joins when the batch has a slot for each of its choices and the KV budget room for its prompt
-(`KVBudget.need`); cached blocks are evicted for it, least recently used first, then sessions'
+(`KVMemory.need`); cached blocks are evicted for it, least recently used first, then sessions'
 pins. An owner with nothing running gets a slot of a full batch at once (`_slot_claim`: the
 newest sequence of an owner holding two or more is preempted for it), and KV memory the same
 way (`_memory_claim`: the newest sequences of whoever holds the most, never an owner's last).
@@ -12,52 +12,49 @@ A heavy key (or one a new prompt makes heavy) that already has a sequence runnin
 sessions' pins: its next prompt waits for room (`_spares_pins`) while other owners' requests
 behind it in turn are admitted, so one key's long prompts cannot evict the KV that lets another
 key's next turn skip its history. A waiting request that needs a slot or KV a warm-up holds
-drops it first, before any preemption or unpinning.
+drops it first, before any preemption or unpinning. Warm-ups are admitted after requests, into
+what they leave (`WarmUps.admit`).
 
-At admission (`_start`) a sequence reuses the longest prefix the prefix cache holds, then what
-its session spilled to the store, and allocates its buffer; a preempted sequence (or a choice
-parked at its fork) keeps its first admission order, so the oldest running sequence is never
-the one preempted. The session's own request takes over what its warm-up computed so far.
+At admission (`_start`) a sequence is given a buffer holding the longest prefix KV memory has
+of it (`KVMemory.open`); a preempted sequence (or a choice parked at its fork) keeps its first
+admission order, so the oldest running sequence is never the one preempted. The session's own
+request takes over what its warm-up computed so far.
 
-A preempted sequence (`_preempt`, for fair share or when decoding outgrows the KV budget) gives
+A preempted sequence (`preempt`, for fair share or when decoding outgrows the KV budget) gives
 its computed blocks to the prefix cache, frees its buffer and goes back to the front of its
 owner's line. A request for n choices is admitted once, and at the end of its prompt forked
-(`_fork`): the siblings join the batch while it has free slots, each with a copy of the
+(`fork`): the siblings join the batch while it has free slots, each with a copy of the
 prompt's KV, and the rest wait at the front of the queue like preempted sequences.
 
-`Admission` is a part of `Scheduler` (gateway.engine.local.scheduler), written apart for
-reading: it runs on the engine thread and uses the scheduler's queue, batch, prefix cache and
-KV budget, which it declares below.
+`Admission` owns the requests' side of the batch: the queue (`queue`) and the running sequences
+(`running`). It is given the scheduler's config, the engine's KV memory, the warm-ups (which
+yield to requests), the engine loop's lock (the queue is filled from other threads) and three
+functions: `prepare` (a request's prompt rendered), `siblings` (a request's other choices) and
+`heavy` (the keys the step planner counts as heavy now). It runs on the engine thread,
+`enqueue` excepted.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import structlog
 
 from gateway.engine.interface import EngineError
-from gateway.engine.local.batch import SeqKV
-from gateway.engine.local.choices import copy_kv, fork, post_results
-from gateway.engine.local.fair_queue import newest_of_largest
-from gateway.engine.local.kv.blocks import block_hashes, position_keys
-from gateway.engine.local.sequence import GROW, load_spilled, prepare_sequence
+from gateway.engine.local.choices import copy_kv, post_results
+from gateway.engine.local.fair_queue import FairQueue, newest_of_largest
+from gateway.engine.local.sequence import GROW
 from gateway.engine.local.step_plan import HEAVY_DEMAND_STEPS
 
 if TYPE_CHECKING:
-    from gateway.engine.local.choices import StepLogprobs
-    from gateway.engine.local.fair_queue import FairQueue
-    from gateway.engine.local.grammar import TokenVocab
-    from gateway.engine.local.kv.budget import KVBudget
-    from gateway.engine.local.kv.prefix_cache import PrefixCache, PrefixMatch
-    from gateway.engine.local.kv.store import KVStore
+    import threading
+
+    from gateway.engine.local.kv.kv_memory import KVMemory
+    from gateway.engine.local.kv_warmup import WarmUps
     from gateway.engine.local.sequence import SchedulerConfig, Sequence
-    from gateway.engine.local.step_plan import StepPlanner
-    from gateway.engine.local.weights import LoadedModel
 
 __all__ = ("Admission",)
 
@@ -68,42 +65,83 @@ _order = attrgetter("order")
 
 
 class Admission:
-    """The scheduler's admission (see the module doc); mixed into `Scheduler`."""
+    """The requests' queue and batch, and who moves between them; see the module doc."""
 
-    # the scheduler's, shared with its other parts
-    w: LoadedModel
-    cfg: SchedulerConfig
-    max_positions: int
-    vocab: TokenVocab
-    cache: PrefixCache
-    budget: KVBudget
-    kv_store: KVStore | None
-    base_seed: bytes
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    _cond: threading.Condition
-    _waiting: FairQueue[Sequence]
-    _running: list[Sequence]
-    _warming: list[Sequence]
-    _warmed: dict[str, tuple[int, int]]
-    _planner: StepPlanner
-    _order: int
-    _slots: Callable[[], int]
-    _preemptions: int
-    _fail: Callable[[Sequence, EngineError], None]
-    _publish: Callable[..., None]
-    _logprobs: StepLogprobs | None
-    _drop_warmups: Callable[[str], bool]
-    _take_over_warmups: Callable[[str], None]
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVMemory,
+        warmups: WarmUps,
+        lock: threading.Condition,
+        *,
+        prepare: Callable[[Sequence], None],
+        siblings: Callable[[Sequence], list[Sequence]],
+        heavy: Callable[[], Collection[str | None]],
+    ) -> None:
+        self.cfg = config
+        self._kv = kv
+        self._warmups = warmups
+        self._lock = lock
+        self._prepare = prepare
+        self._siblings = siblings
+        self._heavy = heavy
+        self.queue: FairQueue[Sequence] = FairQueue(_owner)
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+        self._order = 0  # admissions so far: a sequence's order is its seniority
 
-    def _admit(self) -> None:
-        with self._cond:  # a cancelled request leaves the queue at once, not when it is its turn
-            cancelled = [s for s in self._waiting if s.request.cancel.is_set()]
+    # -- the queue (from any thread) -----------------------------------------------------------
+
+    def enqueue(self, seq: Sequence) -> str | None:
+        """Queue a request; None when queued, else why it was refused (the queue, or its owner's
+        share of it, is full)."""
+        with self._lock:
+            if len(self.queue) >= self.cfg.max_queue:
+                return f"engine queue is full ({self.cfg.max_queue} waiting)"
+            # what the batch's free slots take at the next step hardly waits: a burst into an
+            # idle engine is not refused, while a full batch holds each owner to its share
+            free = max(self.cfg.max_batch - len(self.running), 0)
+            if self.queue.depth(seq.owner) >= self.cfg.max_queue_per_key + free:
+                return (
+                    f"too many requests of this API key are waiting ({self.cfg.max_queue_per_key})"
+                )
+            self.queue.push(seq)
+        return None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request waits or runs."""
+        return bool(self.queue or self.running)
+
+    def close(self) -> list[Sequence]:
+        """Empty the queue and the batch (the engine is closing); returns who was in them."""
+        with self._lock:
+            waiting = self.queue.drain()
+        running, self.running = self.running, []
+        return [*waiting, *running]
+
+    # -- what warm-ups are shown (`Requests`) --------------------------------------------------
+
+    def requests_waiting(self) -> bool:
+        return bool(self.queue)
+
+    def slots(self) -> int:
+        """Batch slots taken: a request still to fork into n choices holds n; a warm-up one."""
+        return sum(s.width for s in self.running) + len(self._warmups.running)
+
+    def runs_session(self, kv_key: str) -> bool:
+        return any(s.request.kv_key == kv_key for s in self.running)
+
+    # -- between steps -------------------------------------------------------------------------
+
+    def admit(self) -> None:
+        """Admit waiting requests, then warm-ups into what they leave."""
+        with self._lock:  # a cancelled request leaves the queue at once, not when it is its turn
+            cancelled = [s for s in self.queue if s.request.cancel.is_set()]
             for seq in cancelled:
-                self._waiting.discard(seq)
+                self.queue.discard(seq)
         self._admit_requests(cancelled)
-        self._admit_warmups()
+        self._warmups.admit(self)
 
     def _admit_requests(self, cancelled: list[Sequence]) -> None:
         now = time.perf_counter()
@@ -111,19 +149,19 @@ class Admission:
             post_results(seq, "cancelled", now)
         parked: set[int] = set()  # heavy keys' heads that wait this pass (`_spares_pins`)
         while True:
-            if self._warming and self._waiting and self._slots() >= self.cfg.max_batch:
-                self._drop_warmups("slots")  # a waiting request goes before any warm-up
-            with self._cond:
-                slots = self._slots()
+            if self._warmups.running and self.queue and self.slots() >= self.cfg.max_batch:
+                self._warmups.drop("slots")  # a waiting request goes before any warm-up
+            with self._lock:
+                slots = self.slots()
                 if slots < self.cfg.max_batch:
-                    seq = next((h for h in self._waiting.heads() if id(h) not in parked), None)
+                    seq = next((h for h in self.queue.heads() if id(h) not in parked), None)
                     victim = None
                 else:
                     seq, victim = self._slot_claim()
             if seq is None:
                 return
-            if victim is None and self._running and slots + seq.width > self.cfg.max_batch:
-                if self._drop_warmups("slots"):
+            if victim is None and self.running and slots + seq.width > self.cfg.max_batch:
+                if self._warmups.drop("slots"):
                     continue
                 return  # a request of n choices waits for n free slots
             req = seq.request
@@ -143,15 +181,14 @@ class Admission:
                 self._dequeue(seq)
                 seq.job.post(EngineError(f"generation failed: {exc}"))
                 continue
-            need = self.budget.need(seq)
-            if self._warming and need > self.budget.room_beside_pins():
-                self._drop_warmups("kv_pressure")  # before any pin or preemption
+            need = self._kv.need(seq)
+            if self._warmups.running and need > self._kv.room_beside_pins():
+                self._warmups.drop("kv_pressure")  # before any pin or preemption
             if victim is None and self._spares_pins(seq, need):
                 parked.add(id(seq))  # the next owner in turn may still fit
                 continue
-            staying = [s for s in self._running if s is not victim]
-            room = self.budget.room_beside(staying)
-            if staying and room < need:
+            staying = [s for s in self.running if s is not victim]
+            if staying and self._kv.room_beside(staying) < need:
                 # no KV room for the next in turn: an owner with nothing running may still
                 # claim memory from the owner holding the most; otherwise wait for one to end
                 claim = self._memory_claim()
@@ -159,21 +196,21 @@ class Admission:
                     return
                 seq, victims = claim
                 for v in victims:
-                    self._preempt(v, "fair_share")
-                need = self.budget.need(seq)
-                staying = list(self._running)
-                room = self.budget.room_beside(staying)
+                    self.preempt(v, "fair_share")
+                need = self._kv.need(seq)
+                staying = list(self.running)
                 victim = None
             if victim is not None:
-                self._preempt(victim, "fair_share")
+                self.preempt(victim, "fair_share")
             if staying:  # what the staying sequences leave: the cache gives way, pins too
-                self.budget.evict_to(room - need, unpin=True)
+                self._kv.evict_for(need, staying)
             self._dequeue(seq)
             try:
                 self._start(seq)
             except Exception as exc:  # out of the queue, not yet running: fail it here
                 log.exception("engine.admit_failed", request_id=req.request_id)
-                self._fail(seq, EngineError(f"generation failed: {exc}"))
+                seq.kv = None
+                seq.job.post(EngineError(f"generation failed: {exc}"))
 
     def _spares_pins(self, seq: Sequence, need: int) -> bool:
         """Whether `seq` waits rather than take sessions' pinned KV: a heavy key that has a
@@ -184,38 +221,26 @@ class Admission:
         prompts and this one still have to prefill, net of cached prefixes, is over
         `HEAVY_DEMAND_STEPS` steps' budget. With nothing running a key may take pins (it must
         make progress); a light key always may."""
-        if need <= self.budget.room_beside_pins():
+        if need <= self._kv.room_beside_pins():
             return False
-        mine = [s for s in self._running if s.owner == seq.owner]
+        mine = [s for s in self.running if s.owner == seq.owner]
         if not mine:
             return False
-        if seq.owner in self._planner.heavy:
+        if seq.owner in self._heavy():
             return True
-        demand = self._uncached(seq) + sum(s.known - s.fed for s in mine)
+        uncached = seq.known - self._kv.match(seq)
+        demand = uncached + sum(s.known - s.fed for s in mine)
         return demand > HEAVY_DEMAND_STEPS * self.cfg.prefill_chunk_tokens
-
-    def _uncached(self, seq: Sequence) -> int:
-        """Positions of `seq` the prefix cache does not hold (what it would prefill)."""
-        return seq.known - self._lookup(seq, use=False)[1].length
-
-    def _lookup(self, seq: Sequence, *, use: bool = True) -> tuple[list[int], PrefixMatch]:
-        """`seq`'s positions and the longest cached prefix of them (at least one position is
-        left to feed: its logits give the next token); `use` counts the match as a cache hit."""
-        assert seq.prompt is not None
-        tokens = [*seq.prompt.tokens, *seq.generated]
-        keys = position_keys(tokens, seq.prompt.images)
-        hashes = block_hashes(tokens, seq.prompt.images, self.cfg.block_size, seq.seed)
-        return tokens, self.cache.match(seq.seed, keys, hashes, seq.known - 1, count=use)
 
     def _slot_claim(self) -> tuple[Sequence | None, Sequence | None]:
         """With the batch full: the first waiting request, in turn order, of an owner with
         nothing running, and whom to preempt for it (the newest sequence of the owner holding
         the most, if that is two or more). (None, None): it waits for a slot to free."""
-        victim = newest_of_largest(self._running, _owner, _order)
-        if victim is None or sum(s.owner == victim.owner for s in self._running) < 2:
+        victim = newest_of_largest(self.running, _owner, _order)
+        if victim is None or sum(s.owner == victim.owner for s in self.running) < 2:
             return None, None
-        busy = {s.owner for s in self._running}
-        for head in self._waiting.heads():
+        busy = {s.owner for s in self.running}
+        for head in self.queue.heads():
             if head.owner not in busy:
                 return head, victim
         return None, None
@@ -225,9 +250,9 @@ class Admission:
         order, of an owner with nothing running, and the sequences to preempt so that it fits
         (the newest of whichever owner holds the most, never an owner's last one). None: it
         waits for memory like everyone else."""
-        busy = {s.owner for s in self._running}
-        with self._cond:
-            head = next((h for h in self._waiting.heads() if h.owner not in busy), None)
+        busy = {s.owner for s in self.running}
+        with self._lock:
+            head = next((h for h in self.queue.heads() if h.owner not in busy), None)
         if head is None:
             return None
         if head.prompt is None:
@@ -235,9 +260,9 @@ class Admission:
                 self._prepare(head)
             except Exception:
                 return None  # refused when its turn comes, by the usual path
-        need = self.budget.need(head)
-        staying = list(self._running)
-        room = self.budget.room_beside(staying)
+        need = self._kv.need(head)
+        staying = list(self.running)
+        room = self._kv.room_beside(staying)
         victims: list[Sequence] = []
         while room < need:
             victim = newest_of_largest(staying, _owner, _order)
@@ -245,27 +270,66 @@ class Admission:
                 return None
             staying.remove(victim)
             victims.append(victim)
-            room += self.budget.held_by([victim])
+            room += self._kv.held_by([victim])
         return head, victims
 
-    def _heavy_victim(self) -> Sequence | None:
+    def _dequeue(self, seq: Sequence, *, served: bool = True) -> None:
+        """Take `seq` out of the queue; served (admitted or refused), its owner's turn passes."""
+        with self._lock:
+            if served:
+                self.queue.take(seq)
+            else:
+                self.queue.discard(seq)
+
+    def _start(self, seq: Sequence) -> None:
+        """Admit: a buffer with what KV memory holds of the sequence, a place in the batch."""
+        first = seq.order == 0  # preempted, or a choice parked at its fork: admitted before
+        kv_key = seq.request.kv_key
+        if kv_key is not None:
+            self._warmups.take_over(kv_key)
+        seq.kv, seq.fed = self._kv.open(seq)
+        if first:  # a preempted sequence keeps its admission order (its seniority)
+            seq.cached = seq.fed
+            seq.admitted = time.perf_counter()
+            self._order += 1
+            seq.order = self._order
+            warmed = self._warmups.warmed(kv_key) if kv_key else None
+            if warmed is not None:
+                seq.warmed = max(min(seq.cached, warmed[1]) - warmed[0], 0)
+        self.running.append(seq)
+
+    # -- during a step -------------------------------------------------------------------------
+
+    def leave(self, seq: Sequence) -> None:
+        """Take a finished or failed sequence out of the batch."""
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def heavy_victim(self) -> Sequence | None:
         """The newest sequence of a heavy key running two or more, if any."""
         counts: dict[str | None, int] = {}
-        for s in self._running:
+        for s in self.running:
             counts[s.owner] = counts.get(s.owner, 0) + 1
-        keys = self._planner.heavy
-        heavy = [s for s in self._running if s.owner in keys and counts[s.owner] >= 2]
+        keys = self._heavy()
+        heavy = [s for s in self.running if s.owner in keys and counts[s.owner] >= 2]
         return max(heavy, key=_order) if heavy else None
 
-    def _preempt(self, seq: Sequence, reason: str) -> None:
-        self._running.remove(seq)
-        self._publish(seq, make_room=False)  # the caller frees what it needs, its own way
+    def largest_victim(self) -> Sequence | None:
+        """The newest sequence of the owner holding the most, while two or more run."""
+        if len(self.running) < 2:
+            return None
+        return newest_of_largest(self.running, _owner, _order)
+
+    def preempt(self, seq: Sequence, reason: str) -> None:
+        """Out of the batch, back to the front of its owner's line; its blocks to the cache."""
+        self.running.remove(seq)
+        self._kv.commit(seq, "none", unpin=None)  # the caller frees what it needs, its own way
         seq.kv, seq.fed = None, 0
         seq.held = 0
         seq.preemptions += 1
-        self._preemptions += 1
-        with self._cond:
-            self._waiting.push_front(seq)
+        self.preemptions += 1
+        with self._lock:
+            self.queue.push_front(seq)
         log.info(
             "engine.preempted",
             request_id=seq.request.request_id,
@@ -274,14 +338,14 @@ class Admission:
             generated=len(seq.generated),
         )
 
-    def _fork(self, seq: Sequence) -> list[Sequence]:
+    def fork(self, seq: Sequence) -> list[Sequence]:
         """The other choices of `seq`'s request, at the end of its prompt: each gets a copy of
         the prompt's KV while the batch has free slots; the rest wait at the front of the
         queue like preempted sequences (the prompt's blocks in the prefix cache for them).
         Returns the siblings that joined the batch."""
         assert seq.kv is not None
-        siblings = fork(seq, self.w)
-        free = self.cfg.max_batch - self._slots()
+        siblings = self._siblings(seq)
+        free = self.cfg.max_batch - self.slots()
         joined, parked = [], []
         for sibling in siblings:
             self._order += 1
@@ -290,64 +354,12 @@ class Admission:
                 parked.append(sibling)
                 continue
             sibling.kv, sibling.fed = copy_kv(seq.kv, seq.fed, seq.known + GROW), seq.fed
-            self._running.append(sibling)
+            self.running.append(sibling)
             joined.append(sibling)
             free -= 1
-        if self._logprobs is not None:
-            self._logprobs.share(seq, joined)
         if parked:
-            self._publish(seq)
-            with self._cond:
+            self._kv.commit(seq, "none", unpin=True)
+            with self._lock:
                 for sibling in reversed(parked):
-                    self._waiting.push_front(sibling)
+                    self.queue.push_front(sibling)
         return joined
-
-    def _prepare(self, seq: Sequence) -> None:
-        prepare_sequence(seq, self.w, self.max_positions, self.cfg.block_size, self.vocab)
-
-    def _dequeue(self, seq: Sequence, *, served: bool = True) -> None:
-        """Take `seq` out of the queue; served (admitted or refused), its owner's turn passes."""
-        with self._cond:
-            if served:
-                self._waiting.take(seq)
-            else:
-                self._waiting.discard(seq)
-
-    def _start(self, seq: Sequence) -> None:
-        """Admit: reuse the longest cached prefix, allocate the buffer, join the batch."""
-        assert seq.prompt is not None
-        first = seq.order == 0  # preempted, or a choice parked at its fork: admitted before
-        kv_key = seq.request.kv_key
-        if kv_key is not None and not seq.warm:
-            self._take_over_warmups(kv_key)
-        tokens, found = self._lookup(seq)
-        limit = seq.known - 1
-        kv = SeqKV(
-            self.num_layers,
-            self.kv_heads,
-            self.head_dim,
-            seq.known + GROW,
-            self.w.dtype,
-            self.w.device,
-        )
-        at = 0
-        for block, n in found.blocks:
-            kv.load(block.kv.unbind(0), at, n)
-            at += n
-        reused = found.length
-        if kv_key is not None:
-            self.cache.touch_session(kv_key)
-            if self.kv_store is not None and reused < limit:
-                block = self.cfg.block_size
-                loaded = load_spilled(seq, kv, tokens, limit, self.kv_store, block, self.base_seed)
-                reused = max(reused, loaded)
-        seq.kv, seq.fed = kv, reused
-        if first:  # a preempted sequence keeps its admission order (its seniority)
-            seq.cached = reused
-            seq.admitted = time.perf_counter()
-            self._order += 1
-            seq.order = self._order
-            warmed = self._warmed.pop(kv_key, None) if kv_key and not seq.warm else None
-            if warmed is not None:
-                seq.warmed = max(min(reused, warmed[1]) - warmed[0], 0)
-        (self._warming if seq.warm else self._running).append(seq)

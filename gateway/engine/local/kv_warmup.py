@@ -1,44 +1,45 @@
 """KV warm-ups: a session's prompt prefilled into the prefix cache while its user is still typing.
 
-A warm-up (`submit_warmup`: a request with `warm_up` set, `kv_key` its session) is background
-work at the lowest priority. It prefills the session's prompt through its latest item, samples
-nothing, and its blocks are then pinned for the session (a warm pin, the first pin to go) until
-its next turn. Warm-ups wait in a queue of their own (one per session, a newer one replacing it)
-and are admitted only while no request waits, into free slots (a quarter of the batch at most)
-and KV room that running sequences and sessions' pins leave (`KVBudget.room_beside_pins`). A
-step gives them only what requests leave of its budget (`gateway.engine.local.step_plan`).
+A warm-up (`Scheduler.submit_warmup`: a request with `warm_up` set, `kv_key` its session) is
+background work at the lowest priority. It prefills the session's prompt through its latest item,
+samples nothing, and its blocks are then pinned for the session (a warm pin, the first pin to
+go: `gateway.engine.local.kv.kv_memory`) until its next turn. Warm-ups wait in a queue of their
+own (one per session, a newer one replacing it) and are admitted only while no request waits,
+into free slots (a quarter of the batch at most) and KV room that running sequences and
+sessions' pins leave (`KVMemory.room_beside_pins`). A step gives them only what requests leave
+of its budget (`gateway.engine.local.step_plan`).
 
 A waiting request that needs a slot or KV a warm-up holds drops it first, before any preemption
-or unpinning; the session's own request takes over what its warm-up has computed so far
-(published to the prefix cache at its admission, `_take_over_warmups`). Every warm-up ends with
-one `WarmUpResult` posted to its job: warmed, superseded, dropped (and why) or failed.
+or unpinning (`drop`, asked by admission); the session's own request takes over what its warm-up
+has computed so far (committed to the prefix cache, unpinned, at the request's admission:
+`take_over`). Every warm-up ends with one `WarmUpResult` posted to its job: warmed, superseded,
+dropped (and why) or failed.
 
-`WarmUps` is a part of `Scheduler` (gateway.engine.local.scheduler), written apart for reading:
-it runs on the engine thread (`submit_warmup` excepted) and uses the scheduler's queues, batch,
-prefix cache and KV budget, which it declares below.
+`WarmUps` owns the warm-ups' queue and the running ones. It is given the scheduler's config, the
+engine's KV memory, the engine loop's lock (its queue is filled from other threads) and
+`prepare` (a request's prompt rendered); at admission it is shown the requests' side of the
+batch (`Requests`: whether one waits, the slots taken, whether a session's request runs). It
+runs on the engine thread, `enqueue` excepted.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
-import torch
 
 from gateway.engine.interface import EngineError, WarmUpResult
-from gateway.engine.local.kv.blocks import block_hashes, position_keys
-from gateway.engine.local.sequence import Job, Sequence, ms
+from gateway.engine.local.sequence import ms
 
 if TYPE_CHECKING:
-    from gateway.engine.local.fair_queue import FairQueue
-    from gateway.engine.local.kv.budget import KVBudget
-    from gateway.engine.local.kv.prefix_cache import PrefixCache
-    from gateway.engine.local.sequence import SchedulerConfig
+    import threading
 
-__all__ = ("WARMED_KEPT", "WarmUps")
+    from gateway.engine.local.kv.kv_memory import KVMemory, Pin
+    from gateway.engine.local.sequence import SchedulerConfig, Sequence
+
+__all__ = ("WARMED_KEPT", "Requests", "WarmUps")
 
 log = structlog.get_logger(__name__)
 
@@ -46,152 +47,185 @@ log = structlog.get_logger(__name__)
 WARMED_KEPT = 4096
 
 
+class Requests(Protocol):
+    """What warm-ups are shown of the requests' side of the batch (`Admission`)."""
+
+    def requests_waiting(self) -> bool:
+        """Whether a request waits for admission (read under the engine loop's lock)."""
+
+    def slots(self) -> int:
+        """Batch slots taken, running warm-ups' included."""
+
+    def runs_session(self, kv_key: str) -> bool:
+        """Whether a request of this session is running."""
+
+
 class WarmUps:
-    """The scheduler's KV warm-ups (see the module doc); mixed into `Scheduler`."""
+    """The engine's KV warm-ups: queued, running, and what each computed; see the module doc."""
 
-    # the scheduler's, shared with its other parts
-    cfg: SchedulerConfig
-    cache: PrefixCache
-    budget: KVBudget
-    warmups_dropped: int
-    _cond: threading.Condition
-    _stop: bool
-    _waiting: FairQueue[Sequence]
-    _running: list[Sequence]
-    _warm_waiting: list[Sequence]
-    _warming: list[Sequence]
-    _warmed: dict[str, tuple[int, int]]
-    _slots: Callable[[], int]
-    _prepare: Callable[[Sequence], None]
-    _start: Callable[[Sequence], None]
-    call_between_steps: Callable[[Callable[[], None]], None]
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVMemory,
+        lock: threading.Condition,
+        *,
+        prepare: Callable[[Sequence], None],
+    ) -> None:
+        self.cfg = config
+        self._kv = kv
+        self._lock = lock
+        self._prepare = prepare
+        self.queue: list[Sequence] = []  # queued, oldest first
+        self.running: list[Sequence] = []  # being prefilled
+        # session -> (first, end) positions its latest warm-up computed, for the next turn's report
+        self._warmed: dict[str, tuple[int, int]] = {}
 
-    def submit_warmup(self, job: Job) -> None:
-        """Queue a KV warm-up (`job.request.warm_up` set, `kv_key` its session); its
-        `WarmUpResult` is posted to `job` when it ends. A queued warm-up of the same session is
-        replaced (dropped); past `max_queue` warm-ups, the oldest is dropped."""
-        seq = Sequence(job)
-        gone: list[Sequence] = []
-        with self._cond:
-            if self._stop:
-                raise EngineError("engine closed", code="closed")
-            key = job.request.kv_key
-            gone = [s for s in self._warm_waiting if s.request.kv_key == key]
-            self._warm_waiting = [s for s in self._warm_waiting if s.request.kv_key != key]
-            while len(self._warm_waiting) >= self.cfg.max_queue:
-                gone.append(self._warm_waiting.pop(0))
-            self._warm_waiting.append(seq)
-            self._cond.notify()
-        for old in gone:
-            self._warm_end(old, "dropped", reason="replaced")
+    @property
+    def busy(self) -> bool:
+        """Whether any warm-up is queued or running."""
+        return bool(self.queue or self.running)
 
-    def forget(self, kv_key: str) -> None:
-        """Drop a session's running warm-up and its cached KV (pins and all), between steps."""
+    # -- queued --------------------------------------------------------------------------------
 
-        def drop() -> None:
-            for seq in [s for s in self._warming if s.request.kv_key == kv_key]:
-                self._warming.remove(seq)
-                seq.kv = None
-                self._warm_end(seq, "dropped", reason="forgotten")
-            self._warmed.pop(kv_key, None)
-            self.cache.forget(kv_key)
+    def enqueue(self, seq: Sequence) -> list[Sequence]:
+        """Queue a warm-up, replacing a queued one of the same session; past `max_queue`
+        warm-ups the oldest goes. Returns those it replaced (for `dismiss`)."""
+        with self._lock:
+            key = seq.request.kv_key
+            gone = [s for s in self.queue if s.request.kv_key == key]
+            self.queue = [s for s in self.queue if s.request.kv_key != key]
+            while len(self.queue) >= self.cfg.max_queue:
+                gone.append(self.queue.pop(0))
+            self.queue.append(seq)
+        return gone
 
-        self.call_between_steps(drop)
+    def dismiss(self, seqs: Iterable[Sequence], reason: str) -> None:
+        """End warm-ups taken out of the queue before they ran: dropped, for `reason`."""
+        for seq in seqs:
+            self._end(seq, "dropped", reason=reason)
 
-    def _admit_warmups(self) -> None:
+    def admit(self, requests: Requests) -> None:
         """Admit queued warm-ups while no request waits, into free slots (a quarter of the
         batch at most) and the KV room that running sequences and sessions' pins leave."""
         limit = max(self.cfg.max_batch // 4, 1)
         while True:
-            with self._cond:
+            with self._lock:
                 if (
-                    not self._warm_waiting
-                    or self._waiting
-                    or len(self._warming) >= limit
-                    or self._slots() >= self.cfg.max_batch
+                    not self.queue
+                    or requests.requests_waiting()
+                    or len(self.running) >= limit
+                    or requests.slots() >= self.cfg.max_batch
                 ):
                     return
-                seq = self._warm_waiting.pop(0)
+                seq = self.queue.pop(0)
             key = seq.request.kv_key
             if seq.request.cancel.is_set():
-                self._warm_end(seq, "dropped", reason="cancelled")
+                self._end(seq, "dropped", reason="cancelled")
                 continue
-            if key is None or any(s.request.kv_key == key for s in self._running):
-                self._warm_end(seq, "superseded")  # the session's own request is running
+            if key is None or requests.runs_session(key):
+                self._end(seq, "superseded")  # the session's own request is running
                 continue
             try:
                 self._prepare(seq)
             except EngineError as exc:
-                self._warm_end(seq, "failed", reason=str(exc))
+                self._end(seq, "failed", reason=str(exc))
                 continue
             except Exception as exc:
                 log.exception("engine.warmup_prepare_failed", request_id=seq.request.request_id)
-                self._warm_end(seq, "failed", reason=f"{type(exc).__name__}: {exc}")
+                self._end(seq, "failed", reason=f"{type(exc).__name__}: {exc}")
                 continue
-            need = self.budget.need(seq, choices=1)
-            if need > self.budget.room_beside_pins():  # never what sessions pin or requests hold
-                self._warm_end(seq, "dropped", reason="kv_pressure")
+            need = self._kv.need(seq, choices=1)
+            if need > self._kv.room_beside_pins():  # never what sessions pin or requests hold
+                self._end(seq, "dropped", reason="kv_pressure")
                 continue
-            self.budget.make_room(need, unpin=False)  # unpinned blocks, then warm pins
+            self._kv.make_room(need, unpin=False)  # unpinned blocks, then warm pins
             try:
                 self._start(seq)
             except Exception as exc:
                 log.exception("engine.warmup_admit_failed", request_id=seq.request.request_id)
                 seq.kv = None
-                self._warm_end(seq, "failed", reason=f"{type(exc).__name__}: {exc}")
+                self._end(seq, "failed", reason=f"{type(exc).__name__}: {exc}")
 
-    def _drop_warmups(self, reason: str) -> bool:
+    def _start(self, seq: Sequence) -> None:
+        seq.kv, seq.fed = self._kv.open(seq)
+        seq.cached = seq.fed
+        seq.admitted = time.perf_counter()
+        self.running.append(seq)
+
+    # -- running -------------------------------------------------------------------------------
+
+    def drop_cancelled(self) -> None:
+        """End the running warm-ups whose callers gave up (their buffers freed)."""
+        for seq in [s for s in self.running if s.request.cancel.is_set()]:
+            self.running.remove(seq)
+            seq.kv = None
+            self._end(seq, "dropped", reason="cancelled")
+
+    def drop(self, reason: str) -> bool:
         """Give up every running warm-up (their buffers freed); whether there was any."""
-        dropped, self._warming = self._warming, []
+        dropped, self.running = self.running, []
         for seq in dropped:
             seq.kv = None
-            self._warm_end(seq, "dropped", reason=reason)
+            self._end(seq, "dropped", reason=reason)
         return bool(dropped)
 
-    def _take_over_warmups(self, kv_key: str) -> None:
+    def complete(self, seq: Sequence) -> None:
+        """A running warm-up has fed its whole prompt: its blocks go to the prefix cache,
+        pinned warm for its session."""
+        if seq in self.running:
+            self.running.remove(seq)
+            done = self._keep(seq, "warm")
+            self._end(seq, "warmed", positions=done)
+
+    def take_over(self, kv_key: str) -> None:
         """The session's own request is being admitted: its queued warm-up is not needed, and
         what a running one computed goes to the prefix cache for the request to reuse."""
-        with self._cond:
-            queued = [s for s in self._warm_waiting if s.request.kv_key == kv_key]
-            self._warm_waiting = [s for s in self._warm_waiting if s.request.kv_key != kv_key]
+        with self._lock:
+            queued = [s for s in self.queue if s.request.kv_key == kv_key]
+            self.queue = [s for s in self.queue if s.request.kv_key != kv_key]
         for seq in queued:
-            self._warm_end(seq, "superseded")
-        for seq in [s for s in self._warming if s.request.kv_key == kv_key]:
-            self._warming.remove(seq)
-            done = self._keep_warm(seq, pin=False)
-            self._warm_end(seq, "superseded", positions=done)
+            self._end(seq, "superseded")
+        for seq in [s for s in self.running if s.request.kv_key == kv_key]:
+            self.running.remove(seq)
+            done = self._keep(seq, "none")
+            self._end(seq, "superseded", positions=done)
 
-    def _keep_warm(self, seq: Sequence, *, pin: bool) -> int:
-        """Give a warm-up's computed positions to the prefix cache (`pin`: pinned warm for its
-        session); returns how many the cache holds."""
-        n = seq.fed
-        kv, seq.kv = seq.kv, None
-        if kv is None or seq.prompt is None or n <= 0 or not self.cache.enabled:
-            return 0
-        if not bool(torch.isfinite(kv.layers[-1][:, :, :n]).all()):
-            log.warning("kv.not_finite", request_id=seq.request.request_id, positions=n)
-            return 0
-        tokens = seq.prompt.tokens[:n]
-        images = [sp for sp in seq.prompt.images if sp.start < n]
-        keys = position_keys(tokens, images)
-        hashes = block_hashes(tokens, images, self.cfg.block_size, seq.seed)
-        kept = self.cache.insert(seq.seed, keys, hashes, kv.layers, n)
+    def warmed(self, kv_key: str) -> tuple[int, int] | None:
+        """The (first, end) positions the session's latest warm-up computed, once: for the
+        report of the turn that reuses them."""
+        return self._warmed.pop(kv_key, None)
+
+    def _keep(self, seq: Sequence, pin: Pin) -> int:
+        """Commit a warm-up's computed positions (never at another session's pins' cost) and
+        free its buffer; returns how many the prefix cache holds."""
+        n = self._kv.commit(seq, pin, unpin=False)
+        seq.kv = None
         key = seq.request.kv_key
-        if key is not None:
-            if pin:
-                self.cache.pin(key, kept, warm=True)
+        if n and key is not None:
             self._warmed.pop(key, None)
             self._warmed[key] = (seq.cached, n)
             while len(self._warmed) > WARMED_KEPT:  # sessions that never came back
                 del self._warmed[next(iter(self._warmed))]
-        self.budget.make_room(unpin=False)  # never at another session's pins' cost
         return n
 
-    def _warm_end(
-        self, seq: Sequence, outcome: str, *, positions: int = 0, reason: str = ""
-    ) -> None:
-        if outcome == "dropped":
-            self.warmups_dropped += 1
+    def forget(self, kv_key: str) -> None:
+        """Drop the session's running warm-up and what its last one computed (between steps)."""
+        for seq in [s for s in self.running if s.request.kv_key == kv_key]:
+            self.running.remove(seq)
+            seq.kv = None
+            self._end(seq, "dropped", reason="forgotten")
+        self._warmed.pop(kv_key, None)
+
+    def close(self) -> None:
+        """The engine is closing: every queued and running warm-up is dropped."""
+        with self._lock:
+            gone, self.queue = [*self.queue, *self.running], []
+        self.running = []
+        for seq in gone:
+            seq.kv = None
+            self._end(seq, "dropped", reason="closed")
+
+    def _end(self, seq: Sequence, outcome: str, *, positions: int = 0, reason: str = "") -> None:
         now = time.perf_counter()
         started = seq.admitted or now
         computed = max(positions - seq.cached, 0) if positions else 0

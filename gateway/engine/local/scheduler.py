@@ -1,14 +1,14 @@
 """Iteration-level (continuous) batching over one model, on one thread.
 
 Requests wait in a bounded queue; between steps the scheduler admits as many as the batch size
-and the KV budget allow (`gateway.engine.local.admission`), and each step runs one packed
-forward (`gateway.engine.local.batch`) over the positions the step builder chose
+and the KV budget allow (`Admission`, gateway.engine.local.admission), and each step runs one
+packed forward (`gateway.engine.local.batch`) over the positions the step builder chose
 (`gateway.engine.local.step_plan`): one token for every decoding sequence, then prefill chunks
 of admitted prompts under the per-step token budget (`prefill_chunk_tokens`). A long new prompt
 (an image and a long history) is therefore spread over several steps while the others keep
 streaming, and a request joins or leaves the batch at any step boundary. Cancelling a request
 takes it out at the next boundary (its KV freed); the others' tokens are untouched. KV warm-ups
-(`gateway.engine.local.kv_warmup`) are background prefills at the lowest priority.
+(`WarmUps`, gateway.engine.local.kv_warmup) are background prefills at the lowest priority.
 
 The engine is shared fairly between owners (API keys, `GenerationRequest.owner`; policy in
 `gateway.engine.local.fair_queue`): admission takes owners in turn, a step's prefill budget is
@@ -32,29 +32,31 @@ logits become (log-probabilities, grammar masks computed on a worker thread duri
 forward, sampling, deltas) is `gateway.engine.local.choices`.
 
 A request for n choices is admitted when n batch slots are free (and KV room for n prompts),
-prefilled once, and forked into n sequences at its prompt's last position (`_fork`: the
-siblings get copies of the prompt's KV, or wait in the queue if the batch is full); from there
-each is a sequence like any other, in the batch, the KV budget, preemption and fair share. The
-slow-reader limit of a request is per choice, since its choices share one reader.
+prefilled once, and forked into n sequences at its prompt's last position (`Admission.fork`:
+the siblings get copies of the prompt's KV, or wait in the queue if the batch is full); from
+there each is a sequence like any other, in the batch, the KV budget, preemption and fair share.
+The slow-reader limit of a request is per choice, since its choices share one reader.
 
-KV memory: running sequences' buffers and the prefix cache's blocks share one byte budget, and
-every question about it goes to one `KVBudget` (`gateway.engine.local.kv.budget`), which also
-fixes the order memory comes back in. When decoding sequences outgrow the budget (`_fit`), a
-sequence is preempted as a last resort: its computed blocks go to the prefix cache, its buffer
-is freed, and it goes back to the front of its owner's line with its generated tokens and its
+The scheduler holds three parts: `KVMemory` (gateway.engine.local.kv.kv_memory: the prefix
+cache, the byte budget, the spill store; every question about KV goes there, and it fixes the
+order memory comes back in), `WarmUps`, and `Admission` (given the other two); it keeps the
+loop, the steps, sampling and finishing. When
+decoding sequences outgrow the budget (`_fit`), KV memory reclaims it in its order, and as a
+last resort a sequence is preempted: its computed blocks go to the prefix cache, its buffer is
+freed, and it goes back to the front of its owner's line with its generated tokens and its
 admission order (so the oldest running sequence is never the one preempted); on readmission it
 recomputes what the cache no longer holds and continues, token-identical for greedy decoding
 (and for seeded sampling, whose generator state it keeps). One sequence alone may exceed the
-budget rather than never run. A sequence that ends gives its positions to the prefix cache
-(`_publish`), its session's turn pinned, and to the spill store when there is one.
+budget rather than never run. A sequence that ends commits its positions to KV memory, its
+session's turn pinned (and spilled, when the engine has a spill store).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -62,20 +64,18 @@ import torch
 
 from gateway.engine.interface import EngineError, EngineStats
 from gateway.engine.local.admission import Admission
-from gateway.engine.local.batch import SeqKV, Slice, run_step
-from gateway.engine.local.choices import StepLogprobs, advance, emit, post_results
-from gateway.engine.local.fair_queue import FairQueue, newest_of_largest
+from gateway.engine.local.batch import Slice, run_step
+from gateway.engine.local.choices import StepLogprobs, advance, emit, fork, post_results
 from gateway.engine.local.grammar import GrammarMasks, TokenVocab
-from gateway.engine.local.kv.blocks import block_hashes, chain_seed, position_keys
-from gateway.engine.local.kv.budget import KVBudget
-from gateway.engine.local.kv.prefix_cache import PrefixCache
+from gateway.engine.local.kv.blocks import chain_seed
+from gateway.engine.local.kv.kv_memory import KVLayout, KVMemory
 from gateway.engine.local.kv_warmup import WarmUps
 from gateway.engine.local.sequence import (
     Job,
     SchedulerConfig,
     Sequence,
+    prepare_sequence,
     sequence_inputs,
-    spill_entry,
 )
 from gateway.engine.local.step_plan import StepPlanner
 
@@ -87,13 +87,10 @@ __all__ = ("Scheduler",)
 
 log = structlog.get_logger(__name__)
 
-_owner = attrgetter("owner")
-_order = attrgetter("order")
 
-
-class Scheduler(Admission, WarmUps):
-    """The engine thread: the loop, steps, sampling, finishing; admission (`Admission`) and KV
-    warm-ups (`WarmUps`) are its other two parts. See the module doc."""
+class Scheduler:
+    """The engine thread: the loop, steps, sampling, finishing; it holds the KV memory,
+    admission and the KV warm-ups. See the module doc."""
 
     def __init__(
         self,
@@ -112,53 +109,50 @@ class Scheduler(Admission, WarmUps):
         self.w = weights
         self.cfg = config
         self.eos_ids = eos_ids
-        self.max_positions = max_positions
-        self.kv_store = kv_store  # Redis spill of sessions' KV (None: memory only)
         self.cache_arg = cache_arg
         self.torch_threads = torch_threads
-        text = weights.model.config.get_text_config()
-        self.num_layers = int(text.num_hidden_layers)
-        self.kv_heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
-        self.head_dim = int(
-            getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        )
-        self.pos_bytes = SeqKV.bytes_per_position(
-            self.num_layers, self.kv_heads, self.head_dim, weights.dtype
-        )
-        # chain seed of the KV written to the spill store (the store checks it on every read);
-        # None: from the model id and dtype alone
-        self.base_seed = spill_seed or chain_seed(
-            weights.model_id, weights.weights, config.block_size
-        )
-        self.cache = PrefixCache(config.block_size, enabled=config.prefix_caching)
-        # every question about KV memory: buffers and cached blocks under one budget
-        self.budget = KVBudget(
-            config.kv_budget_bytes,
-            self.pos_bytes,
-            config.block_size,
-            self.cache,
-            lambda: (self._running, self._warming),
-        )
         # the tokens as llguidance sees them (shared by replicas; built in the background)
         self.vocab = vocab or TokenVocab(weights.tokenizer, eos_ids)
         self._masks = GrammarMasks(self.vocab)
         self.prefill_positions = 0  # prompt positions computed (not reused), for tests and gauges
         self._logprobs: StepLogprobs | None = None  # the step's, while its tokens are sampled
-        self._waiting: FairQueue[Sequence] = FairQueue(_owner)
-        self._running: list[Sequence] = []
-        self._warm_waiting: list[Sequence] = []  # KV warm-ups queued, oldest first
-        self._warming: list[Sequence] = []  # KV warm-ups being prefilled
-        # session -> (first, end) positions its latest warm-up computed, for the next turn's report
-        self._warmed: dict[str, tuple[int, int]] = {}
-        self.warmups_dropped = 0  # warm-ups given up for other work, for tests and gauges
+        # the loop sleeps on it; the queues filled from other threads are guarded by it
         self._cond = threading.Condition()
         self._barriers: list[threading.Event] = []
         self._stop = False
-        self._order = 0
         self._steps = 0
         # each step's positions, and the fair-share record (heavy keys) admission reads too
         self._planner = StepPlanner(config, hold_decodes=torch.device(weights.device).type == "cpu")
-        self._preemptions = 0
+        # chain seed of the KV written to the spill store (the store checks it on every read);
+        # None: from the model id and dtype alone
+        spill_seed = spill_seed or chain_seed(weights.model_id, weights.weights, config.block_size)
+        # every question about KV memory; the buffers it counts are the running sequences'
+        self.kv = KVMemory(
+            KVLayout.of(weights),
+            config.kv_budget_bytes,
+            config.block_size,
+            lambda: (self.admission.running, self.warmups.running),
+            prefix_caching=config.prefix_caching,
+            store=kv_store,  # Redis spill of sessions' KV (None: this process only)
+            spill_seed=spill_seed,
+        )
+        prepare = functools.partial(
+            prepare_sequence,
+            w=weights,
+            max_positions=max_positions,
+            block_size=config.block_size,
+            vocab=self.vocab,
+        )
+        self.warmups = WarmUps(config, self.kv, self._cond, prepare=prepare)
+        self.admission = Admission(
+            config,
+            self.kv,
+            self.warmups,
+            self._cond,
+            prepare=prepare,
+            siblings=functools.partial(fork, w=weights),
+            heavy=lambda: self._planner.heavy,
+        )
         self._last_batch = 0
         self._last_tokens = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -175,23 +169,37 @@ class Scheduler(Admission, WarmUps):
         with self._cond:
             if self._stop:
                 raise EngineError("engine closed", code="closed")
-            if len(self._waiting) >= self.cfg.max_queue:
-                return f"engine queue is full ({self.cfg.max_queue} waiting)"
-            # what the batch's free slots take at the next step hardly waits: a burst into an
-            # idle engine is not refused, while a full batch holds each owner to its share
-            free = max(self.cfg.max_batch - len(self._running), 0)
-            if self._waiting.depth(seq.owner) >= self.cfg.max_queue_per_key + free:
-                return (
-                    f"too many requests of this API key are waiting ({self.cfg.max_queue_per_key})"
-                )
-            self._waiting.push(seq)
+            refused = self.admission.enqueue(seq)
+            if refused is None:
+                self._cond.notify()
+        return refused
+
+    def submit_warmup(self, job: Job) -> None:
+        """Queue a KV warm-up (`job.request.warm_up` set, `kv_key` its session); its
+        `WarmUpResult` is posted to `job` when it ends. A queued warm-up of the same session is
+        replaced (dropped); past `max_queue` warm-ups, the oldest is dropped."""
+        seq = Sequence(job)
+        with self._cond:
+            if self._stop:
+                raise EngineError("engine closed", code="closed")
+            replaced = self.warmups.enqueue(seq)
             self._cond.notify()
-        return None
+        self.warmups.dismiss(replaced, "replaced")
+
+    def forget(self, kv_key: str) -> None:
+        """Drop a session's running warm-up and its KV (pins, cached blocks and spilled entry),
+        between steps."""
+
+        def drop() -> None:
+            self.warmups.forget(kv_key)
+            self.kv.forget(kv_key)
+
+        self.call_between_steps(drop)
 
     @property
     def owners_waiting(self) -> int:
         """How many owners have requests queued (a count: owners are never exported)."""
-        return self._waiting.owners
+        return self.admission.queue.owners
 
     def barrier(self, timeout: float) -> bool:
         """Wait until every finished request's KV is in the cache (one full loop iteration)."""
@@ -219,20 +227,21 @@ class Scheduler(Admission, WarmUps):
 
     def clear_kv(self) -> None:
         """Drop every cached KV block (sessions' pins too) before the loop's next step."""
-        self.call_between_steps(self.cache.clear)
+        self.call_between_steps(self.kv.clear)
 
     def stats(self) -> EngineStats:
-        used, total, cached = self.budget.blocks()
+        used, total, cached = self.kv.blocks()
+        admission = self.admission
         return EngineStats(
-            owners_waiting=self._waiting.owners,
-            running=len(self._running),
-            waiting=len(self._waiting),
+            owners_waiting=admission.queue.owners,
+            running=len(admission.running),
+            waiting=len(admission.queue),
             batch_size=self._last_batch,
             step_tokens=self._last_tokens,
             kv_blocks_used=used,
             kv_blocks_total=total,
             kv_blocks_cached=cached,
-            preemptions_total=self._preemptions,
+            preemptions_total=admission.preemptions,
         )
 
     # -- the loop ------------------------------------------------------------------------------
@@ -246,12 +255,7 @@ class Scheduler(Admission, WarmUps):
         while True:
             with self._cond:
                 while not (
-                    self._waiting
-                    or self._running
-                    or self._warm_waiting
-                    or self._warming
-                    or self._barriers
-                    or self._stop
+                    self.admission.busy or self.warmups.busy or self._barriers or self._stop
                 ):
                     self._cond.wait()
                 if self._stop:
@@ -263,27 +267,22 @@ class Scheduler(Admission, WarmUps):
                 threads = wanted
             try:
                 with torch.inference_mode():
-                    self._admit()
+                    self.admission.admit()
                     self._step()
             except Exception as exc:  # the thread must outlive any one step
                 log.exception("engine.step_failed")
-                for seq in list(self._running):
+                for seq in list(self.admission.running):
                     self._fail(seq, EngineError(f"generation failed: {exc}"))
         self._shutdown()
 
     def _shutdown(self) -> None:
         with self._cond:
-            waiting = self._waiting.drain()
             barriers, self._barriers = self._barriers, []
-            warm, self._warm_waiting = [*self._warm_waiting, *self._warming], []
-        for seq in [*waiting, *self._running]:
+        for seq in self.admission.close():
             seq.job.post(EngineError("engine closed", code="closed"))
-        self._running.clear()
-        self._warming.clear()
-        for seq in warm:
-            self._warm_end(seq, "dropped", reason="closed")
+        self.warmups.close()
         self._release(barriers)
-        self.cache.clear()
+        self.kv.clear()
 
     @staticmethod
     def _release(barriers: list[Any]) -> None:
@@ -296,56 +295,48 @@ class Scheduler(Admission, WarmUps):
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _slots(self) -> int:
-        """Batch slots taken: a request still to fork into n choices holds n; a warm-up one."""
-        return sum(s.width for s in self._running) + len(self._warming)
-
     def _plan(self) -> list[tuple[Sequence, int, int]]:
         """This step's (sequence, start, length): `StepPlanner.plan`."""
-        return self._planner.plan(self._running, self._warming, self._steps)
+        return self._planner.plan(self.admission.running, self.warmups.running, self._steps)
 
     def _fit(self, plan: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, int, int]]:
-        """Grow buffers for the plan; while over the KV budget, give memory back in the budget's
-        order (`KVBudget.reclaim`): cached blocks, warm-ups, a heavy key's newest sequence,
+        """Grow buffers for the plan; while over the KV budget, give memory back in KV memory's
+        order (`KVMemory.reclaim`): cached blocks, warm-ups, a heavy key's newest sequence,
         sessions' pins, the newest sequence of the owner holding the most. Returns the plan
         less the sequences that left the batch."""
         for s, start, n in plan:
-            self.budget.grow(s, start + n)
+            self.kv.grow(s, start + n)
         gone: set[Sequence] = set()
 
         def drop_warmups() -> bool:
-            gone.update(self._warming)
-            return self._drop_warmups("kv_pressure")
+            gone.update(self.warmups.running)
+            return self.warmups.drop("kv_pressure")
 
         def preempt(victim: Sequence | None) -> bool:
             if victim is None:
                 return False
-            self._preempt(victim, "kv_budget")
+            self.admission.preempt(victim, "kv_budget")
             gone.add(victim)
             return True
 
-        self.budget.reclaim(
+        self.kv.reclaim(
             drop_warmups,
-            lambda: preempt(self._heavy_victim()),
-            lambda: (
-                len(self._running) > 1 and preempt(newest_of_largest(self._running, _owner, _order))
-            ),
+            lambda: preempt(self.admission.heavy_victim()),
+            lambda: preempt(self.admission.largest_victim()),
         )
         return [p for p in plan if p[0] not in gone] if gone else plan
 
     def _step(self) -> None:
         now = time.perf_counter()
-        for seq in [s for s in self._running if s.request.cancel.is_set()]:
+        running = self.admission.running
+        for seq in [s for s in running if s.request.cancel.is_set()]:
             self._finish(seq, "cancelled", now)
         limit = self.cfg.max_unread_deltas  # per choice: a request's n choices share one reader
-        for seq in [s for s in self._running if s.job.unread > limit * s.request.sampling.n]:
+        for seq in [s for s in running if s.job.unread > limit * s.request.sampling.n]:
             log.warning("engine.slow_reader", request_id=seq.request.request_id, unread=limit)
             self._finish(seq, "slow_reader", now)
-        for seq in [s for s in self._warming if s.request.cancel.is_set()]:
-            self._warming.remove(seq)
-            seq.kv = None
-            self._warm_end(seq, "dropped", reason="cancelled")
-        if not self._running and not self._warming:
+        self.warmups.drop_cancelled()
+        if not running and not self.warmups.running:
             return
         plan = self._fit(self._plan())
         if not plan:
@@ -383,10 +374,8 @@ class Scheduler(Admission, WarmUps):
             s.fed = start + n
             if start < s.prompt.length:  # type: ignore[union-attr]
                 s.prefill_chunks += 1
-            if s.warm and s.fed == s.known and s in self._warming:
-                self._warming.remove(s)
-                done = self._keep_warm(s, pin=True)
-                self._warm_end(s, "warmed", positions=done)
+            if s.warm and s.fed == s.known:
+                self.warmups.complete(s)
             if not sl.want_logits:
                 continue
             if broken[row]:
@@ -395,7 +384,9 @@ class Scheduler(Admission, WarmUps):
                 self._advance(s, logits[row], now)
             else:
                 try:
-                    siblings = self._fork(s)
+                    siblings = self.admission.fork(s)
+                    if self._logprobs is not None:
+                        self._logprobs.share(s, siblings)
                 except Exception as exc:  # the request's failure (its stream stops the rest)
                     log.exception("engine.fork_failed", request_id=s.request.request_id)
                     self._fail(s, EngineError(f"generation failed: {exc}"))
@@ -419,8 +410,7 @@ class Scheduler(Admission, WarmUps):
     # -- finishing -----------------------------------------------------------------------------
 
     def _finish(self, seq: Sequence, finish: str, now: float) -> None:
-        if seq in self._running:
-            self._running.remove(seq)
+        self.admission.leave(seq)
         if seq.decoder is not None and finish not in ("cancelled", "slow_reader"):
             tail = seq.decoder.finish()
             if tail:
@@ -438,47 +428,16 @@ class Scheduler(Admission, WarmUps):
             decode_ms=result.decode_ms,
             preemptions=seq.preemptions,
         )
-        try:  # the session's turn is its first choice
-            self._publish(seq, keep_session=seq.index == 0)
+        try:  # the session's turn is its first choice; the cache gives way, pins too
+            self.kv.commit(seq, "turn" if seq.index == 0 else "none", unpin=True)
         except Exception:  # losing a cache entry costs speed only
             log.exception("kv.keep_failed", request_id=seq.request.request_id)
         seq.kv = None
 
     def _fail(self, seq: Sequence, exc: EngineError) -> None:
-        if seq in self._running:
-            self._running.remove(seq)
+        self.admission.leave(seq)
         seq.kv = None
         seq.job.post(exc)
-
-    def _publish(
-        self, seq: Sequence, *, keep_session: bool = False, make_room: bool = True
-    ) -> None:
-        """Give the sequence's computed positions to the prefix cache (and its session); with
-        `make_room`, then evict (pins too) whatever takes the total over the budget."""
-        if seq.kv is None or seq.prompt is None or seq.fed <= 0:
-            return
-        n = seq.fed
-        tokens = [*seq.prompt.tokens, *seq.generated][:n]
-        images = [sp for sp in seq.prompt.images if sp.start < n]
-        kv_key = seq.request.kv_key
-        layers = seq.kv.layers
-        # non-finite values anywhere reach the last layer's keys/values of their position:
-        # such KV (a forward that overflowed) is never offered to another request
-        if not bool(torch.isfinite(layers[-1][:, :, :n]).all()):
-            log.warning("kv.not_finite", request_id=seq.request.request_id, positions=n)
-            return
-        if self.cache.enabled:
-            keys = position_keys(tokens, images)
-            hashes = block_hashes(tokens, images, self.cfg.block_size, seq.seed)
-            kept = self.cache.insert(seq.seed, keys, hashes, layers, n)
-            if keep_session and kv_key is not None:
-                self.cache.pin(kv_key, kept)
-        if keep_session and kv_key is not None and self.kv_store is not None:
-            entry = spill_entry(tokens, images, layers, self.cfg.block_size, self.base_seed)
-            if entry is not None:
-                self.kv_store.put(kv_key, entry)
-        if make_room:
-            self.budget.make_room(unpin=True)
 
 
 class _Call:

@@ -9,7 +9,6 @@ raw prompt as is) and sets up sampling and the grammar when the request is first
 `sequence_inputs` builds a step's input embeddings and rotary positions for a run of a
 sequence's positions (prompt rows, image rows, generated tokens; 1-D or M-RoPE);
 `sequence_result` is the `GenerationResult` it ends with.
-`load_spilled` and `spill_entry` read and build a session's KV in the spill store's form.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import structlog
 import torch
 
 from gateway.engine.interface import (
@@ -35,13 +33,12 @@ from gateway.engine.interface import (
 )
 from gateway.engine.local.generation import LogprobTrail, StreamDecoder
 from gateway.engine.local.grammar import MAX_GRAMMAR_CHARS, compile_grammar
-from gateway.engine.local.kv.blocks import KVEntry, block_hashes, chain_seed
-from gateway.engine.local.prompt import ImageSpan, Prompt, embed_positions, render, render_raw
+from gateway.engine.local.kv.blocks import chain_seed
+from gateway.engine.local.prompt import Prompt, embed_positions, render, render_raw
 
 if TYPE_CHECKING:
     from gateway.engine.local.batch import SeqKV
     from gateway.engine.local.grammar import TokenVocab
-    from gateway.engine.local.kv.store import KVStore
     from gateway.engine.local.weights import LoadedModel
 
 __all__ = (
@@ -51,16 +48,12 @@ __all__ = (
     "Sequence",
     "check_request",
     "choice_generator",
-    "load_spilled",
     "ms",
     "new_decoder",
     "prepare_sequence",
     "sequence_inputs",
     "sequence_result",
-    "spill_entry",
 )
-
-log = structlog.get_logger(__name__)
 
 GROW = 64  # positions a sequence's buffer grows by
 
@@ -344,58 +337,4 @@ def sequence_result(seq: Sequence, finish: str, now: float) -> GenerationResult:
         index=seq.index,
         logprobs=seq.trail.rest() if seq.trail is not None else (),
         warmed_tokens=seq.warmed,
-    )
-
-
-def load_spilled(
-    seq: Sequence,
-    kv: SeqKV,
-    tokens: list[int],
-    limit: int,
-    store: KVStore,
-    block_size: int,
-    seed: bytes,
-) -> int:
-    """Load a session's KV from the spill store (another replica, or evicted here) into `kv`,
-    at most `limit` positions; returns the positions `kv` holds. `seed`: the spill chain seed."""
-    assert seq.prompt is not None
-    images = seq.prompt.images
-    hashes = block_hashes(tokens, images, block_size, seed)
-    try:
-        entry = store.get(seq.request.kv_key, hashes)  # type: ignore[arg-type]
-    except Exception:  # a cache tier failing costs speed only
-        log.exception("kv.spill_get_failed")
-        return 0
-    if entry is None:
-        return 0
-    n = min(entry.reusable(tokens, images, hashes), limit)
-    if n <= kv.length:
-        return kv.length
-    kv.load([torch.stack((k[0], v[0])) for k, v in entry.layers], 0, n)
-    kv.length = n
-    return n
-
-
-def spill_entry(
-    tokens: list[int],
-    images: list[ImageSpan],
-    layers: list[torch.Tensor],
-    block_size: int,
-    seed: bytes,
-) -> KVEntry | None:
-    """A session's computed positions as the spill store keeps them (copies, `[1, Hkv, n, D]`
-    keys and values per layer); an image is kept whole or not at all. None: nothing to keep."""
-    n = len(tokens)
-    whole = [sp for sp in images if sp.start + sp.length <= n]
-    if len(whole) != len(images):
-        n = min(sp.start for sp in images if sp.start + sp.length > n)
-        tokens = tokens[:n]
-    if n <= 0:
-        return None
-    return KVEntry(
-        tokens,
-        whole,
-        block_size,
-        block_hashes(tokens, whole, block_size, seed),
-        [(t[0, :, :n].unsqueeze(0).clone(), t[1, :, :n].unsqueeze(0).clone()) for t in layers],
     )

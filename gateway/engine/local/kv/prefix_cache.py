@@ -85,7 +85,6 @@ class PrefixCache:
         self._clock = 0
         self.nbytes = 0
         self._pinned_nbytes = 0  # of the blocks with pins > 0
-        self.hits = 0  # positions served from the cache, for stats
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -97,6 +96,10 @@ class PrefixCache:
     @property
     def warm_sessions(self) -> int:
         return len(self._warm)
+
+    def holds_pin(self, session: str, *, warm: bool = False) -> bool:
+        """Whether `session` pins blocks (`warm`: a warm-up's pin, else its turn's)."""
+        return session in (self._warm if warm else self._pins)
 
     def pinned_bytes(self) -> int:
         """Bytes of the blocks some session pins (what `shrink(unpin=False)` cannot free)."""
@@ -114,11 +117,9 @@ class PrefixCache:
         keys: Sequence[PositionKey],
         hashes: Sequence[bytes],
         limit: int,
-        *,
-        count: bool = True,
     ) -> PrefixMatch:
-        """The longest cached prefix of a sequence (at most `limit` positions); `count`: a use
-        of it, added to `hits` (a look ahead of admission is not)."""
+        """The longest cached prefix of a sequence (at most `limit` positions); its blocks count
+        as used now (the least recently used go first)."""
         found = PrefixMatch()
         if not self.enabled or limit <= 0:
             return found
@@ -142,8 +143,6 @@ class PrefixCache:
             found.blocks.append((best, best_n))
             found.length += best_n
         self._touch([b for b, _ in found.blocks])
-        if count:
-            self.hits += found.length
         return found
 
     def _touch(self, chain: Sequence[CachedBlock]) -> None:

@@ -174,7 +174,8 @@ async def test_grammar_survives_preemption(engine, collect) -> None:
         ]
         async with asyncio.timeout(120):
             while not (
-                len(sched._running) == 2 and all(len(s.generated) >= 4 for s in sched._running)
+                len(sched.admission.running) == 2
+                and all(len(s.generated) >= 4 for s in sched.admission.running)
             ):
                 await asyncio.sleep(0.002)
         _, guest = await collect(twin, person_request(5, grammar=PERSON, salt="guest"))

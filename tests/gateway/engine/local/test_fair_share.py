@@ -264,7 +264,7 @@ def record(sched) -> list[tuple[str, str]]:
     events: list[tuple[str, str]] = []
     submit, start, advance, finish, step = (
         sched.submit,
-        sched._start,
+        sched.admission._start,
         sched._advance,
         sched._finish,
         sched._step,
@@ -287,11 +287,11 @@ def record(sched) -> list[tuple[str, str]]:
         return finish(seq, reason, now)
 
     def on_step():
-        if sched._running:
+        if sched.admission.running:
             events.append(("step", ""))
         return step()
 
-    sched.submit, sched._start, sched._advance = on_submit, on_start, on_advance
+    sched.submit, sched.admission._start, sched._advance = on_submit, on_start, on_advance
     sched._finish, sched._step = on_finish, on_step
     return events
 
@@ -343,7 +343,7 @@ async def test_a_long_prompt_shares_the_prefill_budget_with_a_short_one(engine, 
         _, hi_solo = await collect(twin, ask(HI, 3, "solo-hi"))
         events = record(sched)
         long_task = asyncio.create_task(collect(twin, ask(long_text, 4, "hog", "long")))
-        await until(lambda: sched._running and sched._running[0].fed > 0)
+        await until(lambda: sched.admission.running and sched.admission.running[0].fed > 0)
         _, guest = await collect(twin, ask(HI, 3, "guest", "guest"))
         _, long_result = await long_task
     finally:
@@ -503,7 +503,7 @@ async def test_beside_a_light_key_heavy_keys_feed_a_few_positions_a_step(engine,
         plan = sched._plan
 
         def recording_plan():
-            running = {s.request.request_id for s in sched._running}
+            running = {s.request.request_id for s in sched.admission.running}
             chosen = plan()
             fed: dict[str, int] = {}
             for s, _, n in chosen:
@@ -516,7 +516,8 @@ async def test_beside_a_light_key_heavy_keys_feed_a_few_positions_a_step(engine,
             asyncio.create_task(collect(twin, ask(text, 40, "bulk", f"bulk-{i}")))
             for i, text in enumerate(bulk_texts)
         ]
-        await until(lambda: len(sched._running) == 6 and all(s.generated for s in sched._running))
+        running = sched.admission.running
+        await until(lambda: len(running) == 6 and all(s.generated for s in running))
         _, hi = await collect(twin, ask(HI, 6, "chat", "chat"))
         results = await asyncio.gather(*bulk)
     finally:
@@ -608,7 +609,7 @@ async def test_a_heavy_key_waits_rather_than_evict_another_keys_session_kv(engin
     )
     solo = engine.replica(max_batch=4, max_queue=16, prefill_chunk_tokens=64)
     await solo.start()
-    pos_bytes = solo._scheduler.pos_bytes
+    pos_bytes = solo._scheduler.kv.pos_bytes
     try:
         sizes = []
         for i, text in enumerate(long_texts):
@@ -629,7 +630,7 @@ async def test_a_heavy_key_waits_rather_than_evict_another_keys_session_kv(engin
         first.kv_key, first.owner = "sess-chat", "chat"
         _, chat_1 = await collect(twin, first)
         assert await asyncio.to_thread(sched.barrier, 30)  # its KV is in the cache
-        assert sched.cache.pinned_bytes() >= 32 * pos_bytes  # the session's turn, pinned
+        assert sched.kv.pinned_bytes >= 32 * pos_bytes  # the session's turn, pinned
         events = record(sched)
         hogs = [
             asyncio.create_task(collect(twin, ask(t, 8, "hog", f"hog-{i}")))

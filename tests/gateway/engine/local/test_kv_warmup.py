@@ -167,7 +167,7 @@ async def test_warm_up_never_takes_a_decode_or_first_token_step(engine, collect)
 
 async def test_kv_pressure_drops_warm_ups_first(engine, collect) -> None:
     """A request that needs the memory takes a warm-up's pin before any session's pin."""
-    pos = engine._scheduler.pos_bytes
+    pos = engine._scheduler.kv.pos_bytes
     kept = [SYSTEM, Message("user", ["Name three rivers of Europe."])]
     kept_len = render(engine.tokenizer, kept, add_generation_prompt=True).length
     ahead = [SYSTEM, Message("user", [image(engine, 4, n=200)])]
@@ -183,12 +183,12 @@ async def test_kv_pressure_drops_warm_ups_first(engine, collect) -> None:
         warmed = await twin.warm_up(request(ahead, "viewer"))
         assert warmed.outcome == "warmed"
         await asyncio.to_thread(sched.barrier, 30.0)
-        assert sched.cache.warm_sessions == 1 and sched.cache.pinned_sessions == 1
+        assert sched.kv.warm_sessions == 1 and sched.kv.pinned_sessions == 1
         _, answer = await collect(twin, request(big, "big", max_tokens=4))
         assert answer.preemptions == 0
         await asyncio.to_thread(sched.barrier, 30.0)
-        assert sched.cache.warm_sessions == 0  # the warm-up's pin went
-        assert "kept" in sched.cache._pins  # the kept session's did not
+        assert sched.kv.warm_sessions == 0  # the warm-up's pin went
+        assert sched.kv.pinned("kept")  # the kept session's did not
         again = [*kept, Message("assistant", [turn1.text]), Message("user", ["And of Asia?"])]
         _, turn2 = await collect(twin, request(again, "kept", max_tokens=4))
         assert turn2.cached_tokens >= kept_len
@@ -196,7 +196,7 @@ async def test_kv_pressure_drops_warm_ups_first(engine, collect) -> None:
         huge = [SYSTEM, Message("user", [image(engine, 5, n=budget // pos)])]
         dropped = await twin.warm_up(request(huge, "huge"))
         assert dropped.outcome == "dropped" and dropped.reason == "kv_pressure"
-        assert "kept" in sched.cache._pins
+        assert sched.kv.pinned("kept")
     finally:
         await twin.aclose()
 

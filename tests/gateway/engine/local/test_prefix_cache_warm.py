@@ -20,7 +20,7 @@ def keep(cache: PrefixCache, tokens: list[int]) -> list[bytes]:
 def held(cache: PrefixCache, tokens: list[int]) -> int:
     keys = position_keys(tokens, [])
     hashes = block_hashes(tokens, [], BS, SEED)
-    return cache.match(SEED, keys, hashes, len(tokens), count=False).length
+    return cache.match(SEED, keys, hashes, len(tokens)).length
 
 
 def test_warm_pins_go_after_unpinned_blocks_and_before_session_pins() -> None:

@@ -230,10 +230,10 @@ async def test_non_finite_kv_of_a_cancelled_prefill_is_not_cached(engine, collec
         unstable = rows.clone()
         request = looking(unstable, "cancelled")
         task = asyncio.create_task(collect(twin, request))
-        while not sched._running:
+        while not sched.admission.running:
             await asyncio.sleep(0.001)
         unstable.fill_(float("nan"))
-        seq = sched._running[0]
+        seq = sched.admission.running[0]
         image_end = seq.prompt.images[0].start + seq.prompt.images[0].length
         while seq.fed < image_end + 16:  # NaN rows fed (and spread), the prompt not finished
             await asyncio.sleep(0.001)
@@ -317,13 +317,13 @@ async def test_zero_kv_budget_serves_one_at_a_time(engine, collect) -> None:
             asyncio.gather(*[collect(twin, ask(f"Say {i}.", 3)) for i in range(3)]), 120
         )
         assert [r.finish_reason for _, r in results] == ["length"] * 3
-        assert twin._scheduler.cache.nbytes == 0  # nothing outlives its request
+        assert twin._scheduler.kv.cached_bytes == 0  # nothing outlives its request
     finally:
         await twin.aclose()
 
 
 async def test_prompt_over_the_budget_runs_alone_and_the_budget_holds(engine, collect) -> None:
-    budget = engine._scheduler.pos_bytes * 300  # ~300 positions; the long prompt needs ~700
+    budget = engine._scheduler.kv.pos_bytes * 300  # ~300 positions; the long prompt needs ~700
     twin = engine.replica(kv_budget_bytes=budget, max_batch=4, prefill_chunk_tokens=64)
     await twin.start()
     sched = twin._scheduler
@@ -332,11 +332,11 @@ async def test_prompt_over_the_budget_runs_alone_and_the_budget_holds(engine, co
 
     def watch() -> None:  # while two or more run, their buffers and the cache fit the budget
         while not stop.is_set():
-            running = list(sched._running)
+            running = list(sched.admission.running)
             if len(running) > 1:
                 held = sum(kv.nbytes for s in running if (kv := s.kv) is not None)
-                if held + sched.cache.nbytes > budget:
-                    over.append((held + sched.cache.nbytes) / sched.pos_bytes)
+                if held + sched.kv.cached_bytes > budget:
+                    over.append((held + sched.kv.cached_bytes) / sched.kv.pos_bytes)
             time.sleep(0.001)
 
     watcher = threading.Thread(target=watch, daemon=True)
