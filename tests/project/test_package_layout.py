@@ -357,11 +357,6 @@ def test_the_layout_page_names_every_package() -> None:
     assert not gone, f"the layout page names directories that do not exist: {gone}"
 
 
-# Classes that still inherit from more than one class of their own package while they are being
-# recomposed into parts they hold; an entry leaves when its class does.
-MIXINS_ALLOWED: frozenset[str] = frozenset()
-
-
 def _base_names(node: ast.expr) -> ast.expr:
     """`FairQueue[T]` -> `FairQueue`: the class a subscripted base names."""
     return node.value if isinstance(node, ast.Subscript) else node
@@ -433,15 +428,12 @@ def test_the_mixin_rule_sees_a_class_of_two_own_bases(tmp_path: Path) -> None:
 def test_no_class_is_assembled_from_mixins_of_its_own_package() -> None:
     """A class whose state is spread over several own base classes (mixins that re-declare
     each other's attributes) is a whole split by length, not along a seam: hold the parts as
-    objects with narrow interfaces instead. The allowed entries must still be mixed, so that
-    each leaves the list when its class is recomposed."""
+    objects with narrow interfaces instead (as the scheduler holds its admission, warm-ups and
+    KV memory, and the Realtime connection its event handlers)."""
     found = mixed_classes(project_modules())
-    offenders = {name: bases for name, bases in found.items() if name not in MIXINS_ALLOWED}
-    assert not offenders, "classes with more than one base of their own package:\n" + "\n".join(
-        f"  {name}({', '.join(bases)})" for name, bases in sorted(offenders.items())
+    assert not found, "classes with more than one base of their own package:\n" + "\n".join(
+        f"  {name}({', '.join(bases)})" for name, bases in sorted(found.items())
     )
-    recomposed = sorted(MIXINS_ALLOWED - set(found))
-    assert not recomposed, f"no longer mixed, remove them from MIXINS_ALLOWED: {recomposed}"
 
 
 def _names_an_engine(node: ast.expr, class_name: str | None) -> bool:
