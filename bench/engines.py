@@ -7,7 +7,8 @@ The same converted SmolLM2-135M-Instruct checkpoint (`gateway.testing.vllm_serve
 default_model_dir`) is served, one server at a time, by:
 
 - visiongate (`python -m gateway serve`, the embedded engine) at each precision it offers:
-  `auto` (its default), `float32`, `bfloat16`, `int8`;
+  `auto` (its default: `float16` on a CPU with fbgemm, for the default model), `float32` (the
+  exact mode), `float16`, `bfloat16`, `int8`;
 - vLLM (`VllmServer`, from its own venv, `make vllm-env`) at its default dtype and at float32
   (skipped, and said so, when the venv is missing).
 
@@ -20,7 +21,7 @@ vLLM's default and of each precision to the same precision on vLLM where both ru
 The machine's memory bandwidth is measured first (torch reading a 256 MiB tensor, the best of
 several passes, with 1 and with all threads), and the floor of one decode stream per precision
 printed: bandwidth / bytes of weights read per token (every matrix once, the tied output head
-included; int8 at 1 byte a weight, bfloat16 at 2, float32 at 4).
+included; int8 at 1 byte a weight, float16 and bfloat16 at 2, float32 at 4).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ PROMPTS = (
     "Describe how bread is made, step by step.",
     "Write a short poem about the sea, then explain it.",
 )
-VISIONGATE_PRECISIONS = ("auto", "float32", "bfloat16", "int8")
-BYTES_PER_WEIGHT = {"float32": 4, "bfloat16": 2, "int8": 1}
+VISIONGATE_PRECISIONS = ("auto", "float32", "float16", "bfloat16", "int8")
+BYTES_PER_WEIGHT = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 
 
 def memory_bandwidth() -> dict[str, float]:
@@ -87,6 +88,18 @@ def weights_read_per_token(model_dir: Path) -> int:
                     size *= d
                 n += size
     return n
+
+
+async def auto_precision(model_dir: Path) -> str:
+    """What the gateway's `auto` weights are on this CPU for the model at `model_dir`."""
+    import torch
+    from transformers import AutoConfig
+
+    from gateway.engine.local.fused_step import supported
+    from gateway.engine.local.weights import _pick_weights
+
+    fusable = supported(AutoConfig.from_pretrained(model_dir).get_text_config()) is None
+    return _pick_weights("auto", torch.device("cpu"), fusable=fusable)
 
 
 async def _stream(client: Any, model: str, prompt: str, tokens: int) -> dict[str, float]:
@@ -245,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     best = max(bandwidth.values())
     floor = {p: best * 1e9 / (weights * b) for p, b in BYTES_PER_WEIGHT.items()}
     servers: dict[str, Any] = {}
-    effective = {"auto": "float32"}  # what `auto` is on a CPU (gateway.engine.local.weights)
+    effective = {"auto": auto_precision(model_dir)}  # what `auto` is here for this model
     for precision in [p for p in args.precisions.split(",") if p]:
         name = f"visiongate {precision}"
         try:

@@ -516,14 +516,16 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         Literal["auto", "float32", "bfloat16", "float16", "int8"],
         Doc(
             ENGINE,
-            "language-model weights: `auto` is float32 on CPU (the exact mode: token-identical to "
-            "transformers, cached and uncached answers agree) and bfloat16 on CUDA; `float16`, "
-            "`bfloat16` or `int8` (int8 weights with one scale per output channel, bfloat16 "
-            "activations; CPU only) trade a little fidelity for speed: on a CPU, a Llama (the "
-            "default model) runs them in the [fused step](benchmarks/engines.md), perplexity "
-            "within 1% of float32's ([quality table](benchmarks/engines.md#quality))",
+            "language-model weights: `auto` is, on a CPU, float16 for a Llama (the default "
+            "model: float16 weights multiplied in float32 by fbgemm's kernel in the [fused step]"
+            "(benchmarks/engines.md), perplexity within 0.01% of float32's, "
+            "[quality table](benchmarks/engines.md#quality)) and float32 for other models; "
+            "bfloat16 on CUDA. `float32` is the exact mode (token-identical to transformers, "
+            "cached and uncached answers agree); `bfloat16` or `int8` (int8 weights with one "
+            "scale per output channel, bfloat16 activations; CPU only) trade a little more "
+            "fidelity, perplexity within 1% of float32's",
         ),
-        Flag("auto | float32 | bfloat16 | float16 | int8 (CPU, fastest)"),
+        Flag("auto | float32 (exact) | bfloat16 | float16 | int8"),
     ] = "auto"
     max_output_tokens: Annotated[
         int,

@@ -18,10 +18,16 @@ computation over the same packed slices with the weights rearranged once at load
   quarter of float32's bytes to read per token. Only the weights are quantized: quantizing the
   activations too (fbgemm's dynamic quantization, one scale per call) was measured to raise the
   default model's perplexity 1.6x (`bench.precision`), weights alone by under 1%;
-  `bfloat16` / `float16`: the fused matrices in that dtype. A step of `WIDE_ROWS` rows or more
-  (prefill) multiplies in float32 on a CPU, from the same weights widened for the call: there
-  the arithmetic, not the memory, bounds the step, and CPUs without bfloat16 instructions
-  compute bfloat16 products slower than float32 ones.
+  `float16` on an x86 CPU: every matrix stored in float16, packed once for fbgemm's float16
+  GEMM, which widens the weights to float32 inside its kernel while it multiplies, with float32
+  activations and KV: half of float32's bytes to read per token, float32 arithmetic and no
+  conversion of the activations (measured on a 2-core AVX2 CPU, one thread, the default model:
+  a decode step's products take 0.46x float32's time with one sequence and 0.43x with eight,
+  where `_weight_int8pack_mm` takes 0.8x and 0.9x and bfloat16's `F.linear` 1.5x and 3.4x);
+  `bfloat16`, or `float16` without fbgemm: the fused matrices in that dtype. For those a step of
+  `WIDE_ROWS` rows or more (prefill) multiplies in float32 on a CPU, from the same weights
+  widened for the call: there the arithmetic, not the memory, bounds the step, and CPUs without
+  bfloat16 instructions compute bfloat16 products slower than float32 ones.
 
 It takes Llama-architecture language models (`supported` says why another is refused, and the
 engine then runs `run_step`), which is what the embedded default is. The results match
@@ -50,9 +56,21 @@ WIDE_ROWS = 32
 _DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
+    "float16": torch.float16,  # float32 where fbgemm packs the float16 weights (see below)
     "int8": torch.bfloat16,  # int8 weights, bfloat16 activations
 }
+
+
+def fp16_gemm_available() -> bool:
+    """Whether this torch build has fbgemm's float16-weight GEMM (x86 builds)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def activation_dtype(precision: str) -> torch.dtype:
+    """The dtype of the fused step's activations and KV for `precision` on a CPU."""
+    if precision == "float16" and fp16_gemm_available():
+        return torch.float32  # float16 weights inside fbgemm's kernel, float32 arithmetic
+    return _DTYPES[precision]
 
 
 def supported(config: Any) -> str | None:
@@ -73,16 +91,25 @@ class _Linear:
     """One weight matrix as the CPU's kernels take it: float (F.linear), or int8 with one scale
     per output channel, multiplied with bfloat16 activations (weight-only quantization)."""
 
-    __slots__ = ("_scale", "_weight")
+    __slots__ = ("_packed", "_scale", "_weight")
 
     def __init__(self, weight: torch.Tensor, precision: str) -> None:  # weight [N, K], float
         self._scale: torch.Tensor | None = None
+        self._packed: Any = None
         if precision == "int8":
             self._weight, self._scale = quantize_int8(weight)
+        elif activation_dtype(precision) == torch.float32 and precision == "float16":
+            # fbgemm rounds the weights to float16 once, in the layout its kernel reads
+            self._packed = torch.ops.quantized.linear_prepack_fp16(
+                weight.detach().float().contiguous(), None
+            )
+            self._weight = weight.new_empty(0)
         else:
             self._weight = weight.to(_DTYPES[precision]).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if self._packed is not None:
+            return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
         if x.shape[0] >= WIDE_ROWS and x.device.type == "cpu":
             # many rows (a prefill chunk): the product is bound by arithmetic, not by reading
             # the weights, and float32 is the CPU's fast arithmetic; widening the weights once
@@ -94,6 +121,12 @@ class _Linear:
         if self._scale is not None:
             return torch.ops.aten._weight_int8pack_mm(x, self._weight, self._scale)
         return F.linear(x, self._weight)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension in one kernel (`F.rms_norm` composes it from half a
+    dozen operators for float32 inputs on a CPU)."""
+    return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)[0]
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +165,7 @@ class FusedDecoder:
         if reason is not None:
             raise ValueError(f"the fused step does not take this model: {reason}")
         self.precision = precision
-        self.dtype = _DTYPES[precision]  # of the activations and the KV
+        self.dtype = activation_dtype(precision)  # of the activations and the KV
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(config.num_key_value_heads or config.num_attention_heads)
         self.head_dim = int(
@@ -155,62 +188,65 @@ class FusedDecoder:
         t = x.shape[0]
         pos = torch.cat([s.positions for s in slices])  # [T]
         cos, sin = self.rotary(x[None], pos[None])  # [1, T, D] each
-        cos, sin = cos[0, :, None].to(self.dtype), sin[0, :, None].to(self.dtype)  # [T, 1, D]
-        offsets, runs, off = [], [], 0
+        half = d // 2
+        # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated)
+        sign = torch.ones(d, dtype=sin.dtype, device=sin.device)
+        sign[:half] = -1
+        cos = cos[0, :, None].to(self.dtype)  # [T, 1, D]
+        sin = (sin[0, :, None] * sign).to(self.dtype)
+        runs, off = [], 0
         for s in slices:
-            offsets.append(off)
-            runs.append((off, s))
+            runs.append((off, s, s.start + s.length))
             off += s.length
-        norm = (self.hidden,)
         for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, norm, layer.ln1, self.eps)
-            qkv = layer.qkv(h).view(t, hq + 2 * hkv, d)  # [T, Hq + 2 Hkv, D]
+            h = _rms_norm(x, layer.ln1, self.eps)
+            qkv = layer.qkv(h).view(t, hq + 2 * hkv, d)  # [T, Hq + Hkv + Hkv, D]
             qk = qkv[:, : hq + hkv]
-            half = d // 2
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + rotated * sin  # [T, Hq + Hkv, D]
+            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)  # rotary, [T, Hq + Hkv, D]
             q = qk[:, :hq]
-            kv_new = torch.stack((qk[:, hq:], qkv[:, hq + hkv :]))  # [2, T, Hkv, D]
-            outs = []
-            for o, s in runs:
-                end = s.start + s.length
-                buf = s.kv.layers[i]  # [2, Hkv, cap, D]
-                buf[:, :, s.start : end] = kv_new[:, o : o + s.length].transpose(1, 2)
-                outs.append(self._attend(q[o : o + s.length], buf, s.start, end))
+            kv_new = torch.stack((qk[:, hq:], qkv[:, hq + hkv :]), dim=1)  # [T, 2, Hkv, D]
+            outs = [self._attend(i, q, kv_new, o, s, e) for o, s, e in runs]
             a = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, Hq D]
             x = x + layer.o(a)
-            h = F.rms_norm(x, norm, layer.ln2, self.eps)
+            h = _rms_norm(x, layer.ln2, self.eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
         for s in slices:
             s.kv.length = max(s.kv.length, s.start + s.length)
         if every_row:
-            return self.head(F.rms_norm(x, norm, self.norm, self.eps)).float()  # [T, V]
-        rows = [o + s.length - 1 for o, s in runs if s.want_logits]
+            return self.head(_rms_norm(x, self.norm, self.eps)).float()  # [T, V]
+        rows = [o + s.length - 1 for o, s, _ in runs if s.want_logits]
         if not rows:
             return x.new_empty(0, 0)
-        picked = x[torch.tensor(rows, device=x.device)]  # [n, H]
-        return self.head(F.rms_norm(picked, norm, self.norm, self.eps)).float()  # [n, V]
+        picked = x[rows[0] : rows[0] + 1] if len(rows) == 1 else x[rows]  # [n, H]
+        return self.head(_rms_norm(picked, self.norm, self.eps)).float()  # [n, V]
 
-    def _attend(self, q: torch.Tensor, buf: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Causal attention of one slice's queries q [n, Hq, D] at positions [start, end) over
-        its buffer's keys [0, end); returns [n, Hq D]."""
-        n = q.shape[0]
-        k = buf[0, :, :end].unsqueeze(0)  # [1, Hkv, end, D]
-        v = buf[1, :, :end].unsqueeze(0)
-        if n == 1:  # one query: its heads grouped under their key/value head, no mask needed
-            qg = q.view(1, self.kv_heads, self.groups, self.head_dim)  # [1, Hkv, G, D]
-            o = F.scaled_dot_product_attention(qg, k, v, scale=self.scale)
-            return o.reshape(1, self.heads * self.head_dim)
-        qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    def _attend(
+        self, layer: int, q: torch.Tensor, kv_new: torch.Tensor, o: int, s: Slice, end: int
+    ) -> torch.Tensor:
+        """Write slice `s`'s new keys and values (rows o.. of kv_new [T, 2, Hkv, D]) into its
+        buffer, then its queries (rows o.. of q [T, Hq, D], positions [s.start, end)) attend
+        causally over the buffer's keys [0, end); returns [n, Hq D]."""
+        n, start = s.length, s.start
+        buf = s.kv.layers[layer]  # [2, Hkv, cap, D]
+        if n == 1:
+            buf[:, :, start] = kv_new[o]
+            k, v = buf[:, None, :, :end].unbind(0)  # [1, Hkv, end, D] each
+            # one query: its heads grouped under their key/value head, no mask, no repeat
+            # (4-D, which the CPU's flash kernel takes; 3-D inputs fall back to the math path)
+            qg = q[o].view(1, self.kv_heads, self.groups, self.head_dim)  # [1, Hkv, G, D]
+            return F.scaled_dot_product_attention(qg, k, v, scale=self.scale).view(1, -1)
+        buf[:, :, start:end] = kv_new[o : o + n].permute(1, 2, 0, 3)
+        k, v = buf[:, None, :, :end].unbind(0)  # [1, Hkv, end, D] each
+        qh = q[o : o + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if start == 0:
-            o = F.scaled_dot_product_attention(
+            out = F.scaled_dot_product_attention(
                 qh, k, v, is_causal=True, scale=self.scale, enable_gqa=self.groups > 1
             )
         else:  # query i sits at position start + i and sees keys 0..start + i
             cols = torch.arange(end, device=q.device)
             mask = cols[None, :] <= torch.arange(start, end, device=q.device)[:, None]  # [n, end]
-            o = F.scaled_dot_product_attention(
+            out = F.scaled_dot_product_attention(
                 qh, k, v, attn_mask=mask, scale=self.scale, enable_gqa=self.groups > 1
             )
-        return o[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)
+        return out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim)

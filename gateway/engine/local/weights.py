@@ -34,7 +34,7 @@ from typing import Any
 import structlog
 import torch
 
-from gateway.engine.local.fused_step import FUSED_PRECISIONS, FusedDecoder
+from gateway.engine.local.fused_step import FUSED_PRECISIONS, FusedDecoder, fp16_gemm_available
 from gateway.engine.local.fused_step import supported as fused_supported
 
 __all__ = (
@@ -198,19 +198,22 @@ def _pick_device(device: str) -> torch.device:
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 
-def _pick_weights(requested: str, dev: torch.device) -> str:
-    """`auto` is float32 on CPU, where prefilling a prompt in pieces (KV reuse) and whole gives
-    the same logits to within float rounding, so cached and uncached answers agree; on CUDA,
-    bfloat16 where supported. bfloat16 and int8 (dynamic quantization of the linear layers) are
-    faster on CPU, at the price of small differences between cached and uncached answers."""
+def _pick_weights(requested: str, dev: torch.device, *, fusable: bool = False) -> str:
+    """`auto` on a CPU is float16 for a model the fused step takes (`fusable`; the default is
+    one: float16 weights multiplied in float32 by fbgemm's kernel, half of float32's bytes per
+    token; its quality against float32 is `bench.precision`'s table), else float32, the exact mode
+    (token-identical to transformers); on CUDA, bfloat16 where supported. `float32` asks for the
+    exact mode on any model."""
     if requested not in WEIGHT_DTYPES:
         raise ValueError(f"lm dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {requested!r}")
     if requested != "auto":
         if requested == "int8" and dev.type != "cpu":
-            raise ValueError("int8 (dynamic quantization) runs on the CPU only")
+            raise ValueError("int8 (weight-only quantization) runs on the CPU only")
         return requested
     if dev.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    if fusable and fp16_gemm_available():
+        return "float16"
     return "float32"
 
 
@@ -235,8 +238,16 @@ def load_weights(
         model_id = path.name
         family = _vlm_family(path)
     dev = _pick_device(device)
-    weights = _pick_weights(dtype, dev)
+    fusable = False
+    if family is None and dev.type == "cpu":
+        from transformers import AutoConfig
+
+        fusable = fused_supported(AutoConfig.from_pretrained(path).get_text_config()) is None
+    weights = _pick_weights(dtype, dev, fusable=fusable)
     act_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(weights, torch.float32)
+    if weights == "float16" and fusable and fp16_gemm_available():
+        # fbgemm's float16 GEMM takes float32 activations; the fused step packs the weights
+        act_dtype = torch.float32
     if family is not None:
         loaded = _load_vlm_language_model(path, model_id, family, dev, act_dtype, weights)
         log.info(

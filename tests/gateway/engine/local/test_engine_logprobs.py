@@ -94,11 +94,14 @@ async def test_values_are_the_models_log_softmax(engine) -> None:
     with torch.inference_mode():
         logits = model(ids).logits[0, -1].float()
     expected = torch.log_softmax(logits, dim=-1).topk(4)
+    # the exact mode matches float32 transformers to rounding; float16 weights (what `auto` is
+    # on a CPU for this model) move a log-probability by a few thousandths
+    tolerance = 1e-3 if engine._weights.weights == "float32" else 2e-2
     for (tok_text, value, raw), exp_value, exp_id in zip(
         first.top, expected.values.tolist(), expected.indices.tolist(), strict=True
     ):
         assert raw.decode() == engine.tokenizer.decode([exp_id])
-        assert value == pytest.approx(exp_value, abs=1e-3)
+        assert value == pytest.approx(exp_value, abs=tolerance)
 
 
 async def test_sampled_tokens_are_consistent(engine) -> None:

@@ -3,8 +3,10 @@
 In float32 the fused step computes what `run_step` computes (to within rounding) over the same
 packed slices: prefill from the start, a chunk at an offset beside a decode, then a batch of
 decodes; each slice's keys and values land in its own buffer. int8 weights round-trip within
-half a step of their channel's scale; the engine serves int8 and bfloat16 through the fused
-step (its KV in bfloat16), and a model the step does not take stays on the modules' path.
+half a step of their channel's scale; float16 weights (fbgemm's kernel, float32 arithmetic)
+give float32's next tokens on the same steps; the engine serves float16 (what `auto` is on a CPU
+for this model, KV in float32), int8 and bfloat16 (KV in bfloat16) through the fused step, and
+a model the step does not take stays on the modules' path.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ import pytest
 import torch
 
 from gateway.engine.local.batch import SeqKV, Slice, cache_param, install_attention, run_step
-from gateway.engine.local.fused_step import FusedDecoder, quantize_int8, supported
+from gateway.engine.local.fused_step import (
+    FusedDecoder,
+    fp16_gemm_available,
+    quantize_int8,
+    supported,
+)
 from gateway.engine.local.weights import load_weights
 from gateway.testing.engine_requests import drain, text_requests
 
@@ -89,6 +96,28 @@ def test_float32_fused_step_matches_the_modules(float_model) -> None:
 
 
 @torch.inference_mode()
+@pytest.mark.skipif(not fp16_gemm_available(), reason="this torch build has no fbgemm")
+def test_float16_weights_give_float32s_next_tokens(float_model) -> None:
+    w = float_model
+    cfg = w.model.config.get_text_config()
+    half = FusedDecoder(w.decoder, w.lm_head, cfg, "float16")
+    exact = FusedDecoder(w.decoder, w.lm_head, cfg, "float32")
+    assert half.dtype == torch.float32  # activations and KV; the weights are float16
+    ids = w.tokenizer("The capital of France is Paris, and the", add_special_tokens=False)
+    ids = ids["input_ids"]
+    runs = [[(0, 0, ids[:6]), (1, 0, ids)], [(0, 6, ids[6:]), (1, len(ids), [42])]]
+    got_bufs, ref_bufs = _buffers(w, 2, torch.float32), _buffers(w, 2, torch.float32)
+    for step in runs:
+        got = half.run(_slices(w, got_bufs, step, torch.float32))
+        ref = exact.run(_slices(w, ref_bufs, step, torch.float32))
+        # float16 weights round each weight by up to 2**-11 of itself: logits move by a few
+        # hundredths at most, far less than float32's margins between its first two tokens here
+        assert (got - ref).abs().max() < 0.1, (got - ref).abs().max()
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+        assert not torch.equal(got, ref)  # the float16 kernel did run
+
+
+@torch.inference_mode()
 def test_every_row_gives_each_position_its_logits(float_model) -> None:
     w = float_model
     fused = FusedDecoder(w.decoder, w.lm_head, w.model.config.get_text_config(), "float32")
@@ -128,16 +157,24 @@ def test_supported_takes_llama_only() -> None:
         FusedDecoder(None, None, LlamaConfig(), "int4")
 
 
-@pytest.mark.parametrize("precision", ["int8", "bfloat16"])
-async def test_engine_serves_the_precision_through_the_fused_step(precision) -> None:
+@pytest.mark.parametrize(
+    ("precision", "weights", "kv"),
+    [
+        ("auto", "float16" if fp16_gemm_available() else "float32", torch.float32),
+        ("int8", "int8", torch.bfloat16),
+        ("bfloat16", "bfloat16", torch.bfloat16),
+    ],
+)
+async def test_engine_serves_the_precision_through_the_fused_step(precision, weights, kv) -> None:
     from gateway.engine.local.local_engine import LocalEngine
 
     engine = LocalEngine(dtype=precision, max_queue=8)
     await engine.start()
     try:
         w = engine._weights
-        assert w is not None and w.fused is not None and w.weights == precision
-        assert w.dtype == torch.bfloat16  # activations and KV
+        assert w is not None and w.weights == weights
+        assert (w.fused is not None) == (weights != "float32")
+        assert w.dtype == kv  # activations and KV
         question = "What is the capital of France? Answer in one sentence."
         _, first = await drain(engine, ask(question, 12))
         assert "Paris" in first[-1].text
