@@ -342,8 +342,8 @@ class LocalEngine:
         """Drop the KV kept under `kv_key` (pins, memory and Redis), e.g. with its session."""
         sched, store = self._scheduler, self.kv_store
         if sched is not None:
-            sched.forget(kv_key)
-        if store is not None:
+            sched.forget(kv_key)  # its KV memory drops the spilled entry too
+        elif store is not None:
             store.delete(kv_key)
 
     # -- the async side ----------------------------------------------------------------------

@@ -14,7 +14,7 @@ KV warm-ups get only what requests leave of a step: nothing while a prompt is be
 most). Their positions count towards their owner's fair share like any prefill.
 
 The planner only chooses: it never grows a buffer, frees memory or runs the model (the scheduler
-fits the plan to the KV budget, `gateway.engine.local.kv.budget`, and runs it). Its state is the
+fits the plan to the KV budget, `gateway.engine.local.kv.kv_memory`, and runs it). Its state is the
 fair-share record (`served`, fading) and the keys that count as heavy now (`heavy`, with
 hysteresis), which admission and preemption read too.
 """
