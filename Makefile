@@ -67,7 +67,7 @@ vllm-env:
 	scripts/vllm-env.sh
 
 test: install system-deps node-deps vllm-env lint docs
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 # the tests that load no model: real servers over the fake engine and encoder (a few minutes)
 test-fast: install system-deps
