@@ -95,8 +95,18 @@ class Opened(Generic[E]):
     events: AsyncIterator[E]
 
 
+class StreamedOrNot(Protocol):
+    """An API's request body: `stream` asks for SSE."""
+
+    @property
+    def stream(self) -> bool | None: ...
+
+
 class PreparedTurn(Protocol):
     """What the serving base reads of an API's prepared turn (each API's frozen dataclass)."""
+
+    @property
+    def request(self) -> StreamedOrNot: ...
 
     @property
     def options(self) -> ResponseOptions: ...
@@ -104,11 +114,6 @@ class PreparedTurn(Protocol):
     @property
     def permit(self) -> EncodePermit:
         """The turn's encode slots, taken by `admit`; closed once its images are resolved."""
-        ...
-
-    @property
-    def stream(self) -> bool:
-        """The client asked for SSE."""
         ...
 
     @property
@@ -172,7 +177,7 @@ class OpenAIServing(ABC, Generic[Prepared, Answer]):
         if isinstance(opened, GatewayError):
             await self.refused(prepared)
             return p.error_response(opened)
-        if prepared.stream:
+        if prepared.request.stream:
             return EventStream(self.stream(prepared, opened, budget), prepared.session_header)
         return await self.complete(prepared, opened)
 

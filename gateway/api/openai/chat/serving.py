@@ -99,10 +99,6 @@ class _Prepared:
         return self.options.client_id or self.options.response_id
 
     @property
-    def stream(self) -> bool:
-        return bool(self.request.stream)
-
-    @property
     def session_header(self) -> str | None:
         return self.session.id if self.stored else None
 

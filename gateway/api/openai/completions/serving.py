@@ -105,10 +105,6 @@ class _Run:
         return self.options.response_id
 
     @property
-    def stream(self) -> bool:
-        return bool(self.request.stream)
-
-    @property
     def session_header(self) -> None:
         return None  # no session
 

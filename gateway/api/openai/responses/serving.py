@@ -123,10 +123,6 @@ class Prepared:
     wire: Callable[[r.ResponseEvent], bytes] = frame
 
     @property
-    def stream(self) -> bool:
-        return bool(self.request.stream)
-
-    @property
     def session_header(self) -> str | None:
         return self.session.id if self.stored else None
 
