@@ -21,6 +21,13 @@ request sent -> first text, as the client sees it:
 Latency runs the sessions one at a time; throughput runs `--sessions` of them at once at
 concurrency 1 and 8 (two turns each, `--max-tokens` per answer) and divides the output tokens
 by the wall time. Ratios are against vLLM alone in the same run. Writes DIR/vllm_front.json.
+
+`--follow-ups-only` measures what a follow-up costs through the gateway and nothing else:
+`--sessions` rounds, each a new photo and two turns in every mode in turn ("vllm alone",
+"data_url", and "embeds": the same inline photo through the embeds gateway), no throughput
+runs. It prints each mode's median follow-up TTFT, the median of its difference from vLLM
+alone's in the same round (both follow-ups hit the replica's prefix cache alike: the cached
+tokens are printed beside), and where the gateway's follow-ups spent their time.
 """
 
 from __future__ import annotations
@@ -184,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--compile", action="store_true", help="vLLM with torch.compile")
+    parser.add_argument(
+        "--follow-ups-only",
+        action="store_true",
+        help="only the follow-up latency: paired with vLLM alone by round, no throughput runs",
+    )
     args = parser.parse_args(argv)
 
     import openai
@@ -227,6 +239,20 @@ def main(argv: list[str] | None = None) -> int:
             "none",
         )
         with running(gw_bytes, gw_embeds):
+            if args.follow_ups_only:
+                results["follow_ups"] = follow_ups(
+                    {
+                        "vllm": (vllm.base_url, None),
+                        "data_url": (gw_bytes.base_url, gw_bytes.log_path),
+                        "embeds": (gw_embeds.base_url, gw_embeds.log_path),
+                    },
+                    args.sessions,
+                    args.max_tokens,
+                )
+                (args.out / "vllm_front.json").write_text(json.dumps(results, indent=2))
+                print(follow_up_table(results["follow_ups"]))
+                print(f"bench.vllm_front: wrote {args.out / 'vllm_front.json'}")
+                return 0
             clients = {
                 "vllm": (openai.OpenAI(base_url=vllm.base_url, api_key="x", max_retries=0), None),
                 "data_url": (openai.OpenAI(base_url=gw_bytes.base_url, api_key="x"), gw_bytes.url),
@@ -292,6 +318,66 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def follow_ups(
+    modes: dict[str, tuple[str, Path | None]], rounds: int, max_tokens: int
+) -> dict[str, Any]:
+    """`rounds` sessions in every mode in turn (mode -> its base URL and, for a gateway, its
+    log); a warm-up round first, left out. Each mode's follow-ups, its paired differences from
+    vLLM alone's in the same round, and its gateway's breakdown."""
+    import openai
+
+    clients = {
+        mode: openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+        for mode, (url, _) in modes.items()
+    }
+    n = 0
+    latency: dict[str, list[list[dict]]] = {m: [] for m in modes}
+    for i in range(-1, rounds):
+        for mode, client in clients.items():
+            n += 1
+            name = PHOTOS[i % len(PHOTOS)]
+            turns = session(
+                "vllm" if mode == "vllm" else "data_url",
+                client,
+                None,
+                photo(name, n),
+                f"lat-{mode}-{i}",
+                max_tokens if i >= 0 else 4,
+            )
+            if i >= 0:
+                latency[mode].append(turns)
+    return {
+        mode: {
+            "follow_up_ttft_ms": statistics.median(s[1]["ttft_ms"] for s in latency[mode]),
+            "follow_up_cached": statistics.median(s[1]["cached_tokens"] for s in latency[mode]),
+            "follow_up_prompt": statistics.median(s[1]["prompt_tokens"] for s in latency[mode]),
+            "paired_diff_ms": paired(latency[mode], latency["vllm"]),
+            "turns": latency[mode],
+            "breakdown": breakdown(mode, latency[mode], log) if log is not None else {},
+        }
+        for mode, (_, log) in modes.items()
+    }
+
+
+def paired(sessions: list[list[dict]], alone: list[list[dict]]) -> list[float]:
+    """Each round's follow-up TTFT less vLLM alone's follow-up of the same round."""
+    return [
+        round(s[1]["ttft_ms"] - a[1]["ttft_ms"], 2) for s, a in zip(sessions, alone, strict=True)
+    ]
+
+
+def follow_up_table(by_mode: dict[str, Any]) -> str:
+    rows = [f"{'mode':<12}{'follow-up ms':>14}{'- vllm alone ms':>17}{'cached/prompt':>15}"]
+    for mode, m in by_mode.items():
+        diff = statistics.median(m["paired_diff_ms"]) if mode != "vllm" else 0.0
+        rows.append(
+            f"{mode:<12}{m['follow_up_ttft_ms']:>14.1f}{diff:>17.1f}"
+            f"{m['follow_up_cached']:>9.0f}/{m['follow_up_prompt']:<5.0f}"
+        )
+    rows.append(breakdown_table({k: m["breakdown"] for k, m in by_mode.items() if m["breakdown"]}))
+    return "\n".join(rows)
+
+
 def responses_logged(log_path: Path) -> dict[str, list[dict[str, Any]]]:
     """The gateway's access-log `response` lines by session id, in order."""
     out: dict[str, list[dict[str, Any]]] = {}
@@ -310,10 +396,12 @@ TIMINGS = ("total_ms", "ttft_ms", "prefill_ms")  # what `breakdown` reads of a r
 
 def breakdown(mode: str, sessions: list[list[dict[str, Any]]], log_path: Path) -> dict[str, Any]:
     """Where each latency turn's TTFT went, from the gateway's access log: `before_ms` from
-    the client's send to the gateway's receipt (the hop, the request's parsing and the
-    session's preparation), `gateway_ms` the gateway's own time after it (the answer's TTFT
-    less the replica's), `replica_ms` the replica's time from the request sent to its first
-    text, as the gateway saw it. Medians by turn (first, follow-up)."""
+    the client's send to the gateway's receipt (the hop and the request's parsing),
+    `gateway_ms` the gateway's own time after it (the answer's TTFT less the replica's: the
+    session's preparation, the prompt, the request to the replica), `replica_ms` the
+    replica's time from the request sent to its first text, as the gateway saw it,
+    `after_ms` the way back (the gateway's first text to the client's: the first frames, the
+    hop, the client's parsing). Medians by turn (first, follow-up)."""
     from datetime import datetime
 
     logged = responses_logged(log_path)
@@ -333,6 +421,12 @@ def breakdown(mode: str, sessions: list[list[dict[str, Any]]], log_path: Path) -
                     "before_ms": round((received - measured["sent_at"]) * 1e3, 2),
                     "gateway_ms": round(float(event["ttft_ms"]) - replica, 2),
                     "replica_ms": replica,
+                    "after_ms": round(
+                        measured["ttft_ms"]
+                        - (received - measured["sent_at"]) * 1e3
+                        - float(event["ttft_ms"]),
+                        2,
+                    ),
                     "client_ttft_ms": measured["ttft_ms"],
                 }
             )
@@ -346,13 +440,13 @@ def breakdown(mode: str, sessions: list[list[dict[str, Any]]], log_path: Path) -
 def breakdown_table(by_mode: dict[str, Any]) -> str:
     rows = [
         f"{'mode / turn':<24}{'client TTFT':>12}{'before ms':>11}{'gateway ms':>12}"
-        f"{'replica ms':>12}"
+        f"{'replica ms':>12}{'after ms':>10}"
     ]
     for mode, turns in by_mode.items():
         for turn, m in turns.items():
             rows.append(
                 f"{mode + ' ' + turn:<24}{m['client_ttft_ms']:>12.1f}{m['before_ms']:>11.1f}"
-                f"{m['gateway_ms']:>12.1f}{m['replica_ms']:>12.1f}"
+                f"{m['gateway_ms']:>12.1f}{m['replica_ms']:>12.1f}{m['after_ms']:>10.1f}"
             )
     return "\n".join(rows)
 

@@ -72,5 +72,33 @@ def test_breakdown_lines_turns_up_with_the_gateway_log(tmp_path) -> None:
     assert out["first"]["gateway_ms"] == 20.0 and out["first"]["replica_ms"] == 80.0
     assert out["follow_up"]["before_ms"] == 250.0
     assert out["follow_up"]["gateway_ms"] == 240.0 and out["follow_up"]["replica_ms"] == 60.0
+    # the way back: the client's TTFT less the hop in and the gateway's own TTFT
+    assert out["first"]["after_ms"] == 5.0 and out["follow_up"]["after_ms"] == 10.0
     lines = breakdown_table({"m": out}).splitlines()
-    assert lines[2].split() == ["m", "follow_up", "560.0", "250.0", "240.0", "60.0"]
+    assert lines[2].split() == ["m", "follow_up", "560.0", "250.0", "240.0", "60.0", "10.0"]
+
+
+def test_follow_ups_pair_each_round_with_vllm_alone() -> None:
+    from bench.vllm_front import follow_up_table, paired
+
+    alone = [[turn(300), turn(80, 160)], [turn(300), turn(120, 160)]]
+    gateway = [[turn(310), turn(84, 160)], [turn(310), turn(119, 160)]]
+    assert paired(gateway, alone) == [4.0, -1.0]
+    by_mode = {
+        "vllm": {
+            "follow_up_ttft_ms": 100.0,
+            "follow_up_cached": 160,
+            "follow_up_prompt": 170,
+            "paired_diff_ms": [0.0, 0.0],
+            "breakdown": {},
+        },
+        "data_url": {
+            "follow_up_ttft_ms": 101.5,
+            "follow_up_cached": 160,
+            "follow_up_prompt": 170,
+            "paired_diff_ms": paired(gateway, alone),
+            "breakdown": {},
+        },
+    }
+    row = next(line for line in follow_up_table(by_mode).splitlines() if line.startswith("data"))
+    assert row.split() == ["data_url", "101.5", "1.5", "160/170"]
