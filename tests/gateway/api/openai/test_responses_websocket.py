@@ -4,7 +4,7 @@ the client: a conversation about a photo with a tool call round trip, the SSE ro
 and answers, cancellation, errors that keep the connection, keys and tenancy, and a prewarm's
 shape and refusals. The fake engine has no KV cache: `WarmingEngine` adds a warm-up that only
 records what it was asked to prefill (the embedded engine's real one is tested in
-`test_responses_prewarm_slow.py`)."""
+`test_responses_prewarm.py`)."""
 
 from __future__ import annotations
 
