@@ -6,6 +6,7 @@ the shared real gateway (`openai_client`, `http`), and the same two on the sessi
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -56,3 +57,19 @@ def model(openai_client: OpenAI) -> str:
 def camera_jpeg() -> bytes:
     """A photo no other test module sends, so its first use is an encode (a vision-cache miss)."""
     return photo_bytes("camera", size=256)
+
+
+def sse(http: httpx.Client, path: str, body: dict[str, Any]) -> list[tuple[str | None, str]]:
+    """(event, data) of every frame of a streamed answer."""
+    frames: list[tuple[str | None, str]] = []
+    with http.stream("POST", path, json=body) as reply:
+        assert reply.status_code == 200, reply.read()
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        event = None
+        for line in reply.iter_lines():
+            if line.startswith("event: "):
+                event = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                frames.append((event, line.removeprefix("data: ")))
+                event = None
+    return frames
