@@ -7,9 +7,11 @@ On the embedded default model, one intra-op thread (as the gateway gives its eng
 
 - CPU time of one step (`time.thread_time`, so other processes' load counts less than in wall
   time), the paths interleaved three times and the best kept: the modules' float32 step
-  (`batch.run_step`, the exact mode) and the fused step in float32, bfloat16 and int8;
-- `torch.profiler` over 5 steps of the modules' float32 step and the fused int8 step: operator
-  calls per step and the share of operator time in matrix products and in attention.
+  (`batch.run_step`, the exact mode) and the fused step in float32, float16 (`auto` on a CPU),
+  bfloat16 and int8;
+- `torch.profiler` over 5 steps of the modules' float32 step and the fused float16 and int8
+  steps: operator calls per step and the share of operator time in matrix products and in
+  attention.
 """
 
 from __future__ import annotations
@@ -21,8 +23,14 @@ from typing import Any
 import torch
 
 CONTEXT = 100
-PRECISIONS = ("float32", "bfloat16", "int8")
-_MATMUL = ("aten::mm", "aten::addmm", "aten::_weight_int8pack_mm", "aten::bmm")
+PRECISIONS = ("float32", "float16", "bfloat16", "int8")
+_MATMUL = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::_weight_int8pack_mm",
+    "aten::bmm",
+    "quantized::linear_dynamic_fp16",
+)
 _ATTENTION = (
     "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_scaled_dot_product_attention_math",
@@ -108,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for name, (fn, dtype) in paths.items():
                     t = _steps(w, fn, dtype, streams, 8 if streams == 1 else 4)
                     times[name][streams] = min(times[name].get(streams, t), t)
-            for name in ("modules, float32", "fused, int8"):
+            for name in ("modules, float32", "fused, float16", "fused, int8"):
                 fn, dtype = paths[name]
                 profiles.setdefault(name, {})[streams] = _profile(w, fn, dtype, streams)
     print(f"{'step':18s} {'1 stream ms':>12s} {'8 streams ms':>13s}")
