@@ -33,6 +33,8 @@ install: $(STAMP)
 system-deps:
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	@(command -v node && command -v npm) >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm)
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
+	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)
 
 # the official Node SDK the framework tests run (tests/frameworks/node), from its lock file
 NODE_DIR   := tests/frameworks/node
