@@ -75,7 +75,6 @@ from gateway.engine.interface import (
     Engine,
     EngineError,
     GenerationRequest,
-    Message,
     WarmUpResult,
 )
 from gateway.protocol.errors import GatewayError
@@ -486,16 +485,6 @@ class ChatService:
         digests = session.image_digests
         found = await asyncio.gather(*(self.vision.original(session.owner, d) for d in digests))
         return dict(zip(digests, found, strict=True))
-
-    def _messages(
-        self,
-        session: Session,
-        options: ResponseOptions,
-        images: dict[str, Resolved],
-        originals: dict[str, bytes] | None = None,
-    ) -> list[Message]:
-        """The turn's messages (`turn_prompt.turn_messages` with this service's resolver)."""
-        return turn_messages(self.vision, session, options, images, originals)
 
     # -- KV warm-up ----------------------------------------------------------------------------
 

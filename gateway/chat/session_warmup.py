@@ -76,7 +76,7 @@ async def warm_up(
         images[digest] = Resolved(encoded, "memory", 0.0)
     messages = turn_messages(vision, session, options or ResponseOptions(), images)
     if then_image is not None:
-        # as `_messages` names and places it in the turn that will send it
+        # as `turn_messages` names and places it in the turn that will send it
         image = token_image(vision.fingerprint, then_image, images[then_image].image)
         messages.append(Message("user", [image]))
     if not messages:

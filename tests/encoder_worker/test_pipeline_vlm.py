@@ -248,19 +248,13 @@ def test_model_card_labels_the_vision_encoder(ckpt) -> None:
     assert "own vision tower and projector" in vision_label(state)
 
 
-def test_service_hands_the_layout_to_the_engine(exact, photos) -> None:
-    from gateway.chat.service import ChatService
+def test_turn_messages_hand_the_layout_to_the_engine(exact, photos) -> None:
+    from gateway.chat.turn_prompt import turn_messages
     from gateway.chat.vision_resolver import Resolved
-    from gateway.engine.interface import EngineCapabilities
     from gateway.sessions.session import Session, StoredItem, StoredPart
 
     (image,) = exact.encode_batch([photos["coffee"]])
-    service = ChatService(
-        engine=types.SimpleNamespace(device="cpu", model_id="m", capabilities=EngineCapabilities()),
-        vision=types.SimpleNamespace(fingerprint=exact.fingerprint),
-        sessions=None,
-        max_output_tokens_limit=16,
-    )
+    vision = types.SimpleNamespace(fingerprint=exact.fingerprint)
     session = Session(
         id="s",
         owner="o",
@@ -276,7 +270,8 @@ def test_service_hands_the_layout_to_the_engine(exact, photos) -> None:
             )
         ],
     )
-    messages = service._messages(
+    messages = turn_messages(
+        vision,
         session,
         types.SimpleNamespace(instructions=None, tools_prompt=None),
         {image.digest: Resolved(image, "encoded", 0.0)},
