@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.gateway.api.admin.test_admin_keys import ADMIN, create
-from tests.gateway.api.admin.test_key_token_limits import (
+from tests.gateway.policy.test_key_token_limits import (
     RESET,
     admitted_within,
     chat_body,

@@ -17,7 +17,7 @@ import pytest
 from gateway.testing.fakes import FakeEngine
 from gateway.testing.realtime_peer import Peer
 from tests.gateway.api.admin.test_admin_keys import ADMIN, create
-from tests.gateway.api.admin.test_key_token_limits import chat_body, fresh_minute
+from tests.gateway.policy.test_key_token_limits import chat_body, fresh_minute
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "sigma"]
 

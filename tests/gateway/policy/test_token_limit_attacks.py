@@ -14,8 +14,8 @@ import pytest
 from gateway.testing.fake_gateway import eventually
 from gateway.testing.fakes import FakeEngine
 from tests.gateway.api.admin.test_admin_keys import ADMIN, create
-from tests.gateway.api.admin.test_key_token_limits import chat_body, fresh_minute, usage_of
-from tests.gateway.api.admin.test_token_bursts import realtime_burst
+from tests.gateway.policy.test_key_token_limits import chat_body, fresh_minute, usage_of
+from tests.gateway.policy.test_token_bursts import realtime_burst
 
 BIG = 1_000_000
 # as many tokens as characters allow: one-character words, digits, punctuation
