@@ -1,7 +1,8 @@
 """The Responses API (`/v1/responses`) through the real app over the fake engine and encoder:
 request checks, wire shapes (validated against the `openai` package's own types), chains over
-sessions (append, fork, store=false), stored responses, streaming, and the response-record
-store on memory and on a real Redis. `/v1/completions` is in `test_completions.py`."""
+sessions (append, fork, store=false), stored responses, streaming, a client that goes away.
+`/v1/completions` is in `test_completions.py`, the response-record store in
+`tests/gateway/sessions/test_response_records.py`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import threading
 from typing import Any
 
 import httpx
-import msgspec
 import openai
 import pytest
 from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
@@ -24,12 +24,6 @@ from gateway.api.openai.responses.serving import Prepared
 from gateway.chat.events import Finished, ResponseOptions, TextChunk
 from gateway.chat.tool_stream import call_id, render_tool_call
 from gateway.engine.interface import EngineError, TokenLogprob
-from gateway.sessions.response_records import (
-    MemoryResponseStore,
-    RedisResponseStore,
-    ResponseRecord,
-    ResponseStore,
-)
 from gateway.sessions.session import Session
 from gateway.testing.fake_gateway import FakeGateway, GatewayFactory, eventually
 from gateway.testing.fakes import FakeEngine
@@ -643,81 +637,6 @@ def test_a_client_that_disconnects_cancels_generation(make_gateway: GatewayFacto
                 break
     asyncio.run(eventually(lambda: engine.running == 0))
     assert engine.requests[-1].cancel.is_set()
-
-
-# ---------------------------------------------------------------- the record store
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def response_store(request: pytest.FixtureRequest) -> Any:
-    if request.param == "memory":
-        store: ResponseStore = MemoryResponseStore(60.0)
-    else:
-        store = RedisResponseStore(request.getfixturevalue("redis_url"), 60.0)
-    yield store
-    await store.aclose()
-
-
-def record(owner: str = "alice", response_id: str = "resp_1") -> ResponseRecord:
-    return ResponseRecord(
-        id=response_id,
-        owner=owner,
-        created_at=1.0,
-        body=b'{"id": "resp_1"}',
-        session_id="sess_1",
-        last_item_id="msg_1",
-    )
-
-
-async def test_record_store_contract(response_store: ResponseStore) -> None:
-    assert isinstance(response_store, ResponseStore)
-    assert await response_store.get("resp_1", "alice") is None
-    await response_store.put(record())
-    assert await response_store.get("resp_1", "alice") == record()
-    assert await response_store.get("resp_1", "bob") is None  # owner-scoped
-    assert not await response_store.delete("resp_1", "bob")
-    await response_store.put(record(owner="bob"))  # the same id under another key: its own
-    assert await response_store.delete("resp_1", "alice")
-    assert await response_store.get("resp_1", "alice") is None
-    assert (await response_store.get("resp_1", "bob")).owner == "bob"
-    assert not await response_store.delete("resp_1", "alice")
-
-
-async def test_memory_records_expire_when_idle() -> None:
-    now = [0.0]
-    store = MemoryResponseStore(10.0, clock=lambda: now[0])
-    await store.put(record())
-    now[0] = 8.0
-    assert await store.get("resp_1", "alice") is not None  # reading refreshes it
-    now[0] = 17.0
-    assert await store.get("resp_1", "alice") is not None
-    now[0] = 28.0
-    assert await store.get("resp_1", "alice") is None
-
-
-async def test_memory_records_stay_within_their_byte_budget() -> None:
-    size = len(msgspec.msgpack.encode(record()))
-    store = MemoryResponseStore(60.0, max_bytes=size * 3)
-    for i in range(5):
-        await store.put(record(response_id=f"resp_{i}"))
-        if i == 2:
-            assert await store.get("resp_0", "alice") is not None  # read: now the most recent
-    # the least recently used went first; the budget holds
-    kept = [i for i in range(5) if await store.get(f"resp_{i}", "alice") is not None]
-    assert kept == [0, 3, 4]
-    assert store._bytes <= size * 3
-
-
-async def test_redis_records_have_the_session_ttl(redis_url: str, raw_redis: Any) -> None:
-    store = RedisResponseStore(redis_url, 30.0)
-    try:
-        await store.put(record())
-        key = "vg:response:alice:resp_1"
-        assert 0 < raw_redis.pttl(key) <= 30_000
-        raw_redis.set(key, b"not msgpack")
-        assert await store.get("resp_1", "alice") is None  # corrupt reads as unknown
-    finally:
-        await store.aclose()
 
 
 @pytest.mark.parametrize("route", ["responses", "completions"])
