@@ -90,7 +90,7 @@ def weights_read_per_token(model_dir: Path) -> int:
     return n
 
 
-async def auto_precision(model_dir: Path) -> str:
+def auto_precision(model_dir: Path) -> str:
     """What the gateway's `auto` weights are on this CPU for the model at `model_dir`."""
     import torch
     from transformers import AutoConfig

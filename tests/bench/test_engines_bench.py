@@ -17,6 +17,22 @@ def test_weights_read_per_token_counts_the_tied_head_once() -> None:
     assert n == 30 * layer + 49152 * 576 + 576
 
 
+def test_auto_is_what_the_gateway_loads_for_the_model(tmp_path) -> None:
+    from transformers import LlamaConfig, Qwen2Config
+
+    from gateway.engine.local.fused_step import fp16_gemm_available
+    from gateway.testing.vllm_server import default_model_dir
+
+    # the default (a Llama) runs the fused float16 step where fbgemm is present
+    expected = "float16" if fp16_gemm_available() else "float32"
+    assert engines.auto_precision(default_model_dir()) == expected
+    # a model the fused step does not take stays in the exact mode
+    Qwen2Config(num_hidden_layers=1).save_pretrained(tmp_path / "qwen2")
+    assert engines.auto_precision(tmp_path / "qwen2") == "float32"
+    LlamaConfig(num_hidden_layers=1).save_pretrained(tmp_path / "llama")
+    assert engines.auto_precision(tmp_path / "llama") == expected
+
+
 def test_memory_bandwidth_is_measured_per_thread_count() -> None:
     found = engines.memory_bandwidth()
     assert "threads_1" in found
