@@ -27,8 +27,8 @@ def _settings_args(p: argparse.ArgumentParser) -> None:
             parsing = {"type": setting.value_type}
         default = setting.default
         shown = ("on" if default else "off") if isinstance(default, bool) else default
-        help = setting.flag.help.format(default=shown)
-        g.add_argument(setting.flag_name, dest=setting.name, help=help, **parsing)
+        text = setting.flag.help.format(default=shown)
+        g.add_argument(setting.flag_name, dest=setting.name, help=text, **parsing)
 
 
 def _overrides(args: argparse.Namespace) -> dict:
