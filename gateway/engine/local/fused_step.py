@@ -207,10 +207,10 @@ class FusedDecoder:
             kv_new = torch.stack((qk[:, hq:], qkv[:, hq + hkv :]), dim=1)  # [T, 2, Hkv, D]
             outs = [self._attend(i, q, kv_new, o, s, e) for o, s, e in runs]
             a = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, Hq D]
-            x = x + layer.o(a)
+            x.add_(layer.o(a))  # x is this step's own tensor (cat)
             h = _rms_norm(x, layer.ln2, self.eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x.add_(layer.down(F.silu(gate, inplace=True) * up))
         for s in slices:
             s.kv.length = max(s.kv.length, s.start + s.length)
         if every_row:
