@@ -179,6 +179,12 @@ class FusedDecoder:
         self.layers = [_Layer(layer, precision, self.dtype) for layer in decoder.layers]
         self.norm = decoder.norm.weight.detach().to(self.dtype)
         self.head = _Linear(lm_head.weight.detach(), precision)
+        # all-decode steps in float32 attend through the C++ kernel where it builds
+        self._decode_kernel = None
+        if self.dtype == torch.float32 and self.norm.device.type == "cpu":
+            from visiongate_kernels.decode_attention import load
+
+            self._decode_kernel = load()
 
     def run(self, slices: Sequence[Slice], *, every_row: bool = False) -> torch.Tensor:
         """One packed forward; next-token logits [n, vocab] (float32) of the slices that want
@@ -198,6 +204,8 @@ class FusedDecoder:
         for s in slices:
             runs.append((off, s, s.start + s.length))
             off += s.length
+        kernel = self._decode_kernel if off == len(slices) else None  # one position each
+        starts = [s.start for s in slices]
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.ln1, self.eps)
             qkv = layer.qkv(h).view(t, hq + 2 * hkv, d)  # [T, Hq + Hkv + Hkv, D]
@@ -205,8 +213,12 @@ class FusedDecoder:
             qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)  # rotary, [T, Hq + Hkv, D]
             q = qk[:, :hq]
             kv_new = torch.stack((qk[:, hq:], qkv[:, hq + hkv :]), dim=1)  # [T, 2, Hkv, D]
-            outs = [self._attend(i, q, kv_new, o, s, e) for o, s, e in runs]
-            a = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, Hq D]
+            if kernel is not None:  # every slice decodes: writes and attention in one call
+                bufs = [s.kv.layers[i] for s in slices]
+                a = kernel.decode_attention(q.contiguous(), kv_new, bufs, starts, self.scale)
+            else:
+                outs = [self._attend(i, q, kv_new, o, s, e) for o, s, e in runs]
+                a = outs[0] if len(outs) == 1 else torch.cat(outs)  # [T, Hq D]
             x.add_(layer.o(a))  # x is this step's own tensor (cat)
             h = _rms_norm(x, layer.ln2, self.eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)

@@ -118,6 +118,35 @@ def test_float16_weights_give_float32s_next_tokens(float_model) -> None:
 
 
 @torch.inference_mode()
+@pytest.mark.skipif(not fp16_gemm_available(), reason="this torch build has no fbgemm")
+def test_decode_steps_through_the_kernel_match_the_python_loop(float_model) -> None:
+    w = float_model
+    cfg = w.model.config.get_text_config()
+    fast = FusedDecoder(w.decoder, w.lm_head, cfg, "float16")
+    assert fast._decode_kernel is not None, "the decode-attention kernel did not build here"
+    loop = FusedDecoder(w.decoder, w.lm_head, cfg, "float16")
+    loop._decode_kernel = None
+    a = w.tokenizer("The capital of France is", add_special_tokens=False)["input_ids"]
+    b = w.tokenizer("Once upon a time, a fox found a lantern", add_special_tokens=False)
+    b = b["input_ids"]
+    steps = [
+        [(0, 0, a), (1, 0, b)],  # prefills: the Python loop in both
+        [(0, len(a), [7]), (1, len(b), [9])],  # decodes only: the kernel in `fast`
+        [(0, len(a) + 1, [11]), (1, len(b) + 1, [13])],
+    ]
+    got_bufs, ref_bufs = _buffers(w, 2, torch.float32), _buffers(w, 2, torch.float32)
+    for runs in steps:
+        got = fast.run(_slices(w, got_bufs, runs, torch.float32))
+        ref = loop.run(_slices(w, ref_bufs, runs, torch.float32))
+        assert torch.allclose(got, ref, atol=1e-3, rtol=0), (got - ref).abs().max()
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    for r, g in zip(ref_bufs, got_bufs, strict=True):
+        assert r.length == g.length
+        for lr, lg in zip(r.layers, g.layers, strict=True):
+            assert torch.allclose(lr[:, :, : r.length], lg[:, :, : r.length], atol=1e-4, rtol=0)
+
+
+@torch.inference_mode()
 def test_every_row_gives_each_position_its_logits(float_model) -> None:
     w = float_model
     fused = FusedDecoder(w.decoder, w.lm_head, w.model.config.get_text_config(), "float32")
