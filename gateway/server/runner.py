@@ -284,9 +284,15 @@ def ensure_open_files(max_connections: int) -> None:
 
 def serve(app: Litestar, settings: Settings) -> None:
     """Serve in the foreground: the process is the gateway's own, so once the models are loaded
-    its heap is frozen for the cyclic collector (`gc.freeze`; gateway/server/app.py). Threads
-    started
-    by the tests and the demo share a process with other work and leave the collector alone."""
+    its heap is frozen for the cyclic collector (`gc.freeze`; gateway/server/app.py), and its
+    event loop's thread runs torch on one intra-op thread: the engine's and the encoder's threads
+    set their own counts, and a second team of OpenMP workers anywhere in the process (the loop
+    thread's, after one large tensor operation) would cost the engine's step a wake-up a parallel
+    region (`LocalEngine._load` says how much). Threads started by the tests and the demo share a
+    process with other work and leave both alone."""
+    import torch
+
+    torch.set_num_threads(1)
     app.state["gateway"].freeze_gc = True
     uvicorn.Server(uvicorn_config(app, settings)).run()
 
