@@ -3,8 +3,9 @@
     python -m bench.precision --out bench/out            # ~5 min on a 2-core CPU; precision.json
     python -m bench.precision --quick                    # a smoke run
 
-For the embedded SmolLM2-135M-Instruct (or `--model-path`), per precision (`float16`, what `auto`
-picks on a CPU for a model the fused step takes, `bfloat16`, `int8`; float32 is the reference, served by the checkpoint's own transformers modules):
+For the embedded SmolLM2-135M-Instruct (or `--model-path`), per precision (`float16`, what
+`auto` picks on a CPU for a model the fused step takes, `bfloat16`, `int8`; float32 is the
+reference, served by the checkpoint's own transformers modules):
 
 - perplexity on a corpus that ships with every CPython: the language reference and library
   topics of `pydoc_data.topics` (the text `help()` shows), its topics in name order, cut into
