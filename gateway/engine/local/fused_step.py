@@ -98,7 +98,7 @@ class _Linear:
         self._packed: Any = None
         if precision == "int8":
             self._weight, self._scale = quantize_int8(weight)
-        elif activation_dtype(precision) == torch.float32 and precision == "float16":
+        elif precision == "float16" and fp16_gemm_available():
             # fbgemm rounds the weights to float16 once, in the layout its kernel reads
             self._packed = torch.ops.quantized.linear_prepack_fp16(
                 weight.detach().float().contiguous(), None
@@ -205,7 +205,7 @@ class FusedDecoder:
             runs.append((off, s, s.start + s.length))
             off += s.length
         kernel = self._decode_kernel if off == len(slices) else None  # one position each
-        starts = [s.start for s in slices]
+        starts = [s.start for s in slices] if kernel is not None else []
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.ln1, self.eps)
             qkv = layer.qkv(h).view(t, hq + 2 * hkv, d)  # [T, Hq + Hkv + Hkv, D]
