@@ -9,9 +9,10 @@ newest sequence of an owner holding two or more is preempted for it), and KV mem
 way (`_memory_claim`: the newest sequences of whoever holds the most, never an owner's last).
 
 A heavy key (or one a new prompt makes heavy) that already has a sequence running may not take
-sessions' pins: its next prompt waits for room (`_spares_pins`) while other owners' requests
-behind it in turn are admitted, so one key's long prompts cannot evict the KV that lets another
-key's next turn skip its history. A waiting request that needs a slot or KV a warm-up holds
+other owners' sessions' pins (its own sessions' pins go first, least recently used first): its
+next prompt waits for room (`_spares_pins`) while other owners' requests behind it in turn are
+admitted, so one key's long prompts cannot evict the KV that lets another key's next turn skip
+its history. A waiting request that needs a slot or KV a warm-up holds
 drops it first, before any preemption or unpinning. Warm-ups are admitted after requests, into
 what they leave (`WarmUps.admit`).
 
@@ -203,7 +204,7 @@ class Admission:
             if victim is not None:
                 self.preempt(victim, "fair_share")
             if staying:  # what the staying sequences leave: the cache gives way, pins too
-                self._kv.evict_for(need, staying)
+                self._kv.evict_for(need, staying, seq)
             self._dequeue(seq)
             try:
                 self._start(seq)
@@ -213,11 +214,12 @@ class Admission:
                 seq.job.post(EngineError(f"generation failed: {exc}"))
 
     def _spares_pins(self, seq: Sequence, need: int) -> bool:
-        """Whether `seq` waits rather than take sessions' pinned KV: a heavy key that has a
-        sequence running is admitted only into the room that running sequences and pinned
-        blocks leave, so its long prompts cannot evict the KV that lets another key's next
-        turn skip its history. Heavy: counted so by `StepPlanner.heavy_keys`, or made so by
-        this prompt (a burst is admitted before any step classifies it): what its running
+        """Whether `seq` waits rather than take other owners' sessions' pinned KV: a heavy key
+        that has a sequence running is admitted only into the room that running sequences and
+        other owners' pinned blocks leave (its own sessions' pins may go, least recently used
+        first: `KVMemory.evict_for`), so its long prompts cannot evict the KV that lets another
+        key's next turn skip its history. Heavy: counted so by `StepPlanner.heavy_keys`, or made
+        so by this prompt (a burst is admitted before any step classifies it): what its running
         prompts and this one still have to prefill, net of cached prefixes, is over
         `HEAVY_DEMAND_STEPS` steps' budget. With nothing running a key may take pins (it must
         make progress); a light key always may."""
@@ -226,11 +228,12 @@ class Admission:
         mine = [s for s in self.running if s.owner == seq.owner]
         if not mine:
             return False
-        if seq.owner in self._heavy():
-            return True
-        uncached = seq.known - self._kv.match(seq)
-        demand = uncached + sum(s.known - s.fed for s in mine)
-        return demand > HEAVY_DEMAND_STEPS * self.cfg.prefill_chunk_tokens
+        if seq.owner not in self._heavy():
+            uncached = seq.known - self._kv.match(seq)
+            demand = uncached + sum(s.known - s.fed for s in mine)
+            if demand <= HEAVY_DEMAND_STEPS * self.cfg.prefill_chunk_tokens:
+                return False
+        return need > self._kv.room_beside_others_pins(seq.owner)
 
     def _slot_claim(self) -> tuple[Sequence | None, Sequence | None]:
         """With the batch full: the first waiting request, in turn order, of an owner with

@@ -183,6 +183,11 @@ class KVMemory:
         the running buffers and the pinned blocks (unpinned and warm-pinned blocks can go)."""
         return self.budget_bytes - self.buffers() - self._cache.pinned_bytes()
 
+    def room_beside_others_pins(self, owner: str | None) -> int:
+        """What a new sequence of `owner` may take without unpinning another owner's sessions'
+        blocks: the budget less the running buffers and the blocks other owners' sessions pin."""
+        return self.budget_bytes - self.buffers() - self._cache.pinned_bytes_beside(owner)
+
     def room_beside(self, staying: Iterable[Sequence]) -> int:
         """The budget less the buffers of `staying` (the cache can give back all it holds)."""
         return self.budget_bytes - self.held_by(staying)
@@ -288,7 +293,7 @@ class KVMemory:
             blocks = self._cache.insert(seq.seed, keys, hashes, layers, n)
             kept = n
             if kv_key is not None and pin != "none":
-                self._cache.pin(kv_key, blocks, warm=pin == "warm")
+                self._cache.pin(kv_key, blocks, warm=pin == "warm", owner=seq.owner)
         if pin == "turn" and kv_key is not None and self._store is not None:
             entry = _spill_entry(tokens, images, layers, self.block_size, self._spill_seed)
             if entry is not None:
@@ -323,10 +328,17 @@ class KVMemory:
         self._evict_to(limit, unpin=unpin)
         return self._cache.nbytes <= limit
 
-    def evict_for(self, need: int, staying: Iterable[Sequence]) -> None:
+    def evict_for(self, need: int, staying: Iterable[Sequence], seq: Sequence) -> None:
         """Evict cached blocks, sessions' pins too, until the buffers of `staying`, `need` more
-        bytes and the cache fit the budget: room for a request being admitted."""
-        self._evict_to(self.room_beside(staying) - need, unpin=True)
+        bytes and the cache fit the budget: room for `seq` being admitted. Pins go from `seq`'s
+        owner's other sessions first (least recently used first), then from anyone's; its own
+        session's pin goes last of its owner's."""
+        kv_key = seq.request.kv_key
+        if kv_key is not None:
+            self._cache.touch_session(kv_key)
+        limit = self.room_beside(staying) - need
+        if self._cache.nbytes > limit:
+            self._cache.shrink(max(limit, 0), unpin=True, first=seq.owner)
 
     def _evict_to(self, limit: int, *, unpin: bool) -> None:
         if self._cache.nbytes > limit:

@@ -18,10 +18,11 @@ buffer once. Memory is accounted in bytes against the engine's KV budget, which 
 sequences share; eviction is LRU over unpinned blocks, leaves before their parents (a chain is
 stamped from its last block to its first), and a block's unreachable descendants go with it.
 A session pins the blocks of its latest turn so they outlive other traffic; pins are dropped,
-least recently used session first, when running sequences need the memory. A KV warm-up (the
-session's prompt prefilled ahead of its next turn) holds a weaker pin: warm pins go before any
-session's pin, whenever unpinned blocks are not enough, and the session's next turn replaces
-its warm pin with its own.
+least recently used session first, when running sequences need the memory (a request being
+admitted gives up its own owner's sessions' pins before anyone else's: `shrink(first=...)`).
+A KV warm-up (the session's prompt prefilled ahead of its next turn) holds a weaker pin: warm
+pins go before any session's pin, whenever unpinned blocks are not enough, and the session's
+next turn replaces its warm pin with its own.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ from gateway.engine.local.kv.blocks import PositionKey
 __all__ = ("CachedBlock", "PrefixCache", "PrefixMatch")
 
 _encode = msgspec.msgpack.Encoder().encode
+
+
+class _Anyone:
+    """`shrink`'s default `first`: no owner's pins go before another's (None is an owner)."""
+
+
+_ANYONE = _Anyone()
 
 
 @dataclass(slots=True, eq=False)
@@ -82,6 +90,7 @@ class PrefixCache:
         self._children: dict[bytes, dict[bytes, CachedBlock]] = {}
         self._pins: OrderedDict[str, list[bytes]] = OrderedDict()  # session -> pinned block keys
         self._warm: OrderedDict[str, list[bytes]] = OrderedDict()  # session -> warm-up pins
+        self._owners: dict[str, str | None] = {}  # session -> the owner its turn's pin is for
         self._clock = 0
         self.nbytes = 0
         self._pinned_nbytes = 0  # of the blocks with pins > 0
@@ -104,6 +113,20 @@ class PrefixCache:
     def pinned_bytes(self) -> int:
         """Bytes of the blocks some session pins (what `shrink(unpin=False)` cannot free)."""
         return self._pinned_nbytes
+
+    def pinned_bytes_beside(self, owner: str | None) -> int:
+        """Bytes of the blocks some session of an owner other than `owner` pins."""
+        seen: set[bytes] = set()
+        total = 0
+        for session, keys in self._pins.items():
+            if self._owners.get(session) == owner:
+                continue
+            for key in keys:
+                block = self._blocks.get(key)
+                if block is not None and block.pins and key not in seen:
+                    seen.add(key)
+                    total += block.nbytes
+        return total
 
     def num_blocks(self) -> tuple[int, int]:
         """(blocks, pinned blocks)."""
@@ -231,9 +254,16 @@ class PrefixCache:
 
     # -- sessions ------------------------------------------------------------------------------
 
-    def pin(self, session: str, keys: Sequence[bytes], *, warm: bool = False) -> None:
-        """Pin `keys` for `session`, replacing what it pinned before; `warm`: as its warm-up's
-        (weaker) pin, beside its turn's pin. A turn's pin replaces the warm-up's too."""
+    def pin(
+        self,
+        session: str,
+        keys: Sequence[bytes],
+        *,
+        warm: bool = False,
+        owner: str | None = None,
+    ) -> None:
+        """Pin `keys` for `session` (of `owner`), replacing what it pinned before; `warm`: as its
+        warm-up's (weaker) pin, beside its turn's pin. A turn's pin replaces the warm-up's too."""
         if warm:
             self.unwarm(session)
             warmed = [self._blocks[k] for k in keys if k in self._blocks]
@@ -249,8 +279,10 @@ class PrefixCache:
                 self._pinned_nbytes += b.nbytes
             b.pins += 1
         self._pins[session] = [b.key for b in blocks]
+        self._owners[session] = owner
 
     def unpin(self, session: str) -> None:
+        self._owners.pop(session, None)
         for key in self._pins.pop(session, []):
             block = self._blocks.get(key)
             if block is not None and block.pins:
@@ -281,10 +313,13 @@ class PrefixCache:
 
     # -- memory --------------------------------------------------------------------------------
 
-    def shrink(self, target_bytes: int, *, unpin: bool) -> int:
+    def shrink(
+        self, target_bytes: int, *, unpin: bool, first: str | None | _Anyone = _ANYONE
+    ) -> int:
         """Evict until at most `target_bytes` are held: unpinned blocks, least recently used
         first, then warm-up pins (oldest first), then with `unpin` sessions' pins (least
-        recently used first). Returns bytes freed."""
+        recently used first; the sessions of owner `first` before any other's, when given).
+        Returns bytes freed."""
         before = self.nbytes
         while self.nbytes > target_bytes:
             victims = sorted(
@@ -303,6 +338,8 @@ class PrefixCache:
             if not unpin or not self._pins:
                 break
             oldest = next(iter(self._pins))
+            if not isinstance(first, _Anyone):
+                oldest = next((s for s in self._pins if self._owners.get(s) == first), oldest)
             self.unpin(oldest)
         return before - self.nbytes
 
@@ -311,5 +348,6 @@ class PrefixCache:
         self._blocks.clear()
         self._children.clear()
         self._pins.clear()
+        self._owners.clear()
         self._warm.clear()
         self.nbytes = 0

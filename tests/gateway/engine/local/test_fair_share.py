@@ -596,11 +596,17 @@ def test_a_heavy_prompt_advances_beside_a_light_key_whatever_the_chunk(chunk: in
 
 
 @pytest.mark.slow
-async def test_a_heavy_key_waits_rather_than_evict_another_keys_session_kv(engine, collect) -> None:
+@pytest.mark.parametrize("session_owner", ["chat", "hog"])
+async def test_a_heavy_key_waits_rather_than_evict_another_keys_session_kv(
+    engine, collect, session_owner: str
+) -> None:
     """A heavy key with a sequence running is admitted only into the room that running
-    sequences and sessions' pinned blocks leave: its next long prompt waits for its first one
-    to end instead of evicting another key's session, whose next turn then reuses its history.
-    (Before, the admission emptied the cache, pins included, and the turn prefilled it all.)"""
+    sequences and other keys' sessions' pinned blocks leave: its next long prompt waits for its
+    first one to end instead of evicting another key's session, whose next turn then reuses its
+    history. (Before, the admission emptied the cache, pins included, and the turn prefilled it
+    all.) Its own sessions' pins are its to give up: when the session is the heavy key's, the
+    second long prompt runs beside the first at once (before, one owner serving many sessions
+    saw each new prompt wait for all its running ones to end once pins filled the budget)."""
     from gateway.engine.local.sequence import GROW
 
     long_texts = [f"part{i} " * 150 + "How many parts?" for i in range(2)]
@@ -627,7 +633,7 @@ async def test_a_heavy_key_waits_rather_than_evict_another_keys_session_kv(engin
     await twin.start()
     sched = twin._scheduler
     try:
-        first.kv_key, first.owner = "sess-chat", "chat"
+        first.kv_key, first.owner = "sess-chat", session_owner
         _, chat_1 = await collect(twin, first)
         assert await asyncio.to_thread(sched.barrier, 30)  # its KV is in the cache
         assert sched.kv.pinned_bytes >= 32 * pos_bytes  # the session's turn, pinned
@@ -643,12 +649,15 @@ async def test_a_heavy_key_waits_rather_than_evict_another_keys_session_kv(engin
             [*history, Message("user", ["And again?"])],
             SamplingParams(max_output_tokens=4),
             kv_key="sess-chat",
-            owner="chat",
+            owner=session_owner,
         )
         _, chat_2 = await collect(twin, second)
     finally:
         await twin.aclose()
+    assert [r.text for r in results] == [r.text for r in hog_solo]
+    if session_owner == "hog":  # its own session's pin went: the two ran side by side
+        assert events.index(("admit", "hog-1")) < events.index(("finish", "hog-0")), events
+        return
     # the second long prompt was admitted after the first ended, not beside it
     assert events.index(("admit", "hog-1")) > events.index(("finish", "hog-0")), events
     assert chat_2.cached_tokens >= chat_1.input_tokens, (chat_1, chat_2)
-    assert [r.text for r in results] == [r.text for r in hog_solo]
