@@ -314,7 +314,7 @@ class PrefixCache:
     # -- memory --------------------------------------------------------------------------------
 
     def shrink(
-        self, target_bytes: int, *, unpin: bool, first: str | None | _Anyone = _ANYONE
+        self, target_bytes: int, *, unpin: bool, first: str | _Anyone | None = _ANYONE
     ) -> int:
         """Evict until at most `target_bytes` are held: unpinned blocks, least recently used
         first, then warm-up pins (oldest first), then with `unpin` sessions' pins (least
