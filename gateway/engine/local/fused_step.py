@@ -29,6 +29,13 @@ computation over the same packed slices with the weights rearranged once at load
   widened for the call: there the arithmetic, not the memory, bounds the step, and CPUs without
   bfloat16 instructions compute bfloat16 products slower than float32 ones.
 
+Where the CPU decode kernels build (`visiongate_kernels.cpu_decode`, float32 activations on a
+CPU): a step in which every slice decodes one position attends through their C++ attention (the
+KV writes and the attention of all slices in one call a layer), and with float16 weights the
+whole step runs there (`decode_layers`: every layer in one call, the same products through
+fbgemm, plain loops for the norms, rotary, SiLU and residuals); the float16 matrices are packed
+once, by the kernels' `Fp16Linear`, for both paths. Prefill steps stay in Python.
+
 It takes Llama-architecture language models (`supported` says why another is refused, and the
 engine then runs `run_step`), which is what the embedded default is. The results match
 `run_step` in the same precision to within rounding (tests compare the two), not bit for bit,
@@ -89,14 +96,24 @@ def supported(config: Any) -> str | None:
 
 class _Linear:
     """One weight matrix as the CPU's kernels take it: float (F.linear), or int8 with one scale
-    per output channel, multiplied with bfloat16 activations (weight-only quantization)."""
+    per output channel, multiplied with bfloat16 activations (weight-only quantization), or
+    float16 packed for fbgemm (`native`: the CPU decode kernels' `Fp16Linear`, which the whole-
+    layer decode step reads too; else torch's quantized op)."""
 
-    __slots__ = ("_packed", "_scale", "_weight")
+    __slots__ = ("_packed", "_scale", "_weight", "native")
 
-    def __init__(self, weight: torch.Tensor, precision: str) -> None:  # weight [N, K], float
+    def __init__(self, weight: torch.Tensor, precision: str, kernels: Any = None) -> None:
+        # weight [N, K], float
         self._scale: torch.Tensor | None = None
         self._packed: Any = None
-        if precision == "int8":
+        self.native: Any = None
+        if precision == "float16" and kernels is not None:
+            # float16 has no values beyond +-65504: fbgemm's own packing clamps them so too
+            self.native = kernels.Fp16Linear(
+                weight.detach().float().clamp(-65504.0, 65504.0).contiguous()
+            )
+            self._weight = weight.new_empty(0)
+        elif precision == "int8":
             self._weight, self._scale = quantize_int8(weight)
         elif precision == "float16" and fp16_gemm_available():
             # fbgemm rounds the weights to float16 once, in the layout its kernel reads
@@ -108,6 +125,8 @@ class _Linear:
             self._weight = weight.to(_DTYPES[precision]).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if self.native is not None:
+            return self.native(x)
         if self._packed is not None:
             return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
         if x.shape[0] >= WIDE_ROWS and x.device.type == "cpu":
@@ -140,18 +159,29 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Layer:
-    __slots__ = ("down", "gate_up", "ln1", "ln2", "o", "qkv")
+    __slots__ = ("down", "gate_up", "ln1", "ln2", "native", "o", "qkv")
 
-    def __init__(self, layer: Any, precision: str, dtype: torch.dtype) -> None:
+    def __init__(self, layer: Any, precision: str, dtype: torch.dtype, kernels: Any) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-        self.qkv = _Linear(qkv.detach(), precision)  # [(Hq + 2 Hkv) D, H]
-        self.o = _Linear(attn.o_proj.weight.detach(), precision)
+        self.qkv = _Linear(qkv.detach(), precision, kernels)  # [(Hq + 2 Hkv) D, H]
+        self.o = _Linear(attn.o_proj.weight.detach(), precision, kernels)
         gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        self.gate_up = _Linear(gate_up.detach(), precision)  # [2 I, H]
-        self.down = _Linear(mlp.down_proj.weight.detach(), precision)
-        self.ln1 = layer.input_layernorm.weight.detach().to(dtype)
-        self.ln2 = layer.post_attention_layernorm.weight.detach().to(dtype)
+        self.gate_up = _Linear(gate_up.detach(), precision, kernels)  # [2 I, H]
+        self.down = _Linear(mlp.down_proj.weight.detach(), precision, kernels)
+        self.ln1 = layer.input_layernorm.weight.detach().to(dtype).contiguous()
+        self.ln2 = layer.post_attention_layernorm.weight.detach().to(dtype).contiguous()
+        # the layer as the whole-step decode kernel reads it (float16 weights there only)
+        self.native: Any = None
+        if self.qkv.native is not None:
+            self.native = kernels.DecodeLayer(
+                self.ln1,
+                self.ln2,
+                self.qkv.native,
+                self.o.native,
+                self.gate_up.native,
+                self.down.native,
+            )
 
 
 class FusedDecoder:
@@ -176,15 +206,20 @@ class FusedDecoder:
         self.eps = float(config.rms_norm_eps)
         self.scale = self.head_dim**-0.5
         self.rotary = decoder.rotary_emb
-        self.layers = [_Layer(layer, precision, self.dtype) for layer in decoder.layers]
-        self.norm = decoder.norm.weight.detach().to(self.dtype)
-        self.head = _Linear(lm_head.weight.detach(), precision)
-        # all-decode steps in float32 attend through the C++ kernel where it builds
-        self._decode_kernel = None
-        if self.dtype == torch.float32 and self.norm.device.type == "cpu":
-            from visiongate_kernels.decode_attention import load
+        # the CPU decode kernels where they build (float32 activations on a CPU only): an
+        # all-decode step attends through them, and with float16 weights runs every layer there
+        kernels = None
+        if self.dtype == torch.float32 and lm_head.weight.device.type == "cpu":
+            from visiongate_kernels.cpu_decode import load
 
-            self._decode_kernel = load()
+            kernels = load()
+        self._decode_kernel = kernels
+        self.layers = [_Layer(layer, precision, self.dtype, kernels) for layer in decoder.layers]
+        self._native_layers = [layer.native for layer in self.layers]
+        if any(n is None for n in self._native_layers):
+            self._native_layers = []
+        self.norm = decoder.norm.weight.detach().to(self.dtype)
+        self.head = _Linear(lm_head.weight.detach(), precision, kernels)
 
     def run(self, slices: Sequence[Slice], *, every_row: bool = False) -> torch.Tensor:
         """One packed forward; next-token logits [n, vocab] (float32) of the slices that want
@@ -206,7 +241,21 @@ class FusedDecoder:
             off += s.length
         kernel = self._decode_kernel if off == len(slices) else None  # one position each
         starts = [s.start for s in slices] if kernel is not None else []
-        for i, layer in enumerate(self.layers):
+        if kernel is not None and self._native_layers:  # every layer in one call
+            kernel.decode_layers(
+                x,
+                cos[:, 0].contiguous(),
+                sin[:, 0].contiguous(),
+                self._native_layers,
+                [s.kv.layers for s in slices],
+                starts,
+                hq,
+                hkv,
+                self.eps,
+                self.scale,
+            )
+        layers = () if kernel is not None and self._native_layers else self.layers
+        for i, layer in enumerate(layers):
             h = _rms_norm(x, layer.ln1, self.eps)
             qkv = layer.qkv(h).view(t, hq + 2 * hkv, d)  # [T, Hq + Hkv + Hkv, D]
             qk = qkv[:, : hq + hkv]

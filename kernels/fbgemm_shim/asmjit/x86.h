@@ -1,0 +1,4 @@
+// See core.h beside it.
+#pragma once
+
+#include "core.h"
