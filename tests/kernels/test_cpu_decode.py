@@ -136,9 +136,7 @@ def test_decode_layers_match_the_step_computed_op_by_op() -> None:
     sin = torch.cat([-angle.sin(), angle.sin()], dim=1)  # the first half negated
     want = _reference_layers(x.clone(), cos, sin, layers, ref_kv, starts, hq, hkv, 1e-5, d**-0.5)
     got = x.clone()
-    kernel.decode_layers(
-        got, cos, sin, [n for n, *_ in layers], kv, starts, hq, hkv, 1e-5, d**-0.5
-    )
+    kernel.decode_layers(got, cos, sin, [n for n, *_ in layers], kv, starts, hq, hkv, 1e-5, d**-0.5)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
     for seq, ref in zip(kv, ref_kv, strict=True):
         for buf, r in zip(seq, ref, strict=True):
