@@ -14,7 +14,8 @@ Two real gateways run as child processes on free loopback ports, one per configu
 Settings a gateway build does not have yet are skipped (and listed in load.json).
 
 Every session asks about a distinct photo (skimage sample photos, then crops and mirrors of
-them): a question and two follow-ups, `--tokens` output tokens each, greedy. Points run in
+them): a question and two follow-ups, `--tokens` output tokens each, greedy. Each gateway
+first plays one untimed session (a warm-up, on photos no point uses). Points run in
 pairs, baseline then visiongate, so machine drift hits both alike:
 - closed loop: `--concurrency` users, each starting a new session when the last one ends
   (the 1-session point is the reference for the SLO and the ratios, and runs twice as long);
@@ -244,7 +245,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(v is not None and v <= 0 for v in budget):
         p.error("--budget-* options must be > 0")
     points = (
-        len(args.concurrency)
+        1  # the warm-up's photos (`LoadRun.warm_up`)
+        + len(args.concurrency)
         + len(args.rates or args.rate_multipliers)
         + (0 if args.rates else args.extra_rungs)
     )
@@ -355,15 +357,42 @@ class LoadRun:
         self.points.append(point)
         return point
 
+    async def warm_up(self, block: int) -> None:
+        """One untimed session on each gateway before the first point (its photos are seen at
+        no point), so that no point pays a process's first requests: allocations that stay,
+        each kernel's and shape's first call, the encoder's first photo."""
+        a = self.args
+        for cfg in CONFIGS:
+            started = time.monotonic()
+            records = await closed_loop(
+                self.gateways[cfg].ws_url,
+                self.modes[cfg],  # type: ignore[arg-type]
+                1,
+                self._plans(block, 1),
+                window_s=a.turn_timeout_s * len(QUESTIONS),
+                drain_s=a.drain_s,
+                max_sessions=1,
+                **self._play(),
+            )
+            failed = [r.status for r in records if r.status != "ok"]
+            log.info(
+                "warm_up_done",
+                config=cfg,
+                turns=len(records),
+                failed=failed,
+                wall_s=round(time.monotonic() - started, 1),
+            )
+
     async def run(self) -> None:
         a = self.args
+        block = itertools.count()
+        await self.warm_up(next(block))
         print(
             "closed loop: concurrent sessions, each a photo + question + "
             f"{len(QUESTIONS) - 1} follow-ups, {a.tokens} tokens per answer",
             flush=True,
         )
         print(TABLE_HEADER, flush=True)
-        block = itertools.count()
         for c in a.concurrency:
             b = next(block)
             done = {cfg: await self._point("closed", cfg, c, b) for cfg in CONFIGS}
