@@ -57,7 +57,7 @@ async def fit_messages(
             if isinstance(part, str):
                 n += count(part) if part else 0
             else:
-                tokens = part.num_tokens if part.embeds is not None else per_image
+                tokens = part.num_tokens if part.has_embeds else per_image
                 n += tokens + IMAGE_OVERHEAD_TOKENS
         return n
 

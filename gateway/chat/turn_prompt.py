@@ -15,6 +15,7 @@ API key never meets it; prefix caching is shared within an API key, narrowed by 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import TYPE_CHECKING
 
@@ -67,9 +68,16 @@ def sampling_for(session: Session, options: ResponseOptions, limit: int) -> Samp
 
 def token_image(fingerprint: str, digest: str, encoded: EncodedImage) -> ImageInput:
     """An image as visual tokens (host tensors: the engine moves each chunk it runs to its own
-    device and dtype). The id names the tokens, not just the bytes: a new encoder config is
-    new content."""
-    return ImageInput(f"{fingerprint[:16]}:{digest}", encoded.embeds("cpu"), layout=encoded.layout)
+    device and dtype), decoded from their stored form only when the engine reads them (an
+    upstream replica's part rendered on an earlier turn needs none). The id names the tokens,
+    not just the bytes: a new encoder config is new content."""
+    return ImageInput(
+        f"{fingerprint[:16]}:{digest}",
+        layout=encoded.layout,
+        decode=functools.partial(encoded.embeds, "cpu"),
+        rows=encoded.tokens_kept,
+        hidden=encoded.hidden_size,
+    )
 
 
 def turn_messages(

@@ -10,7 +10,7 @@ images to embeddings before calling it. It may keep KV state keyed by content (s
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -68,28 +68,82 @@ FinishReason = Literal["stop", "length", "cancelled", "slow_reader"]
 WarmUp = Literal["message", "part"]
 
 
-@dataclass(slots=True, frozen=True)
 class ImageInput:
     """One image as the language model sees it: its visual tokens, or (for an engine whose
-    capabilities' `image_input` is "bytes") the original image bytes it encodes itself."""
+    capabilities' `image_input` is "bytes") the original image bytes it encodes itself.
 
-    # identifies the image: in KV block hashes, and as the content id an upstream engine keys its
-    # multimodal cache by. The sha256 hex of the original bytes, prefixed with the encoder's
-    # fingerprint when `embeds` are given (other tokens are other content), or with the owner's
-    # scope when images are not shared across API keys.
-    digest: str
-    # [N, hidden] visual tokens in the LM's embedding space (any float dtype); None when the
-    # engine takes the bytes instead
-    embeds: torch.Tensor | None
-    # Where the rows go for a real VLM checkpoint (its processor's expansion of the image
-    # placeholder, M-RoPE positions); None: the embedded default's `<image>...</image>` layout.
-    layout: ImageLayout | None = None
-    data: bytes | None = None  # the original image bytes (engines with image_input "bytes")
-    mime: str | None = None  # their media type, e.g. "image/png"
+    The tokens may come lazily (`decode`, with their count `rows`): a conversation sends its
+    images again every turn, and an engine that already holds an image's rendered form (an
+    upstream replica's request part) never needs its tokens decoded again. `embeds` decodes them
+    on first use and keeps them; `has_embeds` and `num_tokens` never decode."""
+
+    __slots__ = ("_decode", "_embeds", "_hidden", "_rows", "data", "digest", "layout", "mime")
+
+    def __init__(
+        self,
+        digest: str,
+        embeds: torch.Tensor | None = None,
+        layout: ImageLayout | None = None,
+        data: bytes | None = None,
+        mime: str | None = None,
+        *,
+        decode: Callable[[], torch.Tensor] | None = None,
+        rows: int | None = None,
+        hidden: int | None = None,
+    ) -> None:
+        if decode is not None and (embeds is not None or rows is None or hidden is None):
+            raise ValueError("lazy visual tokens take `decode`, `rows` and `hidden`, no `embeds`")
+        # identifies the image: in KV block hashes, and as the content id an upstream engine
+        # keys its multimodal cache by. The sha256 hex of the original bytes, prefixed with the
+        # encoder's fingerprint when tokens are given (other tokens are other content), or with
+        # the owner's scope when images are not shared across API keys.
+        self.digest = digest
+        # [N, hidden] visual tokens in the LM's embedding space (any float dtype); None (and no
+        # `decode`) when the engine takes the bytes instead
+        self._embeds = embeds
+        self._decode = decode
+        self._rows = int(embeds.shape[0]) if embeds is not None else rows or 0
+        self._hidden = int(embeds.shape[-1]) if embeds is not None else hidden or 0
+        # Where the rows go for a real VLM checkpoint (its processor's expansion of the image
+        # placeholder, M-RoPE positions); None: the embedded default's `<image>...</image>`
+        # layout.
+        self.layout = layout
+        self.data = data  # the original image bytes (engines with image_input "bytes")
+        self.mime = mime  # their media type, e.g. "image/png"
+
+    @property
+    def embeds(self) -> torch.Tensor | None:
+        """The visual tokens [N, hidden], decoded on first use; None when the bytes are sent."""
+        if self._embeds is None and self._decode is not None:
+            tokens = self._decode()
+            if tokens.ndim != 2 or tokens.shape != (self._rows, self._hidden):
+                raise ValueError(
+                    f"decoded visual tokens are {tuple(tokens.shape)}, not the "
+                    f"({self._rows}, {self._hidden}) their image was stored with"
+                )
+            self._embeds, self._decode = tokens, None
+        return self._embeds
+
+    @property
+    def has_embeds(self) -> bool:
+        """Whether the image comes as visual tokens (decoded or not yet)."""
+        return self._embeds is not None or self._decode is not None
 
     @property
     def num_tokens(self) -> int:
-        return 0 if self.embeds is None else int(self.embeds.shape[0])
+        return self._rows if self.has_embeds else 0
+
+    @property
+    def embeds_nbytes(self) -> int:
+        """Bytes of the decoded tokens (float32 ones, until decoded), without decoding them."""
+        if self._embeds is not None:
+            return self._embeds.nbytes
+        return 0 if self._decode is None else self._rows * self._hidden * 4
+
+    def __repr__(self) -> str:
+        tokens = f", tokens={self._rows}" if self.has_embeds else ""
+        data = f", data={len(self.data)} bytes" if self.data is not None else ""
+        return f"ImageInput({self.digest!r}{tokens}{data})"
 
 
 @dataclass(slots=True)

@@ -258,7 +258,7 @@ class ImageParts:
         """Bytes of the request's images that are not rendered yet."""
         with self._lock:
             return sum(
-                len(p.data or b"") + (p.embeds.nbytes if p.embeds is not None else 0)
+                len(p.data or b"") + p.embeds_nbytes
                 for m in request.messages
                 for p in m.content
                 if isinstance(p, ImageInput) and p.digest not in self._parts
@@ -293,13 +293,14 @@ def render_image(image: ImageInput, kind: ImageInputKind) -> tuple[dict[str, Any
         ):
             url["content_hash"] = f"sha256:{image.digest}"
         return {"type": "image_url", "image_url": url, "uuid": image.digest}, len(b64)
-    if image.embeds is None:
+    tokens = image.embeds  # decoded here, on a miss of the rendered parts, only
+    if tokens is None:
         raise EngineError("an image reached the upstream engine without its visual tokens")
-    embeds: Any = tensor_b64(image.embeds)
+    embeds: Any = tensor_b64(tokens)
     size = len(embeds)
     layout = image.layout
     if layout is not None and layout.mrope:
-        grid = grid_thw(layout.mrope, int(image.embeds.shape[0]), layout.mrope_merge)
+        grid = grid_thw(layout.mrope, int(tokens.shape[0]), layout.mrope_merge)
         if grid is None:
             raise EngineError(
                 "an upstream M-RoPE model takes an image's whole grid of visual tokens; run the "
