@@ -332,13 +332,10 @@ class KVMemory:
         """Evict cached blocks, sessions' pins too, until the buffers of `staying`, `need` more
         bytes and the cache fit the budget: room for `seq` being admitted. Pins go from `seq`'s
         owner's other sessions first (least recently used first), then from anyone's; its own
-        session's pin goes last of its owner's."""
-        kv_key = seq.request.kv_key
-        if kv_key is not None:
-            self._cache.touch_session(kv_key)
+        session's pin (what it is about to reuse) goes last of all."""
         limit = self.room_beside(staying) - need
         if self._cache.nbytes > limit:
-            self._cache.shrink(max(limit, 0), unpin=True, first=seq.owner)
+            self._cache.shrink(max(limit, 0), unpin=True, first=seq.owner, keep=seq.request.kv_key)
 
     def _evict_to(self, limit: int, *, unpin: bool) -> None:
         if self._cache.nbytes > limit:

@@ -314,12 +314,17 @@ class PrefixCache:
     # -- memory --------------------------------------------------------------------------------
 
     def shrink(
-        self, target_bytes: int, *, unpin: bool, first: str | _Anyone | None = _ANYONE
+        self,
+        target_bytes: int,
+        *,
+        unpin: bool,
+        first: str | _Anyone | None = _ANYONE,
+        keep: str | None = None,
     ) -> int:
         """Evict until at most `target_bytes` are held: unpinned blocks, least recently used
         first, then warm-up pins (oldest first), then with `unpin` sessions' pins (least
-        recently used first; the sessions of owner `first` before any other's, when given).
-        Returns bytes freed."""
+        recently used first; the sessions of owner `first` before any other's, when given;
+        session `keep`'s last of all). Returns bytes freed."""
         before = self.nbytes
         while self.nbytes > target_bytes:
             victims = sorted(
@@ -337,11 +342,20 @@ class PrefixCache:
                 continue
             if not unpin or not self._pins:
                 break
-            oldest = next(iter(self._pins))
-            if not isinstance(first, _Anyone):
-                oldest = next((s for s in self._pins if self._owners.get(s) == first), oldest)
-            self.unpin(oldest)
+            self.unpin(self._unpin_next(first, keep))
         return before - self.nbytes
+
+    def _unpin_next(self, first: str | _Anyone | None, keep: str | None) -> str:
+        """The session whose pin goes next (`shrink`): the least recently used of owner
+        `first`'s, then of anyone's, `keep` only when it is the last one left."""
+        others = [s for s in self._pins if s != keep]
+        if not others:
+            return next(iter(self._pins))
+        if not isinstance(first, _Anyone):
+            for session in others:
+                if self._owners.get(session) == first:
+                    return session
+        return others[0]
 
     def clear(self) -> None:
         self._pinned_nbytes = 0

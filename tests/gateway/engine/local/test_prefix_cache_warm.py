@@ -54,3 +54,30 @@ def test_a_turn_pin_replaces_the_sessions_warm_pin_and_forget_drops_both() -> No
     assert cache.warm_sessions == 0 and held(cache, [20, 21, 22, 23]) == 0
     cache.forget("s")
     assert cache.nbytes == 0
+
+
+def test_an_owner_gives_up_its_own_sessions_pins_first_and_the_kept_session_last() -> None:
+    """`shrink(first=owner, keep=session)`: the owner's other sessions' pins go first (least
+    recently used first), then other owners', the kept session's (the one being admitted,
+    about to reuse its pin) only when nothing else is pinned; `pinned_bytes_beside` counts the
+    other owners' pins alone."""
+    cache = PrefixCache(BS)
+    turns = {name: [i * 10 + k for k in range(8)] for i, name in enumerate("abcd", start=1)}
+    owners = {"a": "alice", "b": "bob", "c": "alice", "d": "alice"}  # a oldest, d newest
+    for name, tokens in turns.items():
+        cache.pin(name, keep(cache, tokens), owner=owners[name])
+    per = cache.nbytes // 4
+    assert cache.pinned_bytes_beside("alice") == per  # bob's one session
+    assert cache.pinned_bytes_beside("bob") == 3 * per
+    assert cache.pinned_bytes_beside("carol") == 4 * per
+    order = []
+    for _ in range(4):
+        cache.shrink(cache.nbytes - per, unpin=True, first="alice", keep="a")
+        order.append(next(n for n, t in turns.items() if n not in order and held(cache, t) == 0))
+    assert order == ["c", "d", "b", "a"], order
+    # without an owner first: least recently used first, whoever's they are
+    cache = PrefixCache(BS)
+    for name, tokens in turns.items():
+        cache.pin(name, keep(cache, tokens), owner=owners[name])
+    cache.shrink(cache.nbytes - per, unpin=True)
+    assert held(cache, turns["a"]) == 0 and held(cache, turns["b"]) == 8
