@@ -3,7 +3,8 @@
 `EventSender.send` encodes an event in the connection's negotiated codec (`codec`, set once the
 subprotocol is chosen) and hands the ASGI message to `out`: the server's own send once the
 socket is accepted (`gateway.api.http.server_send`: every event of a response passes here, and
-the middleware wrappers between only act on the accept), else Litestar's. `send_error` turns a
+the middleware wrappers between only act on the accept), else Litestar's. `send_text` sends a text
+delta's frame encoded ahead (`text_frames`) the same way. `send_error` turns a
 `GatewayError` into an `error` event echoing the client's `event_id`, and counts it.
 
 Invariants: nothing is sent unless the connection is OPEN (`ConnectionState.phase`); sends go
@@ -76,11 +77,30 @@ class EventSender:
         finally:
             self._sending = False
 
-    async def _deliver(self, message: dict[str, Any], event: rt.ServerEvent) -> None:
+    async def send_text(self, text: str) -> None:
+        """A text delta's frame, already encoded (`text_frames.TextDeltaFrames`), sent as `send`
+        sends an event: the hot path of a response, so the delivery is written out here."""
+        if self._conn.phase is not _OPEN:
+            return
+        message = {"type": "websocket.send", "bytes": None, "text": text}
+        if self._sending or self._lock.locked():
+            async with self._lock:
+                await self._deliver(message, rt.OutputTextDelta)
+            return
+        self._sending = True
+        try:
+            await self._out(message)
+        except Exception:  # as in `_deliver`
+            log.debug("send_failed", event_type="OutputTextDelta")
+        finally:
+            self._sending = False
+
+    async def _deliver(self, message: dict[str, Any], event: object) -> None:
         try:
             await self._out(message)
         except Exception:  # the peer went away; the receive loop will see the disconnect
-            log.debug("send_failed", event_type=type(event).__name__)
+            kind = event if isinstance(event, type) else type(event)
+            log.debug("send_failed", event_type=kind.__name__)
 
     async def send_error(self, exc: GatewayError, event_id: str | None) -> None:
         self._metrics.record_error(code=exc.code, api="realtime")

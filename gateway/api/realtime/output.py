@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from gateway.api.realtime import protocol as rt
 from gateway.api.realtime.items import output_item_id
+from gateway.api.realtime.text_frames import TextDeltaFrames
 from gateway.chat.events import Finished, Started, TextChunk
 from gateway.chat.tool_stream import ArgumentsPiece, CallStart, Piece, TextPiece, ToolCallStream
 from gateway.protocol.report import CacheReport, Timings
@@ -35,7 +36,9 @@ class RealtimeResponseWriter:
 
     __slots__ = (
         "_arguments",
+        "_codec",
         "_eid",
+        "_frames",
         "_open",
         "_send",
         "_text",
@@ -56,6 +59,7 @@ class RealtimeResponseWriter:
         conversation: str | None,
         metadata: dict[str, str] | None,
         model: str,
+        codec: rt.WireCodec | None = None,
     ) -> None:
         self.options = options
         self._send = send
@@ -68,6 +72,8 @@ class RealtimeResponseWriter:
         self._open: rt.MessageItem | rt.FunctionCallItem | None = None
         self._text: list[str] = []
         self._arguments: list[str] = []
+        self._codec = codec  # given: a plain answer's text frames come from a template
+        self._frames: TextDeltaFrames | None = None  # the open message's, when they do
 
     @property
     def rid(self) -> str:
@@ -84,6 +90,16 @@ class RealtimeResponseWriter:
             else:
                 for piece in self.reader.feed(ev.text):
                     await self._piece(piece)
+
+    def text_frame(self, text: str) -> str | None:
+        """The frame of a plain answer's next piece of text (`text_frames`), the text kept as
+        `on_event` keeps it; None where the event is built and encoded whole (`on_event`):
+        an answer read for tool calls, a msgpack connection, no message open."""
+        frames = self._frames
+        if frames is None:
+            return None
+        self._text.append(text)
+        return frames.frame(self._eid(), text)
 
     async def close_items(self, ev: Finished) -> None:
         """Send what is left of the answer and close its items (not for a failed response)."""
@@ -172,6 +188,8 @@ class RealtimeResponseWriter:
         self._open, self._text = item, []
         self.items.append(item)
         index = len(self.items) - 1
+        if self._codec is not None and self.reader is None:
+            self._frames = TextDeltaFrames.of(self._codec, self.rid, item.id or "", index)
         await self._send(rt.OutputItemAdded(self._eid(), self.rid, index, item))
         await self._send(
             rt.ContentPartAdded(self._eid(), self.rid, item.id or "", index, 0, rt.Part())
@@ -189,6 +207,7 @@ class RealtimeResponseWriter:
     async def _close(self, status: str) -> None:
         """Close the open item: its done events, and its final state in `items`."""
         item, self._open = self._open, None
+        self._frames = None
         if item is None:
             return
         index = len(self.items) - 1

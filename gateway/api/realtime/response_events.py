@@ -32,7 +32,7 @@ from gateway.api.realtime.items import (
     split_answer_item,
 )
 from gateway.api.realtime.output import RealtimeResponseWriter
-from gateway.chat.events import Finished
+from gateway.chat.events import Finished, TextChunk
 from gateway.chat.output_grammar import apply_tool_plan
 from gateway.chat.requests import check_output_modalities, response_options
 from gateway.protocol.errors import GatewayError
@@ -224,12 +224,18 @@ class ResponseEvents:
             conversation=view.id if options.store else None,
             metadata=params.metadata,
             model=self._model,
+            codec=sender.codec,
         )
         finished = False
         try:
             async for ev in self._service.respond(
                 view, options, pending=self._conn.pending, received_at=received
             ):
+                if type(ev) is TextChunk:  # nearly every event: a frame from its template
+                    frame = output.text_frame(ev.text)
+                    if frame is not None:
+                        await sender.send_text(frame)
+                        continue
                 if isinstance(ev, Finished):
                     await self._finish(ev, output, event_id)
                     finished = True
