@@ -58,6 +58,7 @@ from gateway.chat.metering import (
     count,
     image_tokens_estimate,
     input_estimate,
+    observe,
     output_reservation,
     raw_input_estimate,
     raw_output_reservation,
@@ -172,7 +173,10 @@ class ChatService:
             try:
                 async for event in inner:
                     if metered is not None:
-                        await count(metered, event)
+                        if type(event) is TextChunk:  # a delta: counted, nothing to wait for
+                            observe(metered, event)
+                        else:
+                            await count(metered, event)
                     yield event
             except Exception as exc:
                 end = await guard.failure(exc)
@@ -222,7 +226,10 @@ class ChatService:
             try:
                 async for event in inner:
                     if metered is not None:
-                        await count(metered, event)
+                        if type(event) is TextChunk:  # a delta: counted, nothing to wait for
+                            observe(metered, event)
+                        else:
+                            await count(metered, event)
                     yield event
             except Exception as exc:
                 end = await guard.failure(exc)

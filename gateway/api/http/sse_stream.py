@@ -6,7 +6,8 @@ ids, rate-limit headers, the body guard. All of them act only on `http.response.
 OpenTelemetry on the last body message as well (it ends the server span there). `DirectStream`
 sends the start and that last, empty message through the stack as before, and every chunk in
 between to the `send` the server gave (`gateway.api.http.server_send`, kept in the scope by
-the outermost `ServerSend`), so a chunk of an SSE answer costs one call of the server's send.
+the outermost `ServerSend`), so a chunk of an SSE answer costs one call of the server's send
+(Litestar's loop over the chunks is rewritten here to call it without a wrapper between).
 Without a kept `send` (an app built without `ServerSend`) it is Litestar's `Stream`.
 """
 
@@ -27,25 +28,39 @@ __all__ = ("DirectStream",)
 
 
 class _DirectStreamingResponse(ASGIStreamingResponse):
-    """Litestar's streaming response with its chunks split off to the server's `send`."""
+    """Litestar's streaming response with its chunks sent to the server's `send`."""
 
     __slots__ = ()  # the same layout: a plain one becomes this one in place
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         direct = server_send(scope)
-        await super().__call__(scope, receive, send if direct is None else _split(send, direct))
+        await super().__call__(scope, receive, send if direct is None else _Split(send, direct))
+
+    async def _stream(self, send: Send) -> None:
+        """Litestar's loop, each chunk handed straight to the server's `send`."""
+        if not isinstance(send, _Split):
+            await super()._stream(send)
+            return
+        direct, encoding = send.direct, self.encoding
+        async for chunk in self.iterator:
+            body = chunk if isinstance(chunk, bytes) else chunk.encode(encoding)
+            await direct({"type": "http.response.body", "body": body, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def _split(stack: Send, direct: Send) -> Send:
+class _Split:
     """`send` for a body's chunks (`more_body`) to `direct`, for the rest through `stack`."""
 
-    async def send(message: Message) -> None:
-        if message["type"] == "http.response.body" and message.get("more_body", False):
-            await direct(message)
-        else:
-            await stack(message)
+    __slots__ = ("direct", "stack")
 
-    return send
+    def __init__(self, stack: Send, direct: Send) -> None:
+        self.stack, self.direct = stack, direct
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.body" and message.get("more_body", False):
+            await self.direct(message)
+        else:
+            await self.stack(message)
 
 
 class DirectStream(Stream):

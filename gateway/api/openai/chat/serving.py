@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import structlog
 
-from gateway.api.http.event_streams import close_shielded, replay
+from gateway.api.http.event_streams import close_shielded
 from gateway.api.openai.chat import protocol as p
 from gateway.api.openai.chat.chunks import (
     Frames,
@@ -286,21 +286,38 @@ class ChatCompletionServing(OpenAIServing[_Prepared, p.ChatCompletion]):
             include_usage,
         )
         finished: Finished | None = None
+
+        def frames_of(ev: ServiceEvent) -> list[bytes]:
+            nonlocal finished
+            if isinstance(ev, TextChunk):
+                answer = answers[ev.index]
+                if answer.plain:
+                    return [frame.text(ev.index, ev.text)] if ev.text else []
+                answer.logprobs.extend(ev.logprobs)
+                return [
+                    frame(ev.index, delta, logprobs=answer.take_logprobs())
+                    for delta in answer.feed(ev.text)
+                ]
+            if isinstance(ev, Finished):
+                finished = ev
+            return []
+
         try:
             for i in range(options.n):  # every choice announced first, in order
                 yield frame(i, p.Delta(role="assistant", content=""))
-            async for ev in replay(opened.first, events, is_finished):
-                if isinstance(ev, TextChunk):
-                    answer = answers[ev.index]
-                    if answer.plain:  # most frames: the text as it came, nothing else
-                        if ev.text:
+            # the events read ahead, then the rest unless they ended it (`replay`, written out:
+            # no generator between the service's and this one)
+            for ev in opened.first:
+                for data in frames_of(ev):
+                    yield data
+            if opened.first and not is_finished(opened.first[-1]):
+                async for ev in events:
+                    if type(ev) is TextChunk and answers[ev.index].plain:
+                        if ev.text:  # most frames: the text as it came, nothing else
                             yield frame.text(ev.index, ev.text)
                         continue
-                    answer.logprobs.extend(ev.logprobs)
-                    for delta in answer.feed(ev.text):
-                        yield frame(ev.index, delta, logprobs=answer.take_logprobs())
-                elif isinstance(ev, Finished):
-                    finished = ev
+                    for data in frames_of(ev):
+                        yield data
             if finished is None or finished.status == "failed":
                 yield b"data: " + _json.encode(p.error_response(failure_of(finished))) + b"\n\n"
             else:
