@@ -49,7 +49,8 @@ FOOTER = """\
 
 `VISIONGATE_KERNELS` is read by `kernels/` in any process, not by the gateway's settings: on
 CUDA the Triton kernels run, everywhere else their torch references; `VISIONGATE_KERNELS=torch`
-forces the references on CUDA too.
+forces the references on CUDA too, and keeps the embedded engine off its CPU decode kernels
+(`kernels/cpu_decode.py`: the fused step then runs in Python, with torch's float16 product).
 """
 
 
