@@ -241,7 +241,8 @@ class FusedDecoder:
             off += s.length
         kernel = self._decode_kernel if off == len(slices) else None  # one position each
         starts = [s.start for s in slices] if kernel is not None else []
-        if kernel is not None and self._native_layers:  # every layer in one call
+        whole_step = kernel is not None and bool(self._native_layers)
+        if whole_step:  # every layer in one call
             kernel.decode_layers(
                 x,
                 cos[:, 0].contiguous(),
@@ -254,8 +255,7 @@ class FusedDecoder:
                 self.eps,
                 self.scale,
             )
-        layers = () if kernel is not None and self._native_layers else self.layers
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(() if whole_step else self.layers):
             h = _rms_norm(x, layer.ln1, self.eps)
             qkv = layer.qkv(h).view(t, hq + 2 * hkv, d)  # [T, Hq + Hkv + Hkv, D]
             qk = qkv[:, : hq + hkv]
