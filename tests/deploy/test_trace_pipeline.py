@@ -430,7 +430,24 @@ async def test_broker_restart_loses_no_response_and_later_spans_arrive(pipeline:
     pipeline.start_new_broker()
     (after,) = await converse(pipeline, [[{"type": "input_text", "text": "Kafka back?"}]])
     with TopicSpans(pipeline.kafka) as topic:
-        spans = topic.wait_for(has_response(after.response.id), timeout=30)
+        # the Collector's producer reconnects with a growing back-off (up to 10 s between tries)
+        try:
+            spans = topic.wait_for(has_response(after.response.id), timeout=60)
+        except AssertionError as exc:
+            said = collector_errors(pipeline)
+            raise AssertionError(f"{exc}\nthe Collector said:\n{said}") from exc
     _, children = trace_of(spans, after.response.id)
     assert {"llm.prefill", "llm.decode", "stream"} <= {s.name for s in children}
     assert pipeline.collector.alive and pipeline.gateway.alive
+
+
+def collector_errors(pipeline: Pipeline, last: int = 20) -> str:
+    """The Collector's last warnings and errors, for a failure's message."""
+    lines = (pipeline.log_dir / "collector.log").read_text(errors="replace").splitlines()
+    return "\n".join(
+        [
+            line[:400]
+            for line in lines
+            if '"level":40' in line or '"level":50' in line or line.startswith("%")
+        ][-last:]
+    )
