@@ -12,7 +12,7 @@ from __future__ import annotations
 import ssl
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import h11
 import msgspec
@@ -23,6 +23,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 
 from gateway.protocol.errors import ERROR_CODES, ErrorBody, ErrorResponse
 from gateway.protocol.subprotocols import KEY_SUBPROTOCOL_PREFIX
+from gateway.server.chunked_body import adopt
 from gateway.server.client_address import normalize_address
 from gateway.server.connection_guard import ConnectionGuard, Entry, GuardLimits
 from gateway.settings import Settings
@@ -87,7 +88,8 @@ def _carries_key(headers: list[tuple[bytes, bytes]]) -> bool:
 class GuardedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol, reporting each connection's phase to `guard` (a subclass per
     server sets it: `uvicorn_config`): refused at once when over a cap, cut off when a head or
-    a body is too slow."""
+    a body is too slow. Each request's cycle writes a chunked body's chunks itself
+    (gateway/server/chunked_body.py)."""
 
     guard: ConnectionGuard | None = None
     _entry: Entry | None = None
@@ -118,6 +120,10 @@ class GuardedH11Protocol(H11Protocol):
                 self.guard.body_received(entry, len(data))  # type: ignore[union-attr]
         super().data_received(data)
         self._report()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        adopt(self.cycle)
 
     def _should_upgrade(self) -> bool:
         # called once for each request head the parser completes, upgrade or not
@@ -198,11 +204,13 @@ class RealtimeWSProtocol(WebSocketsSansIOProtocol):
             self.transport.write(_BAD_HANDSHAKE)
             self.transport.close()
 
-    async def send(self, message: Any) -> None:
-        await super().send(message)
-        if self._entry is not None and self.handshake_complete:
+    def start_keepalive(self) -> None:
+        # the server's `send` calls this once, as it writes the accept: the guard hears of the
+        # answered handshake here, so that no frame after it pays a wrapper around `send`
+        super().start_keepalive()
+        if self._entry is not None:
             self.guard.accepted(self._entry)  # type: ignore[union-attr]
-            self._entry = None  # told once: a frame after the accept has nothing to add
+            self._entry = None
 
     def guard_close(self, status: int | None) -> None:
         if self.transport.is_closing():

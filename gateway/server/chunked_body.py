@@ -1,0 +1,56 @@
+"""A streamed response's body chunks written straight to the socket, past h11's event machinery.
+
+uvicorn hands every `http.response.body` message to h11: an `h11.Data` event, the connection's
+state machine (which a chunk leaves as it is: the response stays in SEND_BODY), its writer
+(for a chunked response, the chunk's size in hex, the bytes and CRLF) and a join of the parts.
+For an SSE answer of a few hundred deltas that is most of the server's own work a chunk.
+`ChunkedCycle` is uvicorn's request/response cycle with one shortcut: once h11 has chosen
+chunked framing for the response (HTTP/1.1, no Content-Length, not a HEAD request), a body
+message with more to come is framed here, in the same bytes h11 would write, after the same
+flow-control wait and disconnect check. The start, the last body message, every other framing
+and everything after the response goes through uvicorn and h11 as before, so h11's state stays
+right. `GuardedH11Protocol` (gateway/server/runner.py) gives each cycle this class.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from h11._writers import ChunkedWriter
+from uvicorn.protocols.http.h11_impl import RequestResponseCycle
+
+if TYPE_CHECKING:
+    from uvicorn._types import ASGISendEvent
+
+__all__ = ("ChunkedCycle", "adopt")
+
+
+class ChunkedCycle(RequestResponseCycle):
+    """uvicorn's cycle; a chunked response's body chunks skip h11 (module docstring)."""
+
+    # set once the response has started, from the writer h11 chose for it
+    chunked = False
+
+    async def send(self, message: ASGISendEvent) -> None:
+        if self.chunked and message["type"] == "http.response.body":
+            more = message.get("more_body", False)
+            if more and not self.response_complete:
+                if self.flow.write_paused and not self.disconnected:
+                    await self.flow.drain()
+                if self.disconnected:
+                    return
+                body = message.get("body", b"")
+                if body:  # h11 writes nothing for an empty chunk: it would end the body
+                    self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+                return
+        started = self.response_started
+        await super().send(message)
+        if not started and self.response_started:
+            self.chunked = type(self.conn._writer) is ChunkedWriter
+
+
+def adopt(cycle: RequestResponseCycle | None) -> None:
+    """Make a cycle uvicorn just created a `ChunkedCycle` (its ASGI task has not run yet:
+    uvicorn schedules it)."""
+    if type(cycle) is RequestResponseCycle:
+        cycle.__class__ = ChunkedCycle

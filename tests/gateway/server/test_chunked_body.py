@@ -1,0 +1,210 @@
+"""`ChunkedCycle`: a chunked response's body chunks are framed by the gateway's protocol, not
+by h11. Two real uvicorn servers on loopback serve the same ASGI app, one with uvicorn's own
+h11 protocol and one with the gateway's; a raw socket reads what each writes, and the bytes
+must be the same (the Date header aside) for every framing h11 may choose."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import uvicorn
+
+from gateway.server.chunked_body import adopt
+from gateway.server.runner import GuardedH11Protocol
+
+BIG = bytes(range(256)) * 4096  # 1 MiB
+CHUNKS = [b"data: one\n\n", b"", b"\xff\x00" * 3000, "é".encode(), BIG, b"x"]
+seen_cycles: list[str] = []
+written: dict[str, float] = {}  # by query: when the app's last chunk was taken
+finished: dict[str, float] = {}  # and when its answer's end was
+
+
+async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    query = scope["query_string"].decode()
+    seen_cycles.append(type(getattr(send, "__self__", None)).__name__)
+    await receive()
+    headers = [(b"content-type", b"text/event-stream")]
+    chunks = list(CHUNKS)
+    if query == "length":
+        headers.append((b"content-length", str(sum(map(len, chunks))).encode()))
+    elif query.startswith("many="):  # enough to fill the socket's buffers
+        chunks = [BIG] * int(query[5:])
+    elif query == "leave":
+        chunks = [b"first\n"]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    for chunk in chunks:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    written[query] = time.monotonic()
+    if query == "leave":  # the client goes away; later chunks are dropped, as uvicorn does
+        message = await receive()
+        assert message["type"] == "http.disconnect"
+        for _ in range(3):
+            await send({"type": "http.response.body", "body": b"late\n", "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finished[query] = time.monotonic()
+
+
+@contextlib.contextmanager
+def serving(protocol: type) -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        http=protocol,
+        lifespan="off",
+        log_config=None,
+        access_log=False,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def ports() -> Iterator[dict[str, int]]:
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    with serving(H11Protocol) as stock, serving(GuardedH11Protocol) as ours:
+        yield {"stock": stock, "ours": ours}
+
+
+def exchange(port: int, request: bytes, *, until_close: bool = False) -> bytes:
+    """Send `request`; read until the connection closes, or until a chunked body's end."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        data = b""
+        while True:
+            got = s.recv(1 << 20)
+            if not got:
+                return data
+            data += got
+            if not until_close and data.endswith(b"0\r\n\r\n"):
+                return data
+
+
+def without_date(raw: bytes) -> bytes:
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"date:")]
+    return b"\r\n".join(lines) + sep + body
+
+
+def dechunk(body: bytes) -> bytes:
+    out = b""
+    while True:
+        size, _, rest = body.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return out
+        out += rest[:n]
+        assert rest[n : n + 2] == b"\r\n"
+        body = rest[n + 2 :]
+
+
+GET = b"GET /?%s HTTP/1.1\r\nHost: t\r\n\r\n"
+
+
+def test_chunked_bytes_are_h11s(ports: dict[str, int]) -> None:
+    seen_cycles.clear()
+    stock = exchange(ports["stock"], GET % b"chunked")
+    ours = exchange(ports["ours"], GET % b"chunked")
+    assert seen_cycles == ["RequestResponseCycle", "ChunkedCycle"]
+    assert b"transfer-encoding: chunked" in ours.lower()
+    assert without_date(ours) == without_date(stock)
+    body = ours.partition(b"\r\n\r\n")[2]
+    assert dechunk(body) == b"".join(CHUNKS[:3]) + CHUNKS[3] + BIG + b"x"
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"HEAD /?chunked HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+        b"GET /?chunked HTTP/1.0\r\n\r\n",  # no chunked framing in HTTP/1.0: h11 frames by close
+        b"GET /?length HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+    ],
+    ids=["head", "http10", "content-length"],
+)
+def test_other_framings_go_through_h11(ports: dict[str, int], request_bytes: bytes) -> None:
+    stock = exchange(ports["stock"], request_bytes, until_close=True)
+    ours = exchange(ports["ours"], request_bytes, until_close=True)
+    assert without_date(ours) == without_date(stock)
+
+
+def test_pipelined_requests_are_each_answered(ports: dict[str, int]) -> None:
+    """A second request on the connection gets its cycle when the first answer ends (uvicorn's
+    `on_response_complete`): both answers come whole, in order."""
+    seen_cycles.clear()
+    with socket.create_connection(("127.0.0.1", ports["ours"]), timeout=10) as s:
+        s.sendall(GET % b"one" + GET % b"two")
+        data = b""
+        while data.count(b"HTTP/1.1 200") < 2 or not data.endswith(b"0\r\n\r\n"):
+            got = s.recv(1 << 20)
+            assert got, "the server closed the connection"
+            data += got
+    first, second = data.split(b"HTTP/1.1 200")[1:]
+    for answer in (first, second):
+        assert dechunk(answer.partition(b"\r\n\r\n")[2]).endswith(BIG + b"x")
+    assert seen_cycles == ["ChunkedCycle", "ChunkedCycle"]
+
+
+def test_a_client_that_does_not_read_holds_the_writer(ports: dict[str, int]) -> None:
+    """Flow control as uvicorn's: with the socket's buffers full, a chunk's send waits until
+    the client reads; then every byte arrives, in order."""
+    n = 48  # 48 MiB: more than loopback's socket buffers hold
+    written.pop(f"many={n}", None)
+    with socket.create_connection(("127.0.0.1", ports["ours"]), timeout=20) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        s.sendall(GET % f"many={n}".encode())
+        time.sleep(1.0)
+        assert f"many={n}" not in written, "the app wrote everything into a full socket"
+        data = b""
+        while not data.endswith(b"0\r\n\r\n"):
+            got = s.recv(1 << 20)
+            assert got
+            data += got
+    assert dechunk(data.partition(b"\r\n\r\n")[2]) == BIG * n
+
+
+def test_a_client_gone_drops_later_chunks(ports: dict[str, int]) -> None:
+    """The app's sends after the client left return quietly (uvicorn's own behaviour), and the
+    app hears `http.disconnect`."""
+    finished.pop("leave", None)
+    with socket.create_connection(("127.0.0.1", ports["ours"]), timeout=10) as s:
+        s.sendall(GET % b"leave")
+        data = b""
+        while b"first\n" not in data:
+            data += s.recv(65536)
+    deadline = time.monotonic() + 10
+    while "leave" not in finished:
+        assert time.monotonic() < deadline, "the app's sends did not return after the client left"
+        time.sleep(0.02)
+
+
+def test_adopt_leaves_other_cycles_alone() -> None:
+    adopt(None)
+
+    class Other:
+        pass
+
+    other = Other()
+    adopt(other)  # type: ignore[arg-type]
+    assert type(other) is Other
