@@ -9,15 +9,21 @@ chunked framing for the response (HTTP/1.1, no Content-Length, not a HEAD reques
 message with more to come is framed here, in the same bytes h11 would write, after the same
 flow-control wait and disconnect check. The start, the last body message, every other framing
 and everything after the response goes through uvicorn and h11 as before, so h11's state stays
-right. `GuardedH11Protocol` (gateway/server/runner.py) gives each cycle this class.
+right. `GuardedH11Protocol` (gateway/server/runner.py) gives each cycle this class. Where h11
+has no `ChunkedWriter` to recognise the framing by (a private name of h11's), cycles are left
+as uvicorn made them.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from h11._writers import ChunkedWriter
 from uvicorn.protocols.http.h11_impl import RequestResponseCycle
+
+try:
+    from h11._writers import ChunkedWriter
+except ImportError:  # pragma: no cover - another h11: every chunk goes through h11
+    ChunkedWriter = None
 
 if TYPE_CHECKING:
     from uvicorn._types import ASGISendEvent
@@ -52,5 +58,5 @@ class ChunkedCycle(RequestResponseCycle):
 def adopt(cycle: RequestResponseCycle | None) -> None:
     """Make a cycle uvicorn just created a `ChunkedCycle` (its ASGI task has not run yet:
     uvicorn schedules it)."""
-    if type(cycle) is RequestResponseCycle:
+    if type(cycle) is RequestResponseCycle and ChunkedWriter is not None:
         cycle.__class__ = ChunkedCycle
