@@ -508,9 +508,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
     # progress on stderr with structlog's own processors, whatever a gateway in this process
-    # configured before (its stdlib processors do not take a PrintLogger)
+    # configured before (its stdlib processors do not take a PrintLogger); the stream is looked
+    # up as each logger is made, so a run inside a test leaves no logger on a closed capture
     structlog.reset_defaults()
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    structlog.configure(logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))
     args.out.mkdir(parents=True, exist_ok=True)
     outcome = RunOutcome()
     servers = Servers(args.out)
