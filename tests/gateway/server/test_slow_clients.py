@@ -278,6 +278,34 @@ def test_a_websocket_handshake_not_answered_in_time_gets_503(slow_ws_server) -> 
     assert time.monotonic() - t0 < 2.0
 
 
+class LateSpeaker:
+    """A Litestar app whose WebSocket route accepts at once, then speaks only later."""
+
+    def __init__(self, wait_s: float) -> None:
+        @websocket("/ws")
+        async def late(socket: WebSocket) -> None:
+            await socket.accept()
+            await asyncio.sleep(wait_s)
+            await socket.send_text("hello")
+            await socket.close()
+
+        self.app = Litestar(route_handlers=[late])
+
+
+def test_an_accepted_websocket_outlives_the_handshake_deadline() -> None:
+    """The guard hears of the accept (the protocol's keep-alive start), so a connection that
+    says nothing for longer than the handshake deadline after it is not cut."""
+    import websockets.sync.client as ws_client
+
+    settings = Settings.load({"ws_handshake_timeout_s": 0.5}, environ={})
+    server = ServerThread(LateSpeaker(1.5).app, settings).start()
+    try:
+        with ws_client.connect(f"ws://127.0.0.1:{server.port}/ws", open_timeout=5) as ws:
+            assert ws.recv(timeout=5) == "hello"
+    finally:
+        server.stop()
+
+
 def test_the_guard_settings_are_validated() -> None:
     from gateway.settings import SettingsError
 
