@@ -20,16 +20,20 @@ import uvicorn
 from litestar import Litestar
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.protocol import State
 
 from gateway.protocol.errors import ERROR_CODES, ErrorBody, ErrorResponse
 from gateway.protocol.subprotocols import KEY_SUBPROTOCOL_PREFIX
 from gateway.server.chunked_body import adopt
 from gateway.server.client_address import normalize_address
 from gateway.server.connection_guard import ConnectionGuard, Entry, GuardLimits
+from gateway.server.websocket_frames import TEXT_FRAMES, framed_text
 from gateway.settings import Settings
 
 if TYPE_CHECKING:
     import asyncio
+
+    from websockets.http11 import Request
 
 __all__ = (
     "GuardedH11Protocol",
@@ -179,10 +183,34 @@ class RealtimeWSProtocol(WebSocketsSansIOProtocol):
     parser refuses (a request line or header over its 8 KiB line limit, a malformed request)
     is answered 400 and closed. The stock protocol never looks at that refusal: the connection
     stayed open, unanswered, until the client gave up (and held the server's shutdown). With a
-    `guard`, an upgrade the app neither accepts nor refuses in time is answered 503."""
+    `guard`, an upgrade the app neither accepts nor refuses in time is answered 503. A
+    connection handed to the app is offered `write_text` for its text frames
+    (gateway/server/websocket_frames.py)."""
 
     guard: ConnectionGuard | None = None
     _entry: Entry | None = None
+
+    def handle_connect(self, event: Request) -> None:
+        super().handle_connect(event)
+        if not self.close_sent:  # handed to the app (a refused upgrade was answered already)
+            self.scope["extensions"][TEXT_FRAMES] = {"write": self.write_text}  # type: ignore[index]
+
+    def write_text(self, payload: bytes) -> bool:
+        """Write `payload` (UTF-8) as one text frame now, where the ASGI `send` would write the
+        same bytes without waiting; False, and nothing written, anywhere else."""
+        conn = self.conn
+        if (
+            self.close_sent
+            or not self.writable.is_set()
+            or conn.state is not State.OPEN
+            or conn.expect_continuation_frame
+            or conn.writes
+            or conn.debug
+            or self.transport.is_closing()
+        ):
+            return False
+        self.transport.write(framed_text(payload, conn.extensions))
+        return True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)

@@ -48,6 +48,7 @@ from gateway.policy.ratelimit import SMALL_BODY, counts_as_refused, refused_erro
 from gateway.protocol.errors import GatewayError
 from gateway.protocol.subprotocols import MSGPACK_SUBPROTOCOL
 from gateway.server.state import not_ready
+from gateway.server.websocket_frames import text_writer
 
 if TYPE_CHECKING:
     from litestar import WebSocket
@@ -79,9 +80,13 @@ class RealtimeConnection:
             owner,
             EncodeQuota(settings.max_pending_encodes_per_connection, "this connection"),
         )
-        # every frame to the server's own send once accepted (server_send.py), else Litestar's
+        # every frame to the server's own send once accepted (server_send.py), else Litestar's;
+        # text deltas straight to the socket where the server offers that (websocket_frames.py)
         self.sender = EventSender(
-            self.conn, server_send(socket.scope) or socket.send, gateway.metrics
+            self.conn,
+            server_send(socket.scope) or socket.send,
+            gateway.metrics,
+            text_writer(socket.scope),
         )
 
     # ------------------------------------------------------------ lifecycle

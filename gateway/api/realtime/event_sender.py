@@ -3,9 +3,11 @@
 `EventSender.send` encodes an event in the connection's negotiated codec (`codec`, set once the
 subprotocol is chosen) and hands the ASGI message to `out`: the server's own send once the
 socket is accepted (`gateway.api.http.server_send`: every event of a response passes here, and
-the middleware wrappers between only act on the accept), else Litestar's. `send_text` sends a text
-delta's frame encoded ahead (`text_frames`) the same way. `send_error` turns a
-`GatewayError` into an `error` event echoing the client's `event_id`, and counts it.
+the middleware wrappers between only act on the accept), else Litestar's. A text delta's frame
+encoded ahead (`text_frames`) goes out by `write_text` where the server writes frames straight
+to the socket (`gateway.server.websocket_frames`) and nothing waits ahead of it, else by
+`send_text`, as `send` sends. `send_error` turns a `GatewayError` into an `error` event
+echoing the client's `event_id`, and counts it.
 
 Invariants: nothing is sent unless the connection is OPEN (`ConnectionState.phase`); sends go
 out in the order they were made (one that finds another still under way, a socket draining,
@@ -42,11 +44,19 @@ _OPEN = ConnState.OPEN
 class EventSender:
     """Sends one connection's server events (see the module for its invariants)."""
 
-    __slots__ = ("_conn", "_lock", "_metrics", "_out", "_sending", "_seq", "codec")
+    __slots__ = ("_conn", "_lock", "_metrics", "_out", "_sending", "_seq", "_write", "codec")
 
-    def __init__(self, conn: ConnectionState, out: Out, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self,
+        conn: ConnectionState,
+        out: Out,
+        metrics: GatewayMetrics,
+        write: Callable[[bytes], bool] | None = None,
+    ) -> None:
         self._conn = conn
         self._out = out
+        # the server's direct text-frame writer (gateway.server.websocket_frames), if it has one
+        self._write = write
         self._metrics = metrics
         self.codec = rt.WireCodec()  # JSON until the connection negotiates msgpack
         self._lock = asyncio.Lock()
@@ -77,12 +87,21 @@ class EventSender:
         finally:
             self._sending = False
 
-    async def send_text(self, text: str) -> None:
-        """A text delta's frame, already encoded (`text_frames.TextDeltaFrames`), sent as `send`
-        sends an event: the hot path of a response, so the delivery is written out here."""
+    def write_text(self, payload: bytes) -> bool:
+        """A text delta's frame (`text_frames.TextDeltaFrames`, UTF-8) written at once by the
+        server, where it offers that, the connection is open and no send waits ahead of it;
+        False, nothing sent: `send_text` it (the hot path of a response: no coroutine here)."""
+        write = self._write
+        if write is None or self._sending or self._lock.locked() or self._conn.phase is not _OPEN:
+            return False
+        return write(payload)
+
+    async def send_text(self, payload: bytes) -> None:
+        """A text delta's frame, already encoded (`text_frames.TextDeltaFrames`, UTF-8), sent
+        as `send` sends an event: the delivery is written out here."""
         if self._conn.phase is not _OPEN:
             return
-        message = {"type": "websocket.send", "bytes": None, "text": text}
+        message = {"type": "websocket.send", "bytes": None, "text": payload.decode()}
         if self._sending or self._lock.locked():
             async with self._lock:
                 await self._deliver(message, rt.OutputTextDelta)

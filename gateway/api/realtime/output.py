@@ -91,10 +91,10 @@ class RealtimeResponseWriter:
                 for piece in self.reader.feed(ev.text):
                     await self._piece(piece)
 
-    def text_frame(self, text: str) -> str | None:
-        """The frame of a plain answer's next piece of text (`text_frames`), the text kept as
-        `on_event` keeps it; None where the event is built and encoded whole (`on_event`):
-        an answer read for tool calls, a msgpack connection, no message open."""
+    def text_frame(self, text: str) -> bytes | None:
+        """The frame of a plain answer's next piece of text (`text_frames`, UTF-8), the text
+        kept as `on_event` keeps it; None where the event is built and encoded whole
+        (`on_event`): an answer read for tool calls, a msgpack connection, no message open."""
         frames = self._frames
         if frames is None:
             return None

@@ -234,7 +234,8 @@ class ResponseEvents:
                 if type(ev) is TextChunk:  # nearly every event: a frame from its template
                     frame = output.text_frame(ev.text)
                     if frame is not None:
-                        await sender.send_text(frame)
+                        if not sender.write_text(frame):  # written at once, nearly always
+                            await sender.send_text(frame)
                         continue
                 if isinstance(ev, Finished):
                     await self._finish(ev, output, event_id)
