@@ -12,11 +12,18 @@ and everything after the response goes through uvicorn and h11 as before, so h11
 right. `GuardedH11Protocol` (gateway/server/runner.py) gives each cycle this class. Where h11
 has no `ChunkedWriter` to recognise the framing by (a private name of h11's), cycles are left
 as uvicorn made them.
+
+A cycle also offers its app a writer for such chunks, in the scope's ASGI extensions under
+`CHUNKS`: `{"write": write}`, where `write(body)` writes a chunk at once and returns True where
+the ASGI `send` of a body message with more to come would write the same bytes without waiting
+(chunked framing chosen, the response not complete, the client there, the transport taking
+writes), and otherwise writes nothing and returns False: that chunk goes to `send`, in order.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.h11_impl import RequestResponseCycle
 
@@ -28,7 +35,9 @@ except ImportError:  # pragma: no cover - another h11: every chunk goes through 
 if TYPE_CHECKING:
     from uvicorn._types import ASGISendEvent
 
-__all__ = ("ChunkedCycle", "adopt")
+__all__ = ("CHUNKS", "ChunkedCycle", "adopt", "chunk_writer")
+
+CHUNKS = "visiongate.http.chunks"
 
 
 class ChunkedCycle(RequestResponseCycle):
@@ -54,9 +63,31 @@ class ChunkedCycle(RequestResponseCycle):
         if not started and self.response_started:
             self.chunked = type(self.conn._writer) is ChunkedWriter
 
+    def write_chunk(self, body: bytes) -> bool:
+        """Write `body` as one chunk now, where `send` would write it without waiting (the
+        module docstring); False, and nothing written, anywhere else."""
+        if (
+            not self.chunked
+            or self.response_complete
+            or self.disconnected
+            or self.flow.write_paused
+        ):
+            return False
+        if body:  # as `send`: an empty chunk would end the body
+            self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
 
 def adopt(cycle: RequestResponseCycle | None) -> None:
     """Make a cycle uvicorn just created a `ChunkedCycle` (its ASGI task has not run yet:
     uvicorn schedules it)."""
     if type(cycle) is RequestResponseCycle and ChunkedWriter is not None:
         cycle.__class__ = ChunkedCycle
+        extensions = cycle.scope.setdefault("extensions", {})  # type: ignore[typeddict-item]
+        extensions[CHUNKS] = {"write": cycle.write_chunk}  # type: ignore[attr-defined]
+
+
+def chunk_writer(scope: Mapping[str, Any]) -> Callable[[bytes], bool] | None:
+    """The request's direct chunk writer, or None where its server offers none."""
+    offered = (scope.get("extensions") or {}).get(CHUNKS)
+    return offered.get("write") if offered else None

@@ -7,8 +7,10 @@ OpenTelemetry on the last body message as well (it ends the server span there). 
 sends the start and that last, empty message through the stack as before, and every chunk in
 between to the `send` the server gave (`gateway.api.http.server_send`, kept in the scope by
 the outermost `ServerSend`), so a chunk of an SSE answer costs one call of the server's send
-(Litestar's loop over the chunks is rewritten here to call it without a wrapper between).
-Without a kept `send` (an app built without `ServerSend`) it is Litestar's `Stream`.
+(Litestar's loop over the chunks is rewritten here to call it without a wrapper between),
+or, where the server writes chunks itself (`gateway.server.chunked_body.CHUNKS`), no ASGI
+message at all while the socket takes them. Without a kept `send` (an app built without
+`ServerSend`) it is Litestar's `Stream`.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from litestar.response.base import ASGIResponse
 from litestar.response.streaming import ASGIStreamingResponse
 
 from gateway.api.http.server_send import server_send
+from gateway.server.chunked_body import chunk_writer
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from litestar.types import Message, Receive, Scope, Send
 
 __all__ = ("DirectStream",)
@@ -34,27 +39,31 @@ class _DirectStreamingResponse(ASGIStreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         direct = server_send(scope)
-        await super().__call__(scope, receive, send if direct is None else _Split(send, direct))
+        split = None if direct is None else _Split(send, direct, chunk_writer(scope))
+        await super().__call__(scope, receive, send if split is None else split)
 
     async def _stream(self, send: Send) -> None:
         """Litestar's loop, each chunk handed straight to the server's `send`."""
         if not isinstance(send, _Split):
             await super()._stream(send)
             return
-        direct, encoding = send.direct, self.encoding
+        direct, write, encoding = send.direct, send.write, self.encoding
         async for chunk in self.iterator:
             body = chunk if isinstance(chunk, bytes) else chunk.encode(encoding)
+            if write is not None and write(body):  # written now: the socket takes it
+                continue
             await direct({"type": "http.response.body", "body": body, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _Split:
-    """`send` for a body's chunks (`more_body`) to `direct`, for the rest through `stack`."""
+    """`send` for a body's chunks (`more_body`) to `direct`, for the rest through `stack`;
+    `write`, the server's chunk writer, if it offers one."""
 
-    __slots__ = ("direct", "stack")
+    __slots__ = ("direct", "stack", "write")
 
-    def __init__(self, stack: Send, direct: Send) -> None:
-        self.stack, self.direct = stack, direct
+    def __init__(self, stack: Send, direct: Send, write: Callable[[bytes], bool] | None) -> None:
+        self.stack, self.direct, self.write = stack, direct, write
 
     async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.body" and message.get("more_body", False):

@@ -1,7 +1,9 @@
 """`ChunkedCycle`: a chunked response's body chunks are framed by the gateway's protocol, not
 by h11. Two real uvicorn servers on loopback serve the same ASGI app, one with uvicorn's own
 h11 protocol and one with the gateway's; a raw socket reads what each writes, and the bytes
-must be the same (the Date header aside) for every framing h11 may choose."""
+must be the same (the Date header aside) for every framing h11 may choose. Asked with `&direct`,
+the app writes its chunks with the cycle's chunk writer where the server offers one (the
+gateway's does, uvicorn's does not) and sends the rest."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from gateway.server.chunked_body import adopt
+from gateway.server.chunked_body import adopt, chunk_writer
 from gateway.server.runner import GuardedH11Protocol
 
 BIG = bytes(range(256)) * 4096  # 1 MiB
@@ -23,13 +25,16 @@ CHUNKS = [b"data: one\n\n", b"", b"\xff\x00" * 3000, "é".encode(), BIG, b"x"]
 seen_cycles: list[str] = []
 written: dict[str, float] = {}  # by query: when the app's last chunk was taken
 finished: dict[str, float] = {}  # and when its answer's end was
+direct_writes: dict[str, int] = {}  # by query: chunks the writer took (asked with &direct)
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         return
-    query = scope["query_string"].decode()
+    query, _, mode = scope["query_string"].decode().partition("&")
     seen_cycles.append(type(getattr(send, "__self__", None)).__name__)
+    write = chunk_writer(scope) if mode == "direct" else None
+    direct_writes[query] = 0
     await receive()
     headers = [(b"content-type", b"text/event-stream")]
     chunks = list(CHUNKS)
@@ -39,16 +44,27 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         chunks = [BIG] * int(query[5:])
     elif query == "leave":
         chunks = [b"first\n"]
+    if write is not None:
+        assert not write(b"early"), "a chunk written before the response started"
+
+    async def chunk(body: bytes) -> None:
+        if write is not None and write(body):
+            direct_writes[query] += 1
+            return
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+
     await send({"type": "http.response.start", "status": 200, "headers": headers})
-    for chunk in chunks:
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    for body in chunks:
+        await chunk(body)
     written[query] = time.monotonic()
     if query == "leave":  # the client goes away; later chunks are dropped, as uvicorn does
         message = await receive()
         assert message["type"] == "http.disconnect"
         for _ in range(3):
-            await send({"type": "http.response.body", "body": b"late\n", "more_body": True})
+            await chunk(b"late\n")
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+    if write is not None:
+        assert not write(b"late"), "a chunk written after the response ended"
     finished[query] = time.monotonic()
 
 
@@ -123,30 +139,38 @@ def dechunk(body: bytes) -> bytes:
 GET = b"GET /?%s HTTP/1.1\r\nHost: t\r\n\r\n"
 
 
-def test_chunked_bytes_are_h11s(ports: dict[str, int]) -> None:
+@pytest.mark.parametrize("mode", [b"", b"&direct"], ids=["send", "writer"])
+def test_chunked_bytes_are_h11s(ports: dict[str, int], mode: bytes) -> None:
     seen_cycles.clear()
-    stock = exchange(ports["stock"], GET % b"chunked")
-    ours = exchange(ports["ours"], GET % b"chunked")
+    stock = exchange(ports["stock"], GET % (b"chunked" + mode))
+    assert direct_writes["chunked"] == 0  # uvicorn's cycle offers no writer
+    ours = exchange(ports["ours"], GET % (b"chunked" + mode))
     assert seen_cycles == ["RequestResponseCycle", "ChunkedCycle"]
+    assert direct_writes["chunked"] == (len(CHUNKS) if mode else 0)
     assert b"transfer-encoding: chunked" in ours.lower()
     assert without_date(ours) == without_date(stock)
     body = ours.partition(b"\r\n\r\n")[2]
     assert dechunk(body) == b"".join(CHUNKS[:3]) + CHUNKS[3] + BIG + b"x"
 
 
+@pytest.mark.parametrize("mode", [b"", b"&direct"], ids=["send", "writer"])
 @pytest.mark.parametrize(
     "request_bytes",
     [
-        b"HEAD /?chunked HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
-        b"GET /?chunked HTTP/1.0\r\n\r\n",  # no chunked framing in HTTP/1.0: h11 frames by close
-        b"GET /?length HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+        b"HEAD /?chunked%s HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+        b"GET /?chunked%s HTTP/1.0\r\n\r\n",  # no chunked framing in HTTP/1.0: h11 frames by close
+        b"GET /?length%s HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
     ],
     ids=["head", "http10", "content-length"],
 )
-def test_other_framings_go_through_h11(ports: dict[str, int], request_bytes: bytes) -> None:
-    stock = exchange(ports["stock"], request_bytes, until_close=True)
-    ours = exchange(ports["ours"], request_bytes, until_close=True)
+def test_other_framings_go_through_h11(
+    ports: dict[str, int], request_bytes: bytes, mode: bytes
+) -> None:
+    direct_writes.clear()
+    stock = exchange(ports["stock"], request_bytes % mode, until_close=True)
+    ours = exchange(ports["ours"], request_bytes % mode, until_close=True)
     assert without_date(ours) == without_date(stock)
+    assert not any(direct_writes.values()), "the writer took a chunk h11 frames otherwise"
 
 
 def test_pipelined_requests_are_each_answered(ports: dict[str, int]) -> None:
@@ -166,14 +190,16 @@ def test_pipelined_requests_are_each_answered(ports: dict[str, int]) -> None:
     assert seen_cycles == ["ChunkedCycle", "ChunkedCycle"]
 
 
-def test_a_client_that_does_not_read_holds_the_writer(ports: dict[str, int]) -> None:
+@pytest.mark.parametrize("mode", ["", "&direct"], ids=["send", "writer"])
+def test_a_client_that_does_not_read_holds_the_writer(ports: dict[str, int], mode: str) -> None:
     """Flow control as uvicorn's: with the socket's buffers full, a chunk's send waits until
-    the client reads; then every byte arrives, in order."""
+    the client reads (the writer declines it and `send` waits); then every byte arrives, in
+    order."""
     n = 48  # 48 MiB: more than loopback's socket buffers hold
     written.pop(f"many={n}", None)
     with socket.create_connection(("127.0.0.1", ports["ours"]), timeout=20) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
-        s.sendall(GET % f"many={n}".encode())
+        s.sendall(GET % f"many={n}{mode}".encode())
         time.sleep(1.0)
         assert f"many={n}" not in written, "the app wrote everything into a full socket"
         data = b""
@@ -182,14 +208,17 @@ def test_a_client_that_does_not_read_holds_the_writer(ports: dict[str, int]) -> 
             assert got
             data += got
     assert dechunk(data.partition(b"\r\n\r\n")[2]) == BIG * n
+    if mode:  # some went at once, the rest through `send` once the client read
+        assert 0 < direct_writes[f"many={n}"] < n
 
 
-def test_a_client_gone_drops_later_chunks(ports: dict[str, int]) -> None:
+@pytest.mark.parametrize("mode", [b"", b"&direct"], ids=["send", "writer"])
+def test_a_client_gone_drops_later_chunks(ports: dict[str, int], mode: bytes) -> None:
     """The app's sends after the client left return quietly (uvicorn's own behaviour), and the
-    app hears `http.disconnect`."""
+    app hears `http.disconnect`; the writer takes none of them."""
     finished.pop("leave", None)
     with socket.create_connection(("127.0.0.1", ports["ours"]), timeout=10) as s:
-        s.sendall(GET % b"leave")
+        s.sendall(GET % (b"leave" + mode))
         data = b""
         while b"first\n" not in data:
             data += s.recv(65536)
@@ -197,6 +226,7 @@ def test_a_client_gone_drops_later_chunks(ports: dict[str, int]) -> None:
     while "leave" not in finished:
         assert time.monotonic() < deadline, "the app's sends did not return after the client left"
         time.sleep(0.02)
+    assert direct_writes["leave"] == (1 if mode else 0)  # the first chunk only
 
 
 def test_adopt_leaves_other_cycles_alone() -> None:
