@@ -74,3 +74,45 @@ def test_console_renderer_when_asked(stream: io.StringIO) -> None:
 def test_unknown_level_rejected() -> None:
     with pytest.raises(ValueError, match="level"):
         configure_logging("loud")
+
+
+# strings that hold a secret in each form the patterns know, and near misses that hold none
+_SECRET_SHAPES = [
+    "Authorization: Bearer sk-live-123",
+    "bEaReR abc.def",
+    "Basic dXNlcjpwYXNzd29yZA==",
+    "GET /v1/realtime?model=m&api_key=sk-1 HTTP/1.1",
+    "/v1/realtime?token=abc#frag",
+    "openai-insecure-api-key.sk-live-9, realtime",
+    "session vgk-" + "A" * 43,
+    "glued-ek_" + "b" * 43,
+    "ek_abcdef",
+    "(vgk-abc_def)",
+]
+_NEAR_MISSES = [
+    "",
+    "completed",
+    "visiongate/smollm2-135m",
+    "resp_0123456789abcdef",
+    "bearer",
+    "basic short",
+    "?model=m&key_id=1",
+    "xek_abcdefgh",
+    "vgk-abc",
+    "2026-12-07T15:11:33.123456Z",
+]
+
+
+@pytest.mark.parametrize("text", _SECRET_SHAPES + _NEAR_MISSES)
+def test_one_search_decides_whether_a_string_is_scrubbed(text: str) -> None:
+    """The combined pattern finds something exactly where one of the secret patterns does, so a
+    string it passes over would have come out of every substitution unchanged."""
+    from gateway.telemetry._logging import _ANY_SECRET, _SECRET_PATTERNS, _scrub_text
+
+    any_pattern = any(p.search(text) for p, _ in _SECRET_PATTERNS)
+    assert (_ANY_SECRET.search(text) is not None) == any_pattern
+    assert any_pattern == (text in _SECRET_SHAPES)
+    if any_pattern:
+        assert "[redacted]" in _scrub_text(text)
+    else:
+        assert _scrub_text(text) == text
