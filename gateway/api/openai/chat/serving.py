@@ -252,7 +252,6 @@ class ChatCompletionServing(OpenAIServing[_Prepared, p.ChatCompletion]):
                 logprobs.setdefault(ev.index, []).extend(ev.logprobs)
 
         finished = await read_to_end(opened, prepared.options.cancel, take)
-        self._finished(finished, prepared)
         if finished is None or finished.status == "failed":
             return p.error_response(failure_of(finished))
         ext = self._extension(finished, prepared)
@@ -343,7 +342,6 @@ class ChatCompletionServing(OpenAIServing[_Prepared, p.ChatCompletion]):
             if finished is None:
                 log.info("http_stream_abandoned", completion_id=prepared.completion_id)
             await close_shielded(events)
-            self._finished(finished, prepared)
 
     def _extension(self, ev: Finished, prepared: _Prepared) -> p.CompletionExtension:
         return p.CompletionExtension(
@@ -355,17 +353,6 @@ class ChatCompletionServing(OpenAIServing[_Prepared, p.ChatCompletion]):
             truncated_items=ev.truncated_items,
             stored=True if prepared.stored else None,  # a failed answer has no extension
         )
-
-    def _finished(self, ev: ServiceEvent | None, prepared: _Prepared) -> None:
-        if isinstance(ev, Finished) and ev.status != "failed":
-            log.info(
-                "http_completion",
-                completion_id=prepared.completion_id,
-                status=ev.status,
-                session_id=prepared.session.id if prepared.stored else None,
-                cached_tokens=ev.cached_tokens,
-                vision=ev.vision,
-            )
 
 
 def _options(request: p.ChatCompletionRequest, limits: RequestLimits) -> ResponseOptions:
