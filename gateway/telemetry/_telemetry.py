@@ -9,6 +9,7 @@ configured; without one, spans are recorded but go nowhere and metrics are only 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import uuid
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, ExemplarFilter, MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -71,6 +72,15 @@ def _metric_exporter(target: OTLPTarget) -> MetricExporter:
     return Http(endpoint=target.endpoint)
 
 
+def _exemplar_filter(config: TelemetryConfig) -> ExemplarFilter | None:
+    """Exemplars reach an OTLP metrics exporter only (the Prometheus reader drops them): without
+    one, no measurement is offered to an exemplar reservoir, unless
+    OTEL_METRICS_EXEMPLAR_FILTER asks for it. None: the SDK's choice (trace-based)."""
+    if config.metrics is not None or "OTEL_METRICS_EXEMPLAR_FILTER" in os.environ:
+        return None
+    return AlwaysOffExemplarFilter()
+
+
 class Telemetry:
     """Tracer, meter and metrics of one gateway. Build it with `setup_telemetry`."""
 
@@ -106,7 +116,10 @@ class Telemetry:
                 )
             )
         self.meter_provider = MeterProvider(
-            resource=self.resource, metric_readers=readers, views=metric_views()
+            resource=self.resource,
+            metric_readers=readers,
+            views=metric_views(),
+            exemplar_filter=_exemplar_filter(config),
         )
         self.tracer: trace.Tracer = self.tracer_provider.get_tracer(_SCOPE, service_version)
         self.meter: otel_metrics.Meter = self.meter_provider.get_meter(_SCOPE, service_version)

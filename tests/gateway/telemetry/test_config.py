@@ -49,3 +49,17 @@ def test_interval_and_bad_values() -> None:
         )
     with pytest.raises(ValueError, match="OTEL_METRIC_EXPORT_INTERVAL"):
         config_from_env({"OTEL_METRIC_EXPORT_INTERVAL": "soon"})
+
+
+def test_exemplars_only_where_an_otlp_reader_carries_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter
+
+    from gateway.telemetry._telemetry import _exemplar_filter
+
+    monkeypatch.delenv("OTEL_METRICS_EXEMPLAR_FILTER", raising=False)
+    prometheus_only = config_from_env({})
+    assert isinstance(_exemplar_filter(prometheus_only), AlwaysOffExemplarFilter)
+    with_otlp = config_from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"})
+    assert _exemplar_filter(with_otlp) is None  # the SDK's trace-based filter
+    monkeypatch.setenv("OTEL_METRICS_EXEMPLAR_FILTER", "always_on")
+    assert _exemplar_filter(prometheus_only) is None  # asked for: the SDK reads the variable
