@@ -2,8 +2,8 @@
 
 Each `Telemetry` owns its providers and a private Prometheus registry, so several gateways in one
 process never share instruments or spans. OTLP exporters are attached only when an endpoint is
-configured; without one, spans are recorded but go nowhere and metrics are only served on
-``/metrics``.
+configured; without one, metrics are only served on ``/metrics`` and spans are not recorded
+until a span processor is attached (`_sampling`: they would go nowhere).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from gateway.telemetry._instruments import metric_views
 from gateway.telemetry._logging import configure_logging
 from gateway.telemetry._metrics import GatewayMetrics
 from gateway.telemetry._otel_config import OTLPTarget, TelemetryConfig, config_from_env
+from gateway.telemetry._sampling import Receivers, WhileReceived, configured_sampler
 from gateway.telemetry._tracing import ATTR, record_stage_spans, response_span_name
 
 if TYPE_CHECKING:
@@ -98,7 +99,12 @@ class Telemetry:
                 "service.namespace": "visiongate",
             }
         )
-        self.tracer_provider = TracerProvider(resource=self.resource)
+        receivers = Receivers()
+        self.tracer_provider = TracerProvider(
+            sampler=WhileReceived(configured_sampler(), receivers),
+            resource=self.resource,
+            active_span_processor=receivers,
+        )
         if config.traces is not None:
             exporter = _span_exporter(config.traces)
             self.tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
