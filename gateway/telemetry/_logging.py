@@ -72,7 +72,6 @@ _SECRET_PATTERNS = (
 )
 
 
-
 def _any_of(patterns: tuple[tuple[re.Pattern[str], str], ...]) -> re.Pattern[str]:
     """One pattern that finds whatever any of `patterns` finds (each as its own alternative,
     its flags scoped to it): a string it finds nothing in is left as it is by every one."""
