@@ -6,8 +6,9 @@ socket is accepted (`gateway.api.http.server_send`: every event of a response pa
 the middleware wrappers between only act on the accept), else Litestar's. A text delta's frame
 encoded ahead (`text_frames`) goes out by `write_text` where the server writes frames straight
 to the socket (`gateway.server.websocket_frames`) and nothing waits ahead of it, else by
-`send_text`, as `send` sends; `send` writes a JSON event's frame the same way first. `send_error` turns a `GatewayError` into an `error` event
-echoing the client's `event_id`, and counts it.
+`send_text`, as `send` sends; `send` writes a JSON event's frame the same way first.
+`send_error` turns a `GatewayError` into an `error` event echoing the client's `event_id`, and
+counts it.
 
 Invariants: nothing is sent unless the connection is OPEN (`ConnectionState.phase`); sends go
 out in the order they were made (one that finds another still under way, a socket draining,
