@@ -7,18 +7,16 @@ gateway's does, uvicorn's does not) and sends the rest."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import uvicorn
 
 from gateway.server.chunked_body import adopt, chunk_writer
 from gateway.server.runner import GuardedH11Protocol
+from tests.gateway.server.uvicorn_pair import serving, without_date
 
 BIG = bytes(range(256)) * 4096  # 1 MiB
 CHUNKS = [b"data: one\n\n", b"", b"\xff\x00" * 3000, "é".encode(), BIG, b"x"]
@@ -68,39 +66,14 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     finished[query] = time.monotonic()
 
 
-@contextlib.contextmanager
-def serving(protocol: type) -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        http=protocol,
-        lifespan="off",
-        log_config=None,
-        access_log=False,
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def ports() -> Iterator[dict[str, int]]:
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    with serving(H11Protocol) as stock, serving(GuardedH11Protocol) as ours:
+    with (
+        serving(app, http=H11Protocol, access_log=False) as stock,
+        serving(app, http=GuardedH11Protocol, access_log=False) as ours,
+    ):
         yield {"stock": stock, "ours": ours}
 
 
@@ -116,12 +89,6 @@ def exchange(port: int, request: bytes, *, until_close: bool = False) -> bytes:
             data += got
             if not until_close and data.endswith(b"0\r\n\r\n"):
                 return data
-
-
-def without_date(raw: bytes) -> bytes:
-    head, sep, body = raw.partition(b"\r\n\r\n")
-    lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"date:")]
-    return b"\r\n".join(lines) + sep + body
 
 
 def dechunk(body: bytes) -> bytes:

@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import os
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import uvicorn
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.frames import Frame, Opcode
 
 from gateway.server.runner import RealtimeWSProtocol
 from gateway.server.websocket_frames import text_frame, text_writer
+from tests.gateway.server.uvicorn_pair import serving, without_date
 
 # frames of every length encoding: 7-bit, 16-bit and 64-bit; repeated text, so that a deflated
 # frame leans on the context the ones before it left
@@ -66,31 +64,12 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "websocket.close", "code": 1000})
 
 
-@contextlib.contextmanager
-def serving(protocol: type) -> Iterator[int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, ws=protocol, lifespan="off", log_config=None
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield port
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 @pytest.fixture(scope="module")
 def ports() -> Iterator[dict[str, int]]:
-    with serving(WebSocketsSansIOProtocol) as stock, serving(RealtimeWSProtocol) as ours:
+    with (
+        serving(app, ws=WebSocketsSansIOProtocol) as stock,
+        serving(app, ws=RealtimeWSProtocol) as ours,
+    ):
         yield {"stock": stock, "ours": ours}
 
 
@@ -135,12 +114,6 @@ def read_until_close(s: socket.socket) -> bytes:
         if any(first & 0x0F == Opcode.CLOSE.value for first, _ in frames(body)):
             s.sendall(CLIENT_CLOSE)
             return data
-
-
-def without_date(raw: bytes) -> bytes:
-    head, sep, body = raw.partition(b"\r\n\r\n")
-    lines = [line for line in head.split(b"\r\n") if not line.lower().startswith(b"date:")]
-    return b"\r\n".join(lines) + sep + body
 
 
 def exchange(port: int, path: str, deflate: bool) -> bytes:
@@ -208,7 +181,7 @@ def test_a_refused_upgrade_offers_no_writer() -> None:
     """No scope is handed to an app for an upgrade websockets refused (a bad version)."""
 
     async def run() -> None:
-        with serving(RealtimeWSProtocol) as port:
+        with serving(app, ws=RealtimeWSProtocol) as port:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(handshake("/texts", False).replace(b"Version: 13", b"Version: 7"))
             head = await asyncio.wait_for(reader.read(1 << 16), 10)
