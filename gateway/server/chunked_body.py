@@ -18,11 +18,16 @@ A cycle also offers its app a writer for such chunks, in the scope's ASGI extens
 the ASGI `send` of a body message with more to come would write the same bytes without waiting
 (chunked framing chosen, the response not complete, the client there, the transport taking
 writes), and otherwise writes nothing and returns False: that chunk goes to `send`, in order.
+The same entry offers `"watch": watch`, where `watch(callback)` has `callback` called once if
+the client goes before the response is complete (at once if it already has) and returns what
+stops the watch: an app streaming a body hears of a disconnect without a second task waiting in
+`receive` for `http.disconnect`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.h11_impl import RequestResponseCycle
@@ -35,7 +40,7 @@ except ImportError:  # pragma: no cover - another h11: every chunk goes through 
 if TYPE_CHECKING:
     from uvicorn._types import ASGISendEvent
 
-__all__ = ("CHUNKS", "ChunkedCycle", "adopt", "chunk_writer")
+__all__ = ("CHUNKS", "ChunkedCycle", "adopt", "chunk_writer", "disconnect_watch")
 
 CHUNKS = "visiongate.http.chunks"
 
@@ -45,6 +50,8 @@ class ChunkedCycle(RequestResponseCycle):
 
     # set once the response has started, from the writer h11 chose for it
     chunked = False
+    # what `watch` was given and not yet called or stopped (None: nothing watches)
+    watchers: list[Callable[[], None]] | None = None
 
     async def send(self, message: ASGISendEvent) -> None:
         if self.chunked and message["type"] == "http.response.body":
@@ -77,6 +84,37 @@ class ChunkedCycle(RequestResponseCycle):
             self.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         return True
 
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` once if the client goes before the response is complete (at once if
+        it has gone); the callable returned stops the watch. Reading is resumed, as `receive`
+        does, so that a client's close is heard."""
+        if self.disconnected:
+            callback()
+            return _nothing
+        if self.response_complete:
+            return _nothing
+        if self.watchers is None:
+            self.watchers = []
+        self.watchers.append(callback)
+        self.flow.resume_reading()
+        return partial(self._unwatch, callback)
+
+    def _unwatch(self, callback: Callable[[], None]) -> None:
+        if self.watchers is not None and callback in self.watchers:
+            self.watchers.remove(callback)
+
+    def gone(self) -> None:
+        """The connection was lost (the protocol calls this after uvicorn's `connection_lost`):
+        every watch hears it once, where the response was not complete."""
+        watchers, self.watchers = self.watchers, None
+        if watchers and self.disconnected:
+            for callback in watchers:
+                callback()
+
+
+def _nothing() -> None:
+    return None
+
 
 def adopt(cycle: RequestResponseCycle | None) -> None:
     """Make a cycle uvicorn just created a `ChunkedCycle` (its ASGI task has not run yet:
@@ -84,10 +122,19 @@ def adopt(cycle: RequestResponseCycle | None) -> None:
     if type(cycle) is RequestResponseCycle and ChunkedWriter is not None:
         cycle.__class__ = ChunkedCycle
         extensions = cycle.scope.setdefault("extensions", {})  # type: ignore[typeddict-item]
-        extensions[CHUNKS] = {"write": cycle.write_chunk}  # type: ignore[attr-defined]
+        extensions[CHUNKS] = {"write": cycle.write_chunk, "watch": cycle.watch}  # type: ignore[attr-defined]
 
 
 def chunk_writer(scope: Mapping[str, Any]) -> Callable[[bytes], bool] | None:
     """The request's direct chunk writer, or None where its server offers none."""
     offered = (scope.get("extensions") or {}).get(CHUNKS)
     return offered.get("write") if offered else None
+
+
+def disconnect_watch(
+    scope: Mapping[str, Any],
+) -> Callable[[Callable[[], None]], Callable[[], None]] | None:
+    """The request's disconnect watch (`ChunkedCycle.watch`), or None where its server offers
+    none."""
+    offered = (scope.get("extensions") or {}).get(CHUNKS)
+    return offered.get("watch") if offered else None

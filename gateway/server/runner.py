@@ -24,7 +24,7 @@ from websockets.protocol import State
 
 from gateway.protocol.errors import ERROR_CODES, ErrorBody, ErrorResponse
 from gateway.protocol.subprotocols import KEY_SUBPROTOCOL_PREFIX
-from gateway.server.chunked_body import adopt
+from gateway.server.chunked_body import ChunkedCycle, adopt
 from gateway.server.client_address import normalize_address
 from gateway.server.connection_guard import ConnectionGuard, Entry, GuardLimits
 from gateway.server.websocket_frames import TEXT_FRAMES, framed_text
@@ -112,6 +112,8 @@ class GuardedH11Protocol(H11Protocol):
         if self.guard is not None:
             self.guard.close(self.transport)
         super().connection_lost(exc)
+        if isinstance(self.cycle, ChunkedCycle):
+            self.cycle.gone()
 
     def data_received(self, data: bytes) -> None:
         entry = self._entry

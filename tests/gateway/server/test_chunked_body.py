@@ -14,20 +14,61 @@ from typing import Any
 
 import pytest
 
-from gateway.server.chunked_body import adopt, chunk_writer
+from gateway.server.chunked_body import adopt, chunk_writer, disconnect_watch
 from gateway.server.runner import GuardedH11Protocol
 from tests.gateway.server.uvicorn_pair import serving, without_date
 
 BIG = bytes(range(256)) * 4096  # 1 MiB
 CHUNKS = [b"data: one\n\n", b"", b"\xff\x00" * 3000, "é".encode(), BIG, b"x"]
 seen_cycles: list[str] = []
+heard: dict[str, list[str]] = {}  # by query: what the app's disconnect watch heard (?watch)
 written: dict[str, float] = {}  # by query: when the app's last chunk was taken
 finished: dict[str, float] = {}  # and when its answer's end was
 direct_writes: dict[str, int] = {}  # by query: chunks the writer took (asked with &direct)
 
 
+async def watching_app(scope: dict[str, Any], query: str, send: Any) -> None:
+    """`?watch=leave`: a first chunk, then wait for the disconnect watch to hear the client go.
+    `?watch=stop`: the watch stopped before the client goes. `?watch=end`: a watch taken once
+    the response is complete. `heard[query]` says what each heard."""
+    import asyncio
+
+    watch = disconnect_watch(scope)
+    heard[query] = ["offered" if watch is not None else "none"]
+    if watch is None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    left = asyncio.Event()
+
+    def hear() -> None:
+        heard[query].append("gone")
+        left.set()
+
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    stop = watch(hear)
+    if query == "watch=stop":
+        stop()
+    if query == "watch=end":
+        stop()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        watch(hear)  # complete: nothing to hear
+        return
+    await send({"type": "http.response.body", "body": b"first\n", "more_body": True})
+    try:
+        await asyncio.wait_for(left.wait(), 3 if query == "watch=leave" else 1)
+    except TimeoutError:
+        heard[query].append("timeout")
+    stop()  # stopping twice, or after the call, is nothing
+    heard[query].append("done")
+
+
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] != "http":
+        return
+    if scope["query_string"].startswith(b"watch="):
+        await receive()
+        await watching_app(scope, scope["query_string"].decode(), send)
         return
     query, _, mode = scope["query_string"].decode().partition("&")
     seen_cycles.append(type(getattr(send, "__self__", None)).__name__)
@@ -194,6 +235,49 @@ def test_a_client_gone_drops_later_chunks(ports: dict[str, int], mode: bytes) ->
         assert time.monotonic() < deadline, "the app's sends did not return after the client left"
         time.sleep(0.02)
     assert direct_writes["leave"] == (1 if mode else 0)  # the first chunk only
+
+
+def _get_and_leave(port: int, query: bytes, *, leave: bool) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(GET % query)
+        data = b""
+        while b"first\n" not in data and not data.endswith(b"0\r\n\r\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        if not leave:
+            s.settimeout(3)
+            while not data.endswith(b"0\r\n\r\n") and (chunk := s.recv(65536)):
+                data += chunk
+    return data
+
+
+def _wait_done(query: str) -> list[str]:
+    deadline = time.monotonic() + 10
+    while "done" not in heard.get(query, []):
+        assert time.monotonic() < deadline, f"the app did not end: {heard.get(query)}"
+        time.sleep(0.02)
+    return heard[query]
+
+
+def test_a_disconnect_watch_hears_the_client_leave(ports: dict[str, int]) -> None:
+    """The gateway's cycle calls a watch once when the client goes mid-response; uvicorn's
+    offers none."""
+    heard.clear()
+    _get_and_leave(ports["ours"], b"watch=leave", leave=True)
+    assert _wait_done("watch=leave") == ["offered", "gone", "done"]
+    _get_and_leave(ports["stock"], b"watch=leave", leave=True)
+    assert heard["watch=leave"] == ["none"]
+
+
+def test_a_stopped_or_late_watch_hears_nothing(ports: dict[str, int]) -> None:
+    heard.clear()
+    _get_and_leave(ports["ours"], b"watch=stop", leave=True)
+    assert _wait_done("watch=stop") == ["offered", "timeout", "done"]
+    raw = _get_and_leave(ports["ours"], b"watch=end", leave=False)
+    assert raw.endswith(b"0\r\n\r\n")
+    assert heard["watch=end"] == ["offered"]
 
 
 def test_adopt_leaves_other_cycles_alone() -> None:
