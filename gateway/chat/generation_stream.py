@@ -150,7 +150,14 @@ class Generation:
 
 class Ending:
     """Whether a response has ended, and the text sent so far (kept if its consumer goes
-    away). `finish` is the one way a response ends: its trace is finished with it."""
+    away). `finish` is the one way a response ends: its trace is finished with it.
+
+    The trace's end (the root span, the access line, the response's metrics) is timed when the
+    response ends and written on the event loop's next turn: the `Finished` goes on to the
+    client's last frames first (`response.done`, an SSE answer's `[DONE]` and end), which they
+    wait for, and the loop runs the callback before it handles anything that arrived since, so a
+    request or frame the client sends after its answer finds the line written and the
+    metrics counted."""
 
     __slots__ = ("finished", "partial", "trace")
 
@@ -161,8 +168,21 @@ class Ending:
 
     def finish(self, done: Finished, stream_start_ns: int | None = None) -> Finished:
         self.finished = True
-        self.trace.finish(done, stream_start_ns=stream_start_ns)
+        end_ns = time.time_ns()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a test's direct call): at once
+            self._write_trace(done, stream_start_ns, end_ns)
+        else:
+            loop.call_soon(self._write_trace, done, stream_start_ns, end_ns)
         return done
+
+    def _write_trace(self, done: Finished, stream_start_ns: int | None, end_ns: int) -> None:
+        try:
+            self.trace.finish(done, stream_start_ns=stream_start_ns, end_ns=end_ns)
+        except Exception:  # never the loop's unhandled callback error: logged as the response's
+            log.exception("response_trace_failed", response_id=done.response_id)
+            self.trace.root.end(end_time=end_ns)
 
 
 class Guard:

@@ -184,9 +184,12 @@ class ResponseTrace:
     def first_token(self, ttft_ms: float) -> None:
         self.root.add_event(SPAN.EVENT_TTFT, {ATTR.TTFT_MS: ttft_ms})
 
-    def finish(self, done: Finished, *, stream_start_ns: int | None = None) -> None:
-        """Close the root span, write the access line and record the response's metrics."""
-        end_ns = time.time_ns()
+    def finish(
+        self, done: Finished, *, stream_start_ns: int | None = None, end_ns: int | None = None
+    ) -> None:
+        """Close the root span, write the access line and record the response's metrics
+        (`end_ns`: when the response ended, now if None)."""
+        end_ns = time.time_ns() if end_ns is None else end_ns
         if stream_start_ns is not None:
             self.span(
                 SPAN.STREAM, stream_start_ns, end_ns, {ATTR.OUTPUT_TOKENS: done.output_tokens}

@@ -6,7 +6,9 @@ worker, Collector and Kafka.)"""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -87,6 +89,7 @@ async def test_the_response_links_to_the_pre_encode_that_made_its_tokens(telemet
     options = ResponseOptions(max_output_tokens=2)
     events = [e async for e in service.respond(session, options, pending={digest: task})]
     assert isinstance(events[-1], Finished) and events[-1].status == "completed"
+    await asyncio.sleep(0)  # the response's trace is written on the loop's next turn
 
     spans = exporter.get_finished_spans()
     (preencode,) = [s for s in spans if s.name == SPAN.IMAGE_PREENCODE]
@@ -134,3 +137,28 @@ async def test_a_failed_pre_encode_is_an_error_span(telemetry) -> None:
     assert preencode.name == SPAN.IMAGE_PREENCODE and not preencode.status.is_ok
     assert preencode.attributes[ATTR.ERROR_TYPE] == info.value.code
     assert ATTR.SESSION_ID not in preencode.attributes
+
+
+async def test_the_trace_ends_when_the_response_did_and_is_written_on_the_next_turn(
+    telemetry,
+) -> None:
+    """The `Finished` reaches the consumer (the client's last frames) before the trace's end is
+    written; the loop's next turn writes it, timed when the response ended."""
+    t, exporter = telemetry
+    _, service, _ = parts(t)
+    session = Session.new(OWNER, instructions="Answer briefly.", max_output_tokens=8)
+    session.items.append(
+        StoredItem(id="item_q", role="user", parts=[StoredPart("text", text="hi")])
+    )
+    await service.sessions.save(session)
+    root_name = "chat " + service.engine.model_id
+    seen_at_end: list[str] = []
+    ended_ns = 0
+    async for event in service.respond(session, ResponseOptions(max_output_tokens=2)):
+        if isinstance(event, Finished):
+            ended_ns = time.time_ns()
+            seen_at_end = [s.name for s in exporter.get_finished_spans()]
+    assert ended_ns and root_name not in seen_at_end  # not written while the answer goes out
+    await asyncio.sleep(0)
+    (root,) = [s for s in exporter.get_finished_spans() if s.name == root_name]
+    assert root.end_time is not None and root.end_time <= ended_ns
