@@ -66,6 +66,24 @@ class Watching:
         await self.app(scope, receive, watching)
 
 
+def get_scope(path: str) -> dict[str, Any]:
+    """The scope of `GET path` as a server would make it."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"host", b"127.0.0.1")],
+        "client": ("127.0.0.1", 40000),
+        "server": ("127.0.0.1", 8000),
+    }
+
+
 async def call(app: Any) -> list[dict[str, Any]]:
     """GET /stream as a server would; the messages that reach the server's `send`."""
     ended = asyncio.Event()
@@ -85,21 +103,7 @@ async def call(app: Any) -> list[dict[str, Any]]:
         if message["type"] == "http.response.body" and not message.get("more_body", False):
             ended.set()
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": "/stream",
-        "raw_path": b"/stream",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"host", b"127.0.0.1")],
-        "client": ("127.0.0.1", 40000),
-        "server": ("127.0.0.1", 8000),
-    }
-    await asyncio.wait_for(app(scope, receive, send), 5)
+    await asyncio.wait_for(app(get_scope("/stream"), receive, send), 5)
     return sent
 
 
@@ -183,21 +187,8 @@ async def test_a_cancel_from_elsewhere_is_not_taken_for_a_client_leaving() -> No
     async def send(message: dict[str, Any]) -> None:
         return None
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": "/endless",
-        "raw_path": b"/endless",
-        "root_path": "",
-        "query_string": b"",
-        "headers": [(b"host", b"127.0.0.1")],
-        "client": ("127.0.0.1", 40000),
-        "server": ("127.0.0.1", 8000),
-        "extensions": {SERVER_CHUNKS: {"write": lambda body: True, "watch": watch}},
-    }
+    scope = get_scope("/endless")
+    scope["extensions"] = {SERVER_CHUNKS: {"write": lambda body: True, "watch": watch}}
     task = asyncio.ensure_future(app(scope, receive, send))
     while not watches:
         await asyncio.sleep(0.01)
