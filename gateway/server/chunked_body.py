@@ -125,10 +125,14 @@ def adopt(cycle: RequestResponseCycle | None) -> None:
         extensions[CHUNKS] = {"write": cycle.write_chunk, "watch": cycle.watch}  # type: ignore[attr-defined]
 
 
+def _offered(scope: Mapping[str, Any], name: str) -> Any:
+    offered = (scope.get("extensions") or {}).get(CHUNKS)
+    return offered.get(name) if offered else None
+
+
 def chunk_writer(scope: Mapping[str, Any]) -> Callable[[bytes], bool] | None:
     """The request's direct chunk writer, or None where its server offers none."""
-    offered = (scope.get("extensions") or {}).get(CHUNKS)
-    return offered.get("write") if offered else None
+    return _offered(scope, "write")
 
 
 def disconnect_watch(
@@ -136,5 +140,4 @@ def disconnect_watch(
 ) -> Callable[[Callable[[], None]], Callable[[], None]] | None:
     """The request's disconnect watch (`ChunkedCycle.watch`), or None where its server offers
     none."""
-    offered = (scope.get("extensions") or {}).get(CHUNKS)
-    return offered.get("watch") if offered else None
+    return _offered(scope, "watch")
